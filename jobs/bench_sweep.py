@@ -1,0 +1,133 @@
+"""Sweep benchmark: the same short trials run three ways on this machine, side by side.
+
+    python jobs/bench_sweep.py [--trials 16] [--epochs 30] [--cpus 2]
+
+(a) array job: one fresh Python process per trial, `--cpus` at a time (what
+    `sbatch --array=0-15%2` does), each running the plain PyTorch loop;
+(b) plain Ray Tune: `Tuner.fit()` with default settings over the same loop,
+    reporting and checkpointing every epoch;
+(c) rayhpc: `run_sweep` on the same configs.
+(b) and (c) run on one already-started local Ray; its start time is printed
+apart. ideal = the trials' summed in-trial seconds, each trained alone in one
+warm process with one thread, / CPUs: the makespan of a perfect scheduler with
+no process start, imports, bookkeeping or contention at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+from rayhpc.data import load_dataset
+from rayhpc.tune.config import SweepConfig
+from rayhpc.tune.space import sample_configs
+
+
+def reference_seconds(cfg: SweepConfig) -> float:
+    """Summed in-trial seconds of every trial trained alone, in this warm process, one thread."""
+    import torch
+
+    from rayhpc.tune.single import train_single
+
+    torch.set_num_threads(1)
+    dataset = load_dataset(cfg.data)
+    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
+    train_single(configs[0], dataset, 1, cfg.seed)  # warm-up: first-call costs are not the trial's
+    return sum(train_single(hp, dataset, cfg.epochs, cfg.seed)["train_seconds"] for hp in configs)
+
+
+def array_style(cfg_file: Path, n: int, cpus: int, out: Path) -> tuple[float, float]:
+    """Makespan and summed in-trial seconds of n fresh processes, cpus at a time."""
+    cmd = [sys.executable, "-m", "rayhpc.tune.single", "--config", str(cfg_file), "--out", str(out)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(cpus) as pool:
+        list(pool.map(lambda i: subprocess.run(cmd + ["--index", str(i)], check=True), range(n)))
+    makespan = time.perf_counter() - start
+    return makespan, sum(json.loads(f.read_text())["train_seconds"] for f in out.glob("*.json"))
+
+
+def plain_tune(cfg: SweepConfig, storage: Path) -> tuple[float, float]:
+    """Ray Tune with its defaults: one actor per trial, report + checkpoint per epoch."""
+    from ray import tune
+
+    from rayhpc.tune.single import train_single
+
+    dataset = load_dataset(cfg.data)
+
+    def trainable(config):
+        import torch
+
+        torch.set_num_threads(1)
+
+        def report(epoch, val, best, model):
+            with tempfile.TemporaryDirectory() as d:
+                torch.save(model.state_dict(), Path(d) / "model.pt")
+                tune.report({"val_loss": val, "epoch": epoch}, checkpoint=tune.Checkpoint.from_directory(d))
+
+        result = train_single(config["hp"], dataset, cfg.epochs, cfg.seed, on_epoch=report)
+        tune.report({"val_loss": result["val_loss"], "train_seconds": result["train_seconds"]})
+
+    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
+    tuner = tune.Tuner(trainable, param_space={"hp": tune.grid_search(configs)},
+                       run_config=tune.RunConfig(name="plain", storage_path=str(storage), verbose=0))
+    start = time.perf_counter()
+    grid = tuner.fit()
+    makespan = time.perf_counter() - start
+    return makespan, float(grid.get_dataframe()["train_seconds"].sum())
+
+
+def rayhpc_sweep(cfg: SweepConfig) -> tuple[float, float, int]:
+    from rayhpc.tune.sweep import run_sweep
+
+    start = time.perf_counter()
+    table = run_sweep(cfg)
+    makespan = time.perf_counter() - start
+    per_pack = table.groupby(table["trial_id"].str.split("-").str[0])["train_seconds"].first()
+    return makespan, float(per_pack.sum()), len(per_pack)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=16, help="trials (a grid of hidden x lr)")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--cpus", type=int, default=2)
+    args = parser.parse_args()
+    lrs = [0.001 * 3 ** (i / 2) for i in range(args.trials // 4)]
+    work = Path(tempfile.mkdtemp(prefix="bench_sweep_"))
+    cfg = SweepConfig(name="ours", storage_path=work, num_samples=1, search="grid", epochs=args.epochs,
+                      space={"hidden": {"grid": [8, 16, 32, 64]}, "lr": {"grid": lrs}})
+    cfg_file = work / "sweep.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    n = len(sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed))
+    print(f"sweep benchmark: {n} trials, {args.epochs} epochs each, {args.cpus} CPUs, work dir {work}", flush=True)
+
+    ideal = reference_seconds(cfg) / args.cpus
+    rows = [("(a) array job, one process per trial", *array_style(cfg_file, n, args.cpus, work / "array"))]
+
+    import ray
+
+    t = time.perf_counter()
+    ray.init(num_cpus=args.cpus, logging_level="WARNING")
+    ray_start = time.perf_counter() - t
+    rows.append(("(b) plain Ray Tune (defaults)", *plain_tune(cfg, work)))
+    ours, in_trial, packs = rayhpc_sweep(cfg)
+    rows.append((f"(c) rayhpc sweep ({packs} packs)", ours, in_trial))
+    ray.shutdown()
+
+    print(f"\nray start: {ray_start:.1f} s (before (b) and (c), not in their makespans)")
+    print(f"ideal: {ideal:.2f} s = summed in-trial seconds of the trials run alone / {args.cpus} CPUs\n")
+    print(f"{'approach':42s} {'makespan':>9s} {'in-trial sum':>13s} {'makespan/ideal':>15s}")
+    for name, makespan, summed in rows:
+        print(f"{name:42s} {makespan:8.1f}s {summed:12.1f}s {makespan / ideal:14.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The Ray connection: join a running cluster, or start a local one with token auth.
+
+Resources are known before anything starts (local CPUs and GPUs are counted
+the way Ray counts them), so bad requests fail before a cluster is started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rayhpc.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What a Ray cluster offers (or a local one would offer once started)."""
+
+    cpus: float
+    gpus: float
+    nodes: int
+    node_cpus: float  # on the biggest node: the most one trial or worker can get
+    node_gpus: float
+    address: str | None  # None: a local cluster not started yet
+
+    def describe(self) -> str:
+        where = self.address or "local"
+        return f"{where}: {self.nodes} node(s), {self.cpus:g} CPUs, {self.gpus:g} GPUs"
+
+
+def resolve_address(address: str | None) -> str | None:
+    """`--address`, else `RAY_ADDRESS`, else None (start a local cluster)."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+def local_cpus() -> int:
+    """CPUs this process may use: affinity mask, capped by a cgroup v2 quota if any."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def probe(address: str | None) -> Resources:
+    """The resources of the cluster at `address`, connecting to it; of this machine if None.
+
+    Connecting to an existing cluster starts nothing; a local cluster is only
+    described here and started by `connect`.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return _current()
+    if address is None:
+        cpus, gpus = local_cpus(), local_gpus()
+        return Resources(cpus=cpus, gpus=gpus, nodes=1, node_cpus=cpus, node_gpus=gpus, address=None)
+    return connect(address)
+
+
+def connect(address: str | None, **init_kwargs) -> Resources:
+    """Join the cluster at `address`, or start a local one (token auth on); idempotent."""
+    import ray
+
+    if ray.is_initialized():
+        return _current()
+    # A local cluster started by ray.init() has token auth on by default in Ray 2.60
+    # (token in ~/.ray/auth_token, generated if absent), so on a shared machine no
+    # other user can submit code to it. RAY_AUTH_MODE is read when ray is imported,
+    # so it cannot be switched on from here; rayhpc never switches it off.
+    try:
+        ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        what = f"address (--address) {address}: cannot connect to" if address else "cannot start"
+        raise ConfigError(f"{what} a Ray cluster: {exc}".splitlines()[0]) from None
+    res = _current()
+    dashboard = getattr(ctx, "dashboard_url", None)
+    started = "started local Ray" if address is None else f"joined Ray at {address}"
+    print(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
+          + (f"; dashboard http://{dashboard}" if dashboard else ""), flush=True)
+    return res
+
+
+def _current() -> Resources:
+    import ray
+
+    alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    return Resources(
+        cpus=sum(r.get("CPU", 0.0) for r in alive), gpus=sum(r.get("GPU", 0.0) for r in alive), nodes=len(alive),
+        node_cpus=max((r.get("CPU", 0.0) for r in alive), default=0.0),
+        node_gpus=max((r.get("GPU", 0.0) for r in alive), default=0.0),
+        address=ray.get_runtime_context().gcs_address,
+    )

@@ -1,0 +1,132 @@
+"""Typed, validated configuration shared by every job.
+
+Each job has one config tree: strict pydantic models (unknown keys are
+rejected by name), filled from an optional YAML file and then overridden by
+command-line flags, validated once and passed down. Any problem with user
+input becomes a `ConfigError` whose message is a single line naming the
+offending key and what is allowed; `rayhpc.cli.run_main` prints it as
+`error: ...` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message is one line that names the key and what is allowed."""
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; any problem becomes a one-line `ConfigError`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(f"--config {path}: invalid YAML{line}: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge `overrides` into a copy of `base`; dotted keys (`data.path`) address nested sections."""
+    out: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for key, value in overrides.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            section = out.get(head)
+            out[head] = merge(section if isinstance(section, dict) else {}, {rest: value})
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def validate(model: type[M], data: Mapping[str, Any], flags: Mapping[str, str] | None = None) -> M:
+    """Build `model` from `data`, turning pydantic's errors into one-line `ConfigError`s.
+
+    `flags` maps config keys to the command-line flags that set them, so an
+    error in a value that came from the command line names the flag too.
+    """
+    try:
+        return model.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(describe(model, exc, flags or {})) from None
+
+
+def describe(model: type[BaseModel], exc: ValidationError, flags: Mapping[str, str]) -> str:
+    """One line for the first validation error (and how many more there are)."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = [str(part) for part in first["loc"]]
+    key = ".".join(loc)
+    if key in flags:
+        key = f"{key} ({flags[key]})"
+    if first["type"] == "extra_forbidden":
+        allowed = sorted(_fields_at(model, loc[:-1]))
+        msg = f"unknown key; allowed keys: {', '.join(allowed)}" if allowed else "unknown key"
+    else:
+        msg = first["msg"]
+        if first["type"] not in ("missing", "value_error", "assertion_error"):
+            msg += f" (got {first.get('input')!r})"
+        msg = msg.removeprefix("Value error, ")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    # errors from whole-model validators carry no location; their message names the keys
+    return f"{key}: {msg}{more}" if key else f"{msg}{more}"
+
+
+def _fields_at(model: Any, loc: list[str]) -> set[str]:
+    """The field names of the (sub)model that `loc` points into."""
+    current: Any = model
+    for part in loc:
+        current = _submodel(current, part)
+        if current is None:
+            return set()
+    return set(current.model_fields) if _is_model(current) else set()
+
+
+def _submodel(annotation: Any, part: str) -> Any:
+    """Follow one location step through models, Optional, dict values and list items."""
+    if _is_model(annotation):
+        field = annotation.model_fields.get(part)
+        return _unwrap(field.annotation) if field is not None else None
+    return _unwrap(annotation)
+
+
+def _unwrap(annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(annotation) if _is_model(a)]
+        return models[0] if models else None
+    if origin in (dict, list, tuple):
+        args = typing.get_args(annotation)
+        return _unwrap(args[-1]) if args else None
+    return annotation
+
+
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, BaseModel)

@@ -1,0 +1,139 @@
+"""Datasets for the platform's jobs: a learnable synthetic task, or a Parquet file.
+
+The synthetic task keeps the seed documents' shapes (6 features in, 2 targets
+out, generator seed 12345) but, unlike their `RandomTensorDataset`, its
+targets are a fixed function of the inputs (a random "teacher" MLP plus a
+little noise), so a model can learn it and a sweep can tell configs apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import Field, field_validator
+
+from rayhpc.config import ConfigError, StrictModel
+
+
+class SyntheticTask(StrictModel):
+    """Targets y = teacher(x) + noise, with x ~ N(0, I)."""
+
+    num_samples: int = Field(2048, ge=2, description="rows in the dataset (train + validation)")
+    in_features: int = Field(6, ge=1, description="input width (the seed MLP's 6)")
+    out_features: int = Field(2, ge=1, description="target width (the seed MLP's 2)")
+    teacher_hidden: int = Field(16, ge=1, description="hidden width of the teacher MLP")
+    noise: float = Field(0.05, ge=0, description="std of Gaussian noise added to targets")
+    seed: int = Field(12345, description="generator seed (the seed documents' dataset seed)")
+
+
+class DataConfig(StrictModel):
+    """Where the training data comes from and how it is split."""
+
+    path: Path | None = Field(None, description="Parquet file; None means the synthetic task")
+    target: list[str] = Field(["target"], min_length=1, description="target column(s) in the Parquet file")
+    features: list[str] | None = Field(None, description="feature columns; None means every other column")
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="share of rows held out for validation")
+    split_seed: int = Field(0, description="seed of the train/validation split permutation")
+    synthetic: SyntheticTask = SyntheticTask()
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, path: Path | None) -> Path | None:
+        # absolute, so that a resumed job started from another directory reads the same file
+        return path.expanduser().resolve() if path is not None else None
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A train/validation split held as float32 tensors."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    features: tuple[str, ...]
+    targets: tuple[str, ...]
+
+    @property
+    def in_features(self) -> int:
+        return self.x_train.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.y_train.shape[1]
+
+
+def load_dataset(cfg: DataConfig) -> Dataset:
+    """The dataset `cfg` describes, split into train and validation parts."""
+    if cfg.path is None:
+        x, y = synthetic_tensors(cfg.synthetic)
+        features = tuple(f"x{i}" for i in range(x.shape[1]))
+        targets = tuple(f"y{i}" for i in range(y.shape[1]))
+    else:
+        x, y, features, targets = read_parquet(cfg)
+    return split(x, y, features, targets, cfg.val_fraction, cfg.split_seed)
+
+
+def synthetic_tensors(task: SyntheticTask) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(task.seed)
+    x = torch.randn(task.num_samples, task.in_features, generator=g)
+    w1 = torch.randn(task.in_features, task.teacher_hidden, generator=g) / task.in_features**0.5
+    w2 = torch.randn(task.teacher_hidden, task.out_features, generator=g) / task.teacher_hidden**0.5
+    y = torch.tanh(x @ w1) @ w2 + task.noise * torch.randn(task.num_samples, task.out_features, generator=g)
+    return x, y
+
+
+def split(x, y, features, targets, val_fraction: float, seed: int) -> Dataset:
+    n = x.shape[0]
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    val, train = order[:n_val], order[n_val:]
+    return Dataset(x[train], y[train], x[val], y[val], tuple(features), tuple(targets))
+
+
+def read_parquet(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str]]:
+    """Feature and target columns of a Parquet file as float32 tensors, or a one-line error."""
+    import pyarrow.parquet as pq
+
+    path = cfg.path
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, ValueError) as exc:  # missing file, not Parquet, truncated...
+        raise ConfigError(f"data.path (--data) {path}: cannot read as Parquet: {exc}") from None
+    columns = list(schema.names)
+    missing = [c for c in cfg.target if c not in columns]
+    if missing:
+        raise ConfigError(
+            f"data.target (--target) {path}: no column {missing[0]!r}; columns are {', '.join(columns) or 'none'}"
+        )
+    features = cfg.features or [c for c in columns if c not in cfg.target]
+    absent = [c for c in features if c not in columns]
+    if absent:
+        raise ConfigError(f"data.features {path}: no column {absent[0]!r}; columns are {', '.join(columns)}")
+    if not features:
+        raise ConfigError(f"data.features {path}: no feature columns besides the target {cfg.target}")
+    try:
+        table = pq.read_table(path, columns=features + list(cfg.target))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.path (--data) {path}: cannot read as Parquet: {exc}") from None
+    if table.num_rows < 2:
+        raise ConfigError(f"data.path (--data) {path}: {table.num_rows} rows; need at least 2 to hold out a validation split")
+    x = _numeric_matrix(table, features, path)
+    y = _numeric_matrix(table, list(cfg.target), path)
+    return x, y, features, list(cfg.target)
+
+
+def _numeric_matrix(table, names: list[str], path: Path) -> torch.Tensor:
+    import pyarrow as pa
+
+    cols = []
+    for name in names:
+        column = table.column(name)
+        if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_boolean(column.type)):
+            raise ConfigError(f"data {path}: column {name!r} has type {column.type}; features and targets must be numeric")
+        if column.null_count:
+            raise ConfigError(f"data {path}: column {name!r} has {column.null_count} missing values")
+        cols.append(torch.from_numpy(column.to_numpy().astype("float32")))
+    return torch.stack(cols, dim=1)

@@ -1,0 +1,21 @@
+"""Hyperparameter sweeps of the MLP with Ray Tune: `run_sweep(SweepConfig(...))`.
+
+Imports are lazy: an array-job task (`python -m rayhpc.tune.single`) must not
+pay for importing Ray Tune, which it does not use.
+"""
+
+from typing import Any
+
+__all__ = ["SweepConfig", "run_sweep"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SweepConfig":
+        from rayhpc.tune.config import SweepConfig
+
+        return SweepConfig
+    if name == "run_sweep":
+        from rayhpc.tune.sweep import run_sweep
+
+        return run_sweep
+    raise AttributeError(f"module 'rayhpc.tune' has no attribute {name!r}")

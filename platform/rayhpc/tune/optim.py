@@ -1,0 +1,94 @@
+"""Optimizers for a `PackedMLP`: one hyperparameter value per member.
+
+`torch.optim` takes one learning rate per parameter group, but a pack's
+parameters are stacked tensors `[members, ...]` whose members were sampled
+with different learning rates, weight decays and momenta. These step every
+member exactly as `torch.optim.SGD` / `torch.optim.Adam` (defaults otherwise)
+would step the member's own model; a test checks that with `assert_close`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PackedOptimizer:
+    """Base: per-member hyperparameters stored as `[members]` tensors, broadcast per parameter."""
+
+    def __init__(self, params: list[torch.nn.Parameter], **per_member: list[float]):
+        self.params = list(params)
+        self.hyper = {k: torch.tensor(v, dtype=torch.float32) for k, v in per_member.items()}
+        self.state: dict[str, list[torch.Tensor]] = {}
+        self.steps = 0
+
+    def _h(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Hyperparameter `name` shaped to broadcast over a `[members, ...]` tensor."""
+        value = self.hyper[name].to(like.device)
+        return value.view(-1, *([1] * (like.dim() - 1)))
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "state": self.state, "hyper": self.hyper}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.steps, self.state, self.hyper = sd["steps"], sd["state"], sd["hyper"]
+
+
+class PackedSGD(PackedOptimizer):
+    """`torch.optim.SGD(lr, momentum, weight_decay)` per member (no dampening or Nesterov)."""
+
+    def __init__(self, params, lr: list[float], momentum: list[float], weight_decay: list[float]):
+        super().__init__(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        bufs = self.state.setdefault("momentum_buffer", [])
+        for i, p in enumerate(self.params):
+            d_p = p.grad + self._h("weight_decay", p) * p
+            if len(bufs) <= i:
+                bufs.append(d_p.clone())  # torch starts the buffer at the first gradient
+            else:
+                bufs[i].mul_(self._h("momentum", p)).add_(d_p)
+            # members with momentum 0 use the raw gradient, as torch does
+            d_p = torch.where(self._h("momentum", p) > 0, bufs[i], d_p)
+            p.sub_(self._h("lr", p) * d_p)
+        self.steps += 1
+
+
+class PackedAdam(PackedOptimizer):
+    """`torch.optim.Adam(lr, weight_decay)` per member, betas (0.9, 0.999), eps 1e-8."""
+
+    betas = (0.9, 0.999)
+    eps = 1e-8
+
+    def __init__(self, params, lr: list[float], weight_decay: list[float]):
+        super().__init__(params, lr=lr, weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        beta1, beta2 = self.betas
+        m = self.state.setdefault("exp_avg", [torch.zeros_like(p) for p in self.params])
+        v = self.state.setdefault("exp_avg_sq", [torch.zeros_like(p) for p in self.params])
+        bias1 = 1 - beta1**self.steps
+        bias2_sqrt = (1 - beta2**self.steps) ** 0.5
+        for i, p in enumerate(self.params):
+            grad = p.grad + self._h("weight_decay", p) * p
+            m[i].lerp_(grad, 1 - beta1)
+            v[i].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (v[i].sqrt() / bias2_sqrt).add_(self.eps)
+            p.sub_((m[i] / denom) * (self._h("lr", p) / bias1))
+
+
+def packed_optimizer(kind: str, params, members: list[dict]) -> PackedOptimizer:
+    """The optimizer `kind` ("sgd" or "adam") with each member's own hyperparameters."""
+    lr = [m["lr"] for m in members]
+    wd = [m["weight_decay"] for m in members]
+    if kind == "sgd":
+        return PackedSGD(params, lr=lr, momentum=[m["momentum"] for m in members], weight_decay=wd)
+    if kind == "adam":
+        return PackedAdam(params, lr=lr, weight_decay=wd)
+    raise ValueError(f"optimizer {kind!r}: expected 'sgd' or 'adam'")

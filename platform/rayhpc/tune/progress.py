@@ -1,0 +1,58 @@
+"""Live progress of a sweep: one line whenever the picture changes (at most once a second)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import Counter
+
+from ray.tune import Callback
+
+from rayhpc.tune.results import ResultsRecorder
+
+
+class ProgressPrinter(Callback):
+    """Prints trial counts by state and the best trial so far, read from the results recorder."""
+
+    def __init__(self, recorder: ResultsRecorder, min_interval_s: float = 1.0, heartbeat_s: float = 15.0, stream=None):
+        self.recorder = recorder
+        self.min_interval_s, self.heartbeat_s = min_interval_s, heartbeat_s
+        self.stream = stream or sys.stdout
+        self.started = time.monotonic()
+        self._last_line, self._last_time = "", -math.inf
+
+    def on_step_end(self, iteration, trials, **info):
+        self.recorder.trials = trials
+        now = time.monotonic()
+        if now - self._last_time < self.min_interval_s:
+            return
+        line = self.summary()
+        if line != self._last_line or now - self._last_time >= self.heartbeat_s:
+            self._print(line, now)
+
+    def on_experiment_end(self, trials, **info):
+        self.recorder.trials = trials
+        self._print(self.summary(), time.monotonic())
+
+    def summary(self) -> str:
+        table = self.recorder.table()
+        if table.empty:
+            return "waiting for trials"
+        counts = Counter(table["status"])
+        states = ", ".join(f"{counts[s]} {s}" for s in ("pending", "running", "finished", "early-stopped", "error"))
+        line = f"{len(table)} trials: {states}"
+        done = table.dropna(subset=["best_val_loss"])
+        if not done.empty:
+            best = done.loc[done["best_val_loss"].idxmin()]
+            params = ", ".join(f"{c.removeprefix('config.')}={_fmt(best[c])}" for c in table.columns if c.startswith("config."))
+            line += f" | best val_loss {best['best_val_loss']:.4g} ({params})"
+        return line
+
+    def _print(self, line: str, now: float) -> None:
+        print(f"[{now - self.started:7.1f}s] {line}", file=self.stream, flush=True)
+        self._last_line, self._last_time = line, now
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,84 @@
+"""Search spaces and the sweep config: parsing, sampling, and one-line errors (no Ray needed)."""
+
+import pytest
+
+from rayhpc.config import ConfigError, validate
+from rayhpc.tune.config import SweepConfig
+from rayhpc.tune.plan import make_plan
+from rayhpc.tune.space import HParams, sample_configs
+
+
+def sweep(**kw) -> SweepConfig:
+    return validate(SweepConfig, kw)
+
+
+def test_grid_is_a_cross_product_repeated_per_sample():
+    cfg = sweep(num_samples=3, space={"hidden": {"grid": [4, 8]}, "batch_size": {"grid": [16, 32]},
+                                      "lr": {"loguniform": [1e-3, 1e-1]}})
+    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
+    assert len(configs) == 2 * 2 * 3
+    assert {(c["hidden"], c["batch_size"]) for c in configs} == {(4, 16), (4, 32), (8, 16), (8, 32)}
+    assert len({c["lr"] for c in configs}) == 12  # a fresh draw for every trial
+
+
+def test_every_kind_draws_inside_its_domain_and_is_reproducible():
+    space = {"hidden": {"randint": [3, 7]}, "lr": {"loguniform": [1e-4, 1e-2]}, "momentum": {"uniform": [0.1, 0.5]},
+             "optimizer": {"choice": ["sgd", "adam"]}, "weight_decay": 0.01}
+    cfg = sweep(num_samples=200, space=space, seed=5)
+    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
+    assert {c["hidden"] for c in configs} == {3, 4, 5, 6}  # randint's high is exclusive, as in Ray Tune
+    assert all(1e-4 <= c["lr"] <= 1e-2 and 0.1 <= c["momentum"] <= 0.5 for c in configs)
+    assert {c["optimizer"] for c in configs} == {"sgd", "adam"}
+    assert {c["weight_decay"] for c in configs} == {0.01}
+    assert configs == sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
+    assert configs != sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed + 1)
+
+
+def test_grid_search_turns_choices_into_grid_values():
+    cfg = sweep(search="grid", space={"hidden": {"choice": [4, 8, 16]}, "lr": {"grid": [0.1, 0.01]}})
+    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
+    assert sorted((c["hidden"], c["lr"]) for c in configs) == sorted((h, lr) for h in (4, 8, 16) for lr in (0.1, 0.01))
+
+
+def test_yaml_style_exponents_are_numbers():
+    # PyYAML reads `1e-3` (no dot) as a string; the config still takes it as a float
+    cfg = sweep(space={"lr": {"loguniform": ["1e-3", "1e-1"]}})
+    assert cfg.space["lr"].args == (1e-3, 1e-1)
+
+
+def test_packs_group_trials_that_can_step_together():
+    cfg = sweep(num_samples=3, space={"batch_size": {"grid": [16, 32]}, "optimizer": {"grid": ["sgd", "adam"]},
+                                      "lr": {"uniform": [0.01, 0.1]}})
+    packs = make_plan(cfg, n_slots=2)
+    assert sum(len(p) for p in packs) == 12
+    for pack in packs:
+        assert len({(m["batch_size"], m["optimizer"]) for m in pack}) == 1
+    assert all(len(p) == 1 for p in make_plan(cfg.model_copy(update={"pack": 1}), n_slots=2))
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"num_sample": 3}, "num_sample: unknown key; allowed keys: address, asha,"),
+    ({"num_samples": 0}, "num_samples: Input should be greater than or equal to 1"),
+    ({"num_samples": "many"}, "num_samples: Input should be a valid integer"),
+    ({"search": "bayes"}, "search: Input should be 'random', 'grid' or 'optuna'"),
+    ({"space": {}}, "space: empty search space"),
+    ({"space": {"hidden": 8}}, "space: empty search space"),
+    ({"space": {"depth": {"choice": [1, 2]}}}, "space.depth: unknown parameter; allowed: hidden, lr,"),
+    ({"space": {"lr": {"loguniform": [0, 1]}}}, "space: lr: loguniform: low 0.0 must be > 0"),
+    ({"space": {"lr": {"normal": [0, 1]}}}, "space: lr: unknown kind 'normal'; allowed: grid, choice,"),
+    ({"space": {"hidden": {"choice": []}}}, "space: hidden: choice: empty list"),
+    ({"space": {"hidden": {"uniform": [4, 64]}}}, "space.hidden: uniform draws floats but hidden is an integer"),
+    ({"space": {"hidden": {"choice": [4, -1]}}}, "space.hidden: Input should be greater than or equal to 1 (got -1)"),
+    ({"search": "grid", "space": {"lr": {"uniform": [0.1, 1]}}}, "space.lr: search=grid needs grid or choice"),
+    ({"scheduler": "asha", "pack": 4}, "pack: packed trials train to the end together"),
+    ({"data": {"path": "x.parquet", "colour": 1}}, "data.colour: unknown key; allowed keys: features, path,"),
+])
+def test_bad_configs_name_the_key_and_what_is_allowed(data, message):
+    with pytest.raises(ConfigError) as err:
+        sweep(**data)
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_hparams_defaults_are_a_valid_trial():
+    assert HParams().model_dump()["optimizer"] == "adam"

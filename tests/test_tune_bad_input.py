@@ -1,0 +1,72 @@
+"""Every bad input to `jobs/tune_mlp.py` exits 2 with one `error:` line, before Ray starts."""
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import run_job
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def parquet(path: Path, **columns) -> str:
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+CASES = {
+    "unknown yaml key": (lambda d: ["--config", write(d / "s.yaml", "num_sample: 3\n")],
+                         "error: num_sample: unknown key; allowed keys: address, asha, cpus_per_trial"),
+    "yaml wrong type": (lambda d: ["--config", write(d / "s.yaml", "epochs: [1, 2]\n")],
+                        "error: epochs: Input should be a valid integer (got [1, 2])"),
+    "flag wrong type": (lambda d: ["--num-samples", "lots"],
+                        "error: num_samples (--num-samples): Input should be a valid integer"),
+    "empty search space": (lambda d: ["--config", write(d / "s.yaml", "space: {}\n")],
+                           "error: space: empty search space; give at least one parameter as grid, choice"),
+    "num_samples < 1": (lambda d: ["--num-samples", "0"],
+                        "error: num_samples (--num-samples): Input should be greater than or equal to 1"),
+    "unknown search": (lambda d: ["--search", "bayes"],
+                       "error: search (--search): Input should be 'random', 'grid' or 'optuna' (got 'bayes')"),
+    "gpus without gpus": (lambda d: ["--gpus-per-trial", "0.5"],
+                          "error: gpus_per_trial (--gpus-per-trial) 0.5: the cluster has no GPUs"),
+    "cpus beyond cluster": (lambda d: ["--cpus-per-trial", "64"],
+                            "error: cpus_per_trial (--cpus-per-trial) 64: larger than the"),
+    "missing data file": (lambda d: ["--data", str(d / "nope.parquet")],
+                          "error: data.path (--data) "),
+    "data not parquet": (lambda d: ["--data", write(d / "x.parquet", "a,b\n1,2\n")],
+                         "error: data.path (--data) "),
+    "data without target": (lambda d: ["--data", parquet(d / "x.parquet", a=[1.0, 2.0, 3.0], b=[1, 2, 3])],
+                            "error: data.target (--target) "),
+    "data with text column": (lambda d: ["--data", parquet(d / "x.parquet", a=["u", "v"], target=[1.0, 2.0])],
+                              "error: data "),
+    "unknown flag": (lambda d: ["--num-trials", "3"], "error: unrecognized arguments: --num-trials 3"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_with_one_error_line_before_ray_starts(case, tmp_path):
+    make_args, expected = CASES[case]
+    ray_tmp = tmp_path / "ray"
+    proc = run_job("tune_mlp.py", *make_args(tmp_path), "--storage-path", str(tmp_path / "results"),
+                   env={"RAY_TMPDIR": str(ray_tmp)}, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+    assert not ray_tmp.exists(), "Ray was started before the input was rejected"
+    if case.startswith("data"):
+        assert "x.parquet" in lines[0] or "nope.parquet" in lines[0]
+
+
+def test_existing_sweep_is_not_overwritten_without_resume(tmp_path):
+    storage = tmp_path / "results"
+    (storage / "mlp-sweep").mkdir(parents=True)
+    (storage / "mlp-sweep" / "sweep.yaml").write_text("name: mlp-sweep\n")
+    proc = run_job("tune_mlp.py", "--storage-path", str(storage), env={"RAY_TMPDIR": str(tmp_path / "ray")})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: name (--name) mlp-sweep: a sweep already exists at "), proc.stderr
+    assert "pass --resume" in proc.stderr

@@ -115,7 +115,7 @@ def main() -> None:
     import ray
 
     t = time.perf_counter()
-    ray.init(num_cpus=args.cpus, logging_level="WARNING")
+    ray.init(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
     ray_start = time.perf_counter() - t
     rows.append(("(b) plain Ray Tune (defaults)", *plain_tune(cfg, work)))
     ours, in_trial, packs = rayhpc_sweep(cfg)

@@ -18,9 +18,12 @@ class ProgressPrinter(Callback):
     def __init__(self, recorder: ResultsRecorder, min_interval_s: float = 1.0, heartbeat_s: float = 15.0, stream=None):
         self.recorder = recorder
         self.min_interval_s, self.heartbeat_s = min_interval_s, heartbeat_s
-        self.stream = stream or sys.stdout
+        self.stream = stream  # None: sys.stdout at print time (the callback is pickled with the sweep)
         self.started = time.monotonic()
         self._last_line, self._last_time = "", -math.inf
+
+    def setup(self, **info):
+        self.started = time.monotonic()  # also when restored from a saved sweep
 
     def on_step_end(self, iteration, trials, **info):
         self.recorder.trials = trials
@@ -50,7 +53,7 @@ class ProgressPrinter(Callback):
         return line
 
     def _print(self, line: str, now: float) -> None:
-        print(f"[{now - self.started:7.1f}s] {line}", file=self.stream, flush=True)
+        print(f"[{now - self.started:7.1f}s] {line}", file=self.stream or sys.stdout, flush=True)
         self._last_line, self._last_time = line, now
 
 

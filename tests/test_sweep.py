@@ -1,0 +1,154 @@
+"""End-to-end sweeps on a real local Ray: results table, schedulers, searchers, faults, resume."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from ray.tune import Callback
+
+from conftest import ROOT, run_job
+from rayhpc.config import validate
+from rayhpc.data import load_dataset
+from rayhpc.tune.config import SweepConfig
+from rayhpc.tune.sweep import run_sweep
+
+COLUMNS = ["trial_id", "status", "config.hidden", "config.lr", "val_loss", "best_val_loss", "iterations",
+           "train_seconds", "node"]
+
+
+def sweep(tmp_path, **kw) -> SweepConfig:
+    return validate(SweepConfig, {"storage_path": str(tmp_path), **kw})
+
+
+def predict_mean_mse(cfg: SweepConfig) -> float:
+    """Validation MSE of always predicting the training targets' mean: the loss to beat."""
+    ds = load_dataset(cfg.data)
+    return float(((ds.y_val - ds.y_train.mean(0)) ** 2).mean())
+
+
+def test_sweep_runs_end_to_end_and_its_table_is_right(ray_address, tmp_path):
+    cfg = sweep(tmp_path, name="e2e", num_samples=6, epochs=4)
+    table = run_sweep(cfg)
+    on_disk = pd.read_parquet(tmp_path / "e2e" / "results.parquet")
+    pd.testing.assert_frame_equal(table, on_disk)
+    assert list(table.columns[:len(COLUMNS)]) == COLUMNS
+    assert len(table) == 6 and table["trial_id"].is_unique
+    assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {4}
+    assert set(table["node"]) == {socket.gethostname()}
+    assert (table["train_seconds"] > 0).all()
+    assert (table["best_val_loss"] <= table["val_loss"] + 1e-12).all()
+    assert set(table["config.hidden"]) <= {4, 8, 16, 32, 64}
+    assert table["config.lr"].between(1e-3, 1e-1).all()
+    # the loss went down: the best trial beats predicting the mean by far
+    assert table["best_val_loss"].min() < 0.5 * predict_mean_mse(cfg)
+
+
+def test_asha_stops_bad_trials_early(ray_address, tmp_path):
+    table = run_sweep(sweep(tmp_path, name="asha", num_samples=8, epochs=8, scheduler="asha"))
+    stopped = table[table["status"] == "early-stopped"]
+    assert len(table) == 8 and len(stopped) >= 2, table[["status", "iterations"]]
+    assert (stopped["iterations"] < 8).all()
+    assert (table.loc[table["status"] == "finished", "iterations"] == 8).all()
+    assert table["trial_id"].is_unique
+
+
+def test_optuna_search_samples_every_kind_within_its_domain(ray_address, tmp_path):
+    space = {"hidden": {"randint": [4, 17]}, "lr": {"loguniform": [1e-3, 1e-1]},
+             "momentum": {"uniform": [0.0, 0.5]}, "optimizer": {"choice": ["sgd", "adam"]}}
+    table = run_sweep(sweep(tmp_path, name="optuna", search="optuna", num_samples=5, epochs=2, space=space))
+    assert len(table) == 5 and set(table["status"]) == {"finished"}
+    assert table["config.hidden"].between(4, 16).all() and table["config.momentum"].between(0, 0.5).all()
+    assert set(table["config.optimizer"]) <= {"sgd", "adam"}
+
+
+def test_packed_trials_equal_unpacked_trials(ray_address, tmp_path):
+    space = {"hidden": {"grid": [4, 16]}, "lr": {"grid": [0.003, 0.03]}}
+    alone = run_sweep(sweep(tmp_path, name="alone", search="grid", epochs=3, space=space, pack=1))
+    packed = run_sweep(sweep(tmp_path, name="packed", search="grid", epochs=3, space=space))
+    assert set(alone["pack_size"]) == {1} and set(packed["pack_size"]) == {2}
+    keys = ["config.hidden", "config.lr"]
+    a, p = alone.sort_values(keys), packed.sort_values(keys)
+    assert a[keys].values.tolist() == p[keys].values.tolist()
+    torch.testing.assert_close(torch.tensor(p["val_loss"].values), torch.tensor(a["val_loss"].values),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_parquet_data_replaces_the_synthetic_task(ray_address, tmp_path):
+    x = torch.randn(400, 3)
+    y = x @ torch.tensor([1.0, -2.0, 0.5])
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"a": x[:, 0].numpy(), "b": x[:, 1].numpy(), "c": x[:, 2].numpy(),
+                             "label": y.numpy()}), path)
+    cfg = sweep(tmp_path, name="parquet", num_samples=2, epochs=5, data={"path": str(path), "target": ["label"]},
+                space={"lr": {"choice": [0.01, 0.03]}})
+    table = run_sweep(cfg)
+    assert len(table) == 2 and table["best_val_loss"].min() < 0.5 * predict_mean_mse(cfg)
+
+
+class KillTrialOnce(Callback):
+    """SIGKILLs the process of the first trial that reports `epoch`; records every result."""
+
+    def __init__(self, epoch: int):
+        self.epoch, self.killed, self.results = epoch, None, []
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.results.append((trial.trial_id, result["epoch"], result["resumed_from_epoch"]))
+        if self.killed is None and result["epoch"] == self.epoch:
+            self.killed = trial.trial_id
+            os.kill(result["pid"], signal.SIGKILL)
+
+
+def test_trial_whose_process_dies_is_retried_from_its_checkpoint(ray_address, tmp_path):
+    killer = KillTrialOnce(epoch=3)
+    table = run_sweep(sweep(tmp_path, name="kill", num_samples=4, epochs=6, max_failures=1), callbacks=(killer,))
+    assert killer.killed is not None
+    assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {6}
+    after = [(e, r) for t, e, r in killer.results if t == killer.killed and r > 0]
+    assert after, "the killed trial never resumed"
+    # it resumed from an epoch checkpoint, not from zero: epoch 1 was trained once only
+    assert min(r for _, r in after) >= 2
+    assert [e for t, e, _ in killer.results if t == killer.killed].count(1) == 1
+
+
+def test_resume_after_the_driver_is_killed_keeps_finished_trials(ray_address, tmp_path):
+    config = tmp_path / "sweep.yaml"
+    config.write_text(f"name: resumed\nstorage_path: {tmp_path}\nnum_samples: 6\npack: 1\nmax_concurrent: 1\n"
+                      "epochs: 5\ndata: {synthetic: {num_samples: 6000}}\n")
+    results = tmp_path / "resumed" / "results.parquet"
+    args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
+    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 180
+    while not (results.exists() and (pd.read_parquet(results)["status"] == "finished").any()):
+        assert driver.poll() is None and time.monotonic() < deadline, "no trial finished before the deadline"
+        time.sleep(0.2)
+    driver.kill()
+    driver.wait()
+    before = pd.read_parquet(results)
+    finished_before = before[before["status"] == "finished"].set_index("trial_id")
+    assert len(finished_before) < 6, "the sweep ended before the driver was killed"
+
+    proc = run_job("tune_mlp.py", "--config", str(config), "--address", ray_address, "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    final = pd.read_parquet(results)
+    assert len(final) == 6 and final["trial_id"].is_unique
+    assert set(final["status"]) == {"finished"}
+    again = final.set_index("trial_id").loc[finished_before.index]
+    # finished trials were not run again: their rows, timings included, are unchanged
+    pd.testing.assert_frame_equal(again[["val_loss", "train_seconds", "iterations"]],
+                                  finished_before[["val_loss", "train_seconds", "iterations"]])
+
+
+def test_the_default_job_runs_on_its_own_local_ray(tmp_path):
+    proc = run_job("tune_mlp.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "started local Ray" in proc.stdout and "best 5 of 16 trials" in proc.stdout
+    table = pd.read_parquet(tmp_path / "rayhpc_results" / "mlp-sweep" / "results.parquet")
+    assert len(table) == 16 and set(table["status"]) == {"finished"}

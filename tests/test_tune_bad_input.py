@@ -70,3 +70,15 @@ def test_existing_sweep_is_not_overwritten_without_resume(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: name (--name) mlp-sweep: a sweep already exists at "), proc.stderr
     assert "pass --resume" in proc.stderr
+
+
+def test_the_rayhpc_command_runs_sweeps_and_rejects_unknown_commands(tmp_path):
+    import subprocess
+    import sys
+
+    rayhpc = Path(sys.executable).with_name("rayhpc")
+    env = {"RAY_TMPDIR": str(tmp_path / "ray"), "PATH": str(rayhpc.parent)}
+    bad = subprocess.run([str(rayhpc), "tune", "--num-samples", "0"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: num_samples (--num-samples): "), bad.stderr
+    unknown = subprocess.run([str(rayhpc), "sweep"], capture_output=True, text=True, env=env)
+    assert unknown.returncode == 2 and unknown.stderr.strip() == "error: command 'sweep': expected one of tune"

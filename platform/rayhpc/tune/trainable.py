@@ -62,6 +62,11 @@ def train_pack(config: dict, *, dataset: Dataset, packs: list[list[dict]] | None
     device = _device()
     members = members_of(config, packs)
     state = _restore(tune.get_checkpoint()) or _fresh(members, dataset, settings)
+    if state["epoch"] >= settings.epochs:
+        # restored from its final checkpoint (the driver died before recording the end):
+        # report the final metrics again instead of training anything twice
+        tune.report(state["metrics"])
+        return
     model = PackedMLP(dataset.in_features, [m["hidden"] for m in members], dataset.out_features)
     model.load_state_dict(state["model"])
     model.to(device)
@@ -70,11 +75,6 @@ def train_pack(config: dict, *, dataset: Dataset, packs: list[list[dict]] | None
         opt.load_state_dict(_to(state["optim"], device))
     data = [t.to(device) for t in (dataset.x_train, dataset.y_train, dataset.x_val, dataset.y_val)]
     resumed_from = state["epoch"]
-    if resumed_from >= settings.epochs:
-        # restored from its final checkpoint (the driver died before recording the end):
-        # report the final metrics again instead of training anything twice
-        tune.report(state["metrics"])
-        return
     for epoch in range(state["epoch"], settings.epochs):
         train_loss = train_epoch(model, opt, data[0], data[1], members[0]["batch_size"], settings.seed, epoch)
         val_loss = evaluate(model, data[2], data[3])

@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import Callable, NoReturn, Sequence
+import types
+import typing
+from typing import Callable, NoReturn, Sequence, TypeVar
 
-from rayhpc.config import ConfigError
+from pydantic import BaseModel
+
+from rayhpc.config import ConfigError, explicit_keys, field_at, load_yaml, merge, validate
 
 USAGE_ERROR = 2
+M = TypeVar("M", bound=BaseModel)
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -22,6 +27,47 @@ class ArgParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(USAGE_ERROR)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], flags: dict[str, str]) -> None:
+    """`--config FILE` plus one flag per config key (`flags` maps flag -> dotted key).
+
+    Every flag defaults to None, so an unset flag leaves the YAML value alone;
+    bool keys become switches and list keys take comma-separated values.
+    """
+    parser.add_argument("--config", metavar="FILE", help="YAML file of these keys; flags override its values")
+    for flag, key in flags.items():
+        field = field_at(model, key)
+        kind = _kind(field.annotation)
+        text = (field.description or "").replace("%", "%%")  # argparse %-formats help text
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else ()
+            metavar = "{" + ",".join(choices) + "}" if choices else key.split(".")[-1].upper()
+            parser.add_argument(flag, metavar=metavar + ("[,...]" if kind is list else ""), help=text)
+
+
+def config_from_args(args: argparse.Namespace, model: type[M], flags: dict[str, str]) -> tuple[M, set[str]]:
+    """The validated config, and the dotted keys the user set explicitly (in the YAML or by flags)."""
+    data = load_yaml(args.config) if args.config else {}
+    overrides = {}
+    for flag, key in flags.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            overrides[key] = value.split(",") if _kind(field_at(model, key).annotation) is list else value
+    merged = merge(data, overrides)
+    named = {key: flag for flag, key in flags.items() if key in overrides}
+    return validate(model, merged, named), explicit_keys(model, merged)
+
+
+def _kind(annotation) -> type | None:
+    """bool or list for switch and comma-list flags; None for everything else."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    for a in options or (annotation,):
+        if a is bool or typing.get_origin(a) is list:
+            return bool if a is bool else list
+    return None
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> NoReturn:
@@ -36,14 +82,14 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
 
 def tune_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc tune` / `python jobs/tune_mlp.py`: run a hyperparameter sweep."""
-    from rayhpc.tune import config as sweep_config
+    from rayhpc.tune.config import FLAGS, SweepConfig
     from rayhpc.tune.results import format_best
     from rayhpc.tune.sweep import run_sweep
 
     parser = ArgParser(prog="tune_mlp.py", description="Hyperparameter sweep of the MLP on Ray Tune.")
-    sweep_config.add_arguments(parser)
+    add_config_arguments(parser, SweepConfig, FLAGS)
     args = parser.parse_args(argv)
-    cfg, explicit = sweep_config.from_args(args)
+    cfg, explicit = config_from_args(args, SweepConfig, FLAGS)
     with ray_session():
         table = run_sweep(cfg, explicit=explicit)
     print(format_best(table))

@@ -10,13 +10,14 @@ offending key and what is allowed; `rayhpc.cli.run_main` prints it as
 
 from __future__ import annotations
 
+import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, ClassVar, Mapping, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -29,6 +30,86 @@ class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, values are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class JobConfig(StrictModel):
+    """What every job has: a name and folder, resumability, and the Ray cluster to use."""
+
+    kind: ClassVar[str] = "job"
+    name: str = Field("job", pattern=r"^[A-Za-z0-9_.=-]+$", description="the job's folder under storage_path")
+    storage_path: Path = Field(Path("rayhpc_results"), description="where jobs are kept (relative: to the working dir)")
+    resume: bool = Field(False, description="continue the job of this name")
+    address: str | None = Field(None, description="Ray cluster to join; unset: RAY_ADDRESS, else a local Ray")
+
+    @property
+    def experiment_dir(self) -> Path:
+        return self.storage_path.resolve() / self.name
+
+    @property
+    def saved_file(self) -> Path:
+        return self.experiment_dir / f"{self.kind}.yaml"
+
+    def saved(self) -> dict:
+        """The fields that define the job, as written next to its results for `--resume`."""
+        return self.model_dump(mode="json", exclude={"resume", "address", "storage_path"}, exclude_none=True)
+
+    def save(self) -> None:
+        self.experiment_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.saved_file.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(self.saved(), sort_keys=False))
+        os.replace(tmp, self.saved_file)
+
+
+J = TypeVar("J", bound=JobConfig)
+
+
+def reconcile_resume(cfg: J, explicit: set[str]) -> J:
+    """Refuse to clobber an existing job; on `--resume` use its saved definition.
+
+    Values the user gave explicitly (YAML or flags) must agree with the saved
+    ones: a resumed job cannot change what it computes.
+    """
+    if not cfg.resume:
+        if cfg.saved_file.exists():
+            raise ConfigError(f"name (--name) {cfg.name}: a {cfg.kind} already exists at {cfg.experiment_dir}; "
+                              "pass --resume to continue it or choose another --name")
+        return cfg
+    if not cfg.saved_file.exists():
+        return cfg
+    saved = validate(type(cfg), load_yaml(cfg.saved_file))
+    now, before = cfg.saved(), saved.saved()
+    for key in sorted(explicit):
+        if key.split(".")[0] in before and _get(now, key) != _get(before, key):
+            raise ConfigError(f"{key}: {_get(now, key)!r} differs from the resumed {cfg.kind}'s "
+                              f"{_get(before, key)!r}; drop it to resume, or start a new --name")
+    return saved.model_copy(update={"resume": True, "address": cfg.address, "storage_path": cfg.storage_path})
+
+
+def explicit_keys(model: type[BaseModel], data: Mapping[str, Any], prefix: str = "") -> set[str]:
+    """Dotted keys set in `data`, descending into sub-models only (a dict-valued field is one key)."""
+    out = set()
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        sub = _unwrap(field.annotation) if field is not None else None
+        if isinstance(value, dict) and _is_model(sub):
+            out |= explicit_keys(sub, value, f"{prefix}{key}.")
+        else:
+            out.add(f"{prefix}{key}")
+    return out
+
+
+def field_at(model: type[BaseModel], dotted: str):
+    """The pydantic field that a dotted key (`data.path`) names."""
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        model = _unwrap(model.model_fields[part].annotation)
+    return model.model_fields[leaf]
+
+
+def _get(d: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rayhpc.config import ConfigError, StrictModel, load_yaml, merge, validate
+from rayhpc.config import ConfigError, JobConfig, StrictModel
 from rayhpc.data import DataConfig
 from rayhpc.tune.space import Space, check_space, parse_space
 
@@ -25,11 +23,11 @@ class AshaConfig(StrictModel):
     reduction_factor: float = Field(2.0, gt=1, description="at each rung keep the best 1/reduction_factor")
 
 
-class SweepConfig(StrictModel):
+class SweepConfig(JobConfig):
     """A hyperparameter sweep of the two-layer MLP."""
 
+    kind: ClassVar[str] = "sweep"
     name: str = Field("mlp-sweep", pattern=r"^[A-Za-z0-9_.=-]+$", description="sweep folder under storage_path")
-    storage_path: Path = Field(Path("rayhpc_results"), description="where sweeps are kept (relative: to the working dir)")
     num_samples: int = Field(16, ge=1, description="trials (per grid point when the space has grid values); "
                              "unset: 16, or 1 with search=grid")
     max_concurrent: int | None = Field(None, ge=1, description="most trial processes at once: the array job's %K")
@@ -43,8 +41,6 @@ class SweepConfig(StrictModel):
                              "unset: enough to fill the cluster once (1 with asha or optuna)")
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")
     seed: int = Field(0, description="seeds sampling, model initialisation and data order")
-    resume: bool = Field(False, description="continue the sweep of this name")
-    address: str | None = Field(None, description="Ray cluster to join; unset: RAY_ADDRESS, else local Ray")
     data: DataConfig = DataConfig()
     asha: AshaConfig = AshaConfig()
     space: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_SPACE), validate_default=True,
@@ -71,90 +67,12 @@ class SweepConfig(StrictModel):
             raise ConfigError("pack: optuna proposes one trial at a time; search=optuna needs pack 1 or unset")
         return self
 
-    @property
-    def experiment_dir(self) -> Path:
-        return self.storage_path.resolve() / self.name
 
-    def saved(self) -> dict:
-        """The fields that define the sweep, as written next to its results for `--resume`."""
-        return self.model_dump(mode="json", exclude={"resume", "address", "storage_path"}, exclude_none=True)
-
-
-# flag -> config key; every flag defaults to None so that unset flags leave the YAML value
+# flag -> config key; unset flags leave the YAML value (see rayhpc.cli.config_from_args)
 FLAGS = {
     "--name": "name", "--storage-path": "storage_path", "--num-samples": "num_samples",
     "--max-concurrent": "max_concurrent", "--cpus-per-trial": "cpus_per_trial",
     "--gpus-per-trial": "gpus_per_trial", "--epochs": "epochs", "--search": "search",
     "--scheduler": "scheduler", "--pack": "pack", "--max-failures": "max_failures", "--seed": "seed",
-    "--address": "address", "--data": "data.path",
+    "--address": "address", "--resume": "resume", "--data": "data.path", "--target": "data.target",
 }
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML sweep file; flags override its values")
-    for flag, key in FLAGS.items():
-        field = _field(key)
-        parser.add_argument(flag, metavar=key.split(".")[-1].upper(), help=field.description)
-    parser.add_argument("--target", metavar="COL[,COL]", help="target column(s) of --data (default: target)")
-    parser.add_argument("--resume", action="store_true", default=None, help="continue the sweep of this --name")
-
-
-def from_args(args: argparse.Namespace) -> tuple[SweepConfig, set[str]]:
-    """The validated config, and the keys the user set explicitly (YAML or flags)."""
-    data = load_yaml(args.config) if args.config else {}
-    overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, key in FLAGS.items()}
-    overrides["data.target"] = args.target.split(",") if args.target else None
-    overrides["resume"] = args.resume
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    merged = merge(data, overrides)
-    flags = {key: flag for flag, key in FLAGS.items() if key in overrides}
-    if "data.target" in overrides:
-        flags["data.target"] = "--target"
-    return validate(SweepConfig, merged, flags), _keys(merged)
-
-
-def reconcile_resume(cfg: SweepConfig, explicit: set[str]) -> SweepConfig:
-    """Refuse to clobber an existing sweep; on `--resume` use its saved definition.
-
-    Values the user gave explicitly must agree with the saved ones: a resumed
-    sweep cannot change what its trials are.
-    """
-    saved_file = cfg.experiment_dir / "sweep.yaml"
-    if not cfg.resume:
-        if saved_file.exists():
-            raise ConfigError(f"name (--name) {cfg.name}: a sweep already exists at {cfg.experiment_dir}; "
-                              "pass --resume to continue it or choose another --name")
-        return cfg
-    if not saved_file.exists():
-        return cfg
-    saved = validate(SweepConfig, load_yaml(saved_file))
-    now, before = cfg.saved(), saved.saved()
-    for key in sorted(explicit):
-        if key.split(".")[0] in before and _get(now, key) != _get(before, key):
-            raise ConfigError(f"{key}: {_get(now, key)!r} differs from the resumed sweep's {_get(before, key)!r}; "
-                              "drop it to resume, or start a new --name")
-    return saved.model_copy(update={"resume": True, "address": cfg.address, "storage_path": cfg.storage_path})
-
-
-def _field(key: str):
-    model: Any = SweepConfig
-    *parents, leaf = key.split(".")
-    for part in parents:
-        model = model.model_fields[part].annotation
-    return model.model_fields[leaf]
-
-
-def _keys(d: dict, prefix: str = "") -> set[str]:
-    out = set()
-    for k, v in d.items():
-        if isinstance(v, dict) and k != "space":
-            out |= _keys(v, f"{prefix}{k}.")
-        else:
-            out.add(f"{prefix}{k}")
-    return out
-
-
-def _get(d: dict, dotted: str) -> Any:
-    for part in dotted.split("."):
-        d = d.get(part) if isinstance(d, dict) else None
-    return d

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pandas as pd
 
 from rayhpc import cluster
-from rayhpc.config import ConfigError
+from rayhpc.config import ConfigError, reconcile_resume
 from rayhpc.data import load_dataset
-from rayhpc.tune.config import SweepConfig, reconcile_resume
+from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.plan import load_plan, make_plan, save_plan, slots
 from rayhpc.tune.progress import ProgressPrinter
 from rayhpc.tune.results import RESULTS_FILE, ResultsRecorder
@@ -38,7 +37,7 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     cluster.connect(address)
     if not resuming:
         save_plan(packs, exp_dir)
-        _write_yaml(cfg.saved(), exp_dir / "sweep.yaml")
+        cfg.save()
     _describe(cfg, packs, resources, gpus)
     tuner = _tuner(cfg, dataset, packs, gpus, callbacks)
     tuner.fit()
@@ -126,12 +125,3 @@ def _describe(cfg: SweepConfig, packs, res: cluster.Resources, gpus: float) -> N
         trials = f"{n} trials in {len(packs)} pack(s) of up to {max(len(p) for p in packs)}"
     print(f"sweep {cfg.name}: {trials}, {cfg.epochs} epochs each, scheduler {cfg.scheduler}, "
           f"{cfg.cpus_per_trial:g} CPU + {gpus:g} GPU per trial process -> {cfg.experiment_dir}", flush=True)
-
-
-def _write_yaml(data: dict, path: Path) -> None:
-    import yaml
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    os.replace(tmp, path)

@@ -146,6 +146,17 @@ def test_resume_after_the_driver_is_killed_keeps_finished_trials(ray_address, tm
                                   finished_before[["val_loss", "train_seconds", "iterations"]])
 
 
+def test_trials_can_be_distributed_torch_trainers(ray_address, tmp_path):
+    cfg = sweep(tmp_path, name="tot", num_samples=2, epochs=2, workers_per_trial=2,
+                space={"lr": {"choice": [0.01, 0.03]}, "batch_size": {"choice": [32, 64]}})
+    table = run_sweep(cfg)
+    assert len(table) == 2 and set(table["status"]) == {"finished"} and set(table["iterations"]) == {2}
+    for trial_id in table["trial_id"]:
+        metrics = pd.read_parquet(tmp_path / "tot" / f"train-trial_id={trial_id}" / "metrics.parquet")
+        assert metrics["epoch"].tolist() == [1, 2] and set(metrics["world_size"]) == {2}
+    assert table["best_val_loss"].min() < 0.5 * predict_mean_mse(cfg)
+
+
 def test_the_default_job_runs_on_its_own_local_ray(tmp_path):
     proc = run_job("tune_mlp.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -45,6 +45,11 @@ CASES = {
     "data with text column": (lambda d: ["--data", parquet(d / "x.parquet", a=["u", "v"], target=[1.0, 2.0])],
                               "error: data "),
     "unknown flag": (lambda d: ["--num-trials", "3"], "error: unrecognized arguments: --num-trials 3"),
+    "workers beyond cluster": (lambda d: ["--workers-per-trial", "4"],
+                               "error: workers_per_trial (--workers-per-trial) 4: the cluster can place 2 worker(s)"),
+    "batch not divisible by workers": (lambda d: ["--workers-per-trial", "2", "--config",
+                                                  write(d / "s.yaml", "space: {batch_size: {choice: [32, 33]}}\n")],
+                                       "error: space.batch_size: 33 is not divisible by workers_per_trial"),
 }
 
 

@@ -111,7 +111,22 @@ def ray_session():
             ray.shutdown()
 
 
-COMMANDS = {"tune": tune_main}
+def train_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc train` / `python jobs/train_mlp.py`: data-parallel training with Ray Train."""
+    from rayhpc.train.config import FLAGS, TrainConfig
+    from rayhpc.train.trainer import format_summary, run_training
+
+    parser = ArgParser(prog="train_mlp.py", description="Data-parallel (DDP or FSDP2) training of the MLP on Ray Train.")
+    add_config_arguments(parser, TrainConfig, FLAGS)
+    args = parser.parse_args(argv)
+    cfg, explicit = config_from_args(args, TrainConfig, FLAGS)
+    with ray_session():
+        result = run_training(cfg, explicit=explicit)
+    print(format_summary(result))
+    return 0
+
+
+COMMANDS = {"tune": tune_main, "train": train_main}
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

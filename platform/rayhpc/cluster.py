@@ -7,6 +7,7 @@ the way Ray counts them), so bad requests fail before a cluster is started.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,15 @@ class Resources:
     node_cpus: float  # on the biggest node: the most one trial or worker can get
     node_gpus: float
     address: str | None  # None: a local cluster not started yet
+    per_node: tuple[tuple[float, float], ...] = ()  # (CPUs, GPUs) of each node
+
+    def placeable(self, cpus: float, gpus: float = 0.0) -> int:
+        """How many bundles of (cpus, gpus) the cluster's nodes hold at once (each on one node)."""
+        def fits(have: float, need: float) -> float:
+            return math.floor(have / need + 1e-9) if need > 0 else math.inf
+
+        total = sum(min(fits(c, cpus), fits(g, gpus)) for c, g in self.per_node or [(self.node_cpus, self.node_gpus)])
+        return int(min(total, 1 << 30))
 
     def describe(self) -> str:
         where = self.address or "local"
@@ -65,7 +75,8 @@ def probe(address: str | None) -> Resources:
         return _current()
     if address is None:
         cpus, gpus = local_cpus(), local_gpus()
-        return Resources(cpus=cpus, gpus=gpus, nodes=1, node_cpus=cpus, node_gpus=gpus, address=None)
+        return Resources(cpus=cpus, gpus=gpus, nodes=1, node_cpus=cpus, node_gpus=gpus, address=None,
+                         per_node=((cpus, gpus),))
     return connect(address)
 
 
@@ -101,4 +112,5 @@ def _current() -> Resources:
         node_cpus=max((r.get("CPU", 0.0) for r in alive), default=0.0),
         node_gpus=max((r.get("GPU", 0.0) for r in alive), default=0.0),
         address=ray.get_runtime_context().gcs_address,
+        per_node=tuple((r.get("CPU", 0.0), r.get("GPU", 0.0)) for r in alive),
     )

@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rayhpc.config import ConfigError, JobConfig, StrictModel
 from rayhpc.data import DataConfig
-from rayhpc.tune.space import Space, check_space, parse_space
+from rayhpc.tune.space import HParams, ParamSpec, Space, check_space, parse_space
 
 DEFAULT_SPACE = {
     "hidden": {"choice": [4, 8, 16, 32, 64]},
@@ -39,6 +39,8 @@ class SweepConfig(JobConfig):
     scheduler: Literal["fifo", "asha"] = Field("fifo", description="run trials to the end, or stop bad ones early")
     pack: int | None = Field(None, ge=1, description="trials trained together as one batched model; "
                              "unset: enough to fill the cluster once (1 with asha or optuna)")
+    workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is a "
+                                   "Ray Train TorchTrainer (DDP) and cpus/gpus_per_trial are per worker")
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")
     seed: int = Field(0, description="seeds sampling, model initialisation and data order")
     data: DataConfig = DataConfig()
@@ -65,7 +67,23 @@ class SweepConfig(JobConfig):
             raise ConfigError("pack: packed trials train to the end together; scheduler=asha needs pack 1 or unset")
         if self.pack is not None and self.pack > 1 and self.search == "optuna":
             raise ConfigError("pack: optuna proposes one trial at a time; search=optuna needs pack 1 or unset")
+        if self.workers_per_trial > 1:
+            self._check_distributed()
         return self
+
+    def _check_distributed(self) -> None:
+        """With several workers per trial, batch_size is the global batch and must split evenly."""
+        if self.pack is not None and self.pack > 1:
+            raise ConfigError(f"pack: trials with workers_per_trial={self.workers_per_trial} cannot be packed; "
+                              "use pack 1 or unset")
+        spec = self.space.get("batch_size", HParams.model_fields["batch_size"].default)
+        if isinstance(spec, ParamSpec) and spec.kind == "randint":
+            raise ConfigError("space.batch_size: with workers_per_trial > 1 give batch sizes as choice or grid")
+        sizes = list(spec.args) if isinstance(spec, ParamSpec) else [spec]
+        bad = [b for b in sizes if int(b) % self.workers_per_trial]
+        if bad:
+            raise ConfigError(f"space.batch_size: {bad[0]} is not divisible by workers_per_trial "
+                              f"(--workers-per-trial) {self.workers_per_trial}")
 
 
 # flag -> config key; unset flags leave the YAML value (see rayhpc.cli.config_from_args)
@@ -73,6 +91,7 @@ FLAGS = {
     "--name": "name", "--storage-path": "storage_path", "--num-samples": "num_samples",
     "--max-concurrent": "max_concurrent", "--cpus-per-trial": "cpus_per_trial",
     "--gpus-per-trial": "gpus_per_trial", "--epochs": "epochs", "--search": "search",
-    "--scheduler": "scheduler", "--pack": "pack", "--max-failures": "max_failures", "--seed": "seed",
+    "--scheduler": "scheduler", "--pack": "pack", "--workers-per-trial": "workers_per_trial",
+    "--max-failures": "max_failures", "--seed": "seed",
     "--address": "address", "--resume": "resume", "--data": "data.path", "--target": "data.target",
 }

@@ -23,16 +23,16 @@ PLAN_FILE = "trials.json"
 
 
 def slots(cfg: SweepConfig, cpus: float) -> int:
-    """How many trial processes the cluster runs at once."""
-    fit = max(1, math.floor(cpus / cfg.cpus_per_trial + 1e-9))
+    """How many trials the cluster runs at once."""
+    fit = max(1, math.floor(cpus / (cfg.cpus_per_trial * cfg.workers_per_trial) + 1e-9))
     return min(fit, cfg.max_concurrent) if cfg.max_concurrent else fit
 
 
 def pack_size(cfg: SweepConfig, n_trials: int, n_slots: int) -> int:
     if cfg.pack is not None:
         return cfg.pack
-    if cfg.scheduler == "asha":
-        return 1  # ASHA stops Tune trials; each must be a single trial
+    if cfg.scheduler == "asha" or cfg.workers_per_trial > 1:
+        return 1  # ASHA stops Tune trials, and a TorchTrainer trains one model: one trial each
     return max(1, min(MAX_PACK, math.ceil(n_trials / n_slots)))
 
 

@@ -27,7 +27,8 @@ def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: lis
     error = _error_line(trial) if status == "error" else None
     rows = []
     for j, hp in enumerate(members):
-        m = per_member.get(str(j), {})
+        # a trial of one member may report its metrics at the top level (Tune over Train does)
+        m = per_member.get(str(j)) or (last if len(members) == 1 else {})
         rows.append({
             "trial_id": trial.trial_id if len(members) == 1 else f"{trial.trial_id}-{j}",
             "status": status,

@@ -17,6 +17,7 @@ from rayhpc.tune.space import searched, tune_domains
 from rayhpc.tune.trainable import TrialSettings, train_pack
 
 METRIC, MODE = "val_loss", "min"
+DRIVER_MEMORY = 256 * 2**20  # bytes reserved for a Tune-over-Train trial's driver process
 
 
 def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: tuple = ()) -> pd.DataFrame:
@@ -31,7 +32,7 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     dataset = load_dataset(cfg.data)
     address = cluster.resolve_address(cfg.address)
     resources = cluster.probe(address)
-    gpus = gpus_per_trial(cfg, resources)
+    gpus = check_resources(cfg, resources)
     resuming = cfg.resume and (exp_dir / "trials.json").exists()
     packs = load_plan(exp_dir) if resuming else make_plan(cfg, slots(cfg, resources.cpus))
     cluster.connect(address)
@@ -39,16 +40,20 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
         save_plan(packs, exp_dir)
         cfg.save()
     _describe(cfg, packs, resources, gpus)
-    tuner = _tuner(cfg, dataset, packs, gpus, callbacks)
+    tuner = _tuner(cfg, dataset, packs, gpus, resources, callbacks)
     tuner.fit()
     return pd.read_parquet(exp_dir / RESULTS_FILE)
 
 
-def gpus_per_trial(cfg: SweepConfig, res: cluster.Resources) -> float:
+def check_resources(cfg: SweepConfig, res: cluster.Resources) -> float:
     """GPUs per trial process; rejects requests the cluster cannot place."""
     if cfg.cpus_per_trial > res.node_cpus:
         raise ConfigError(f"cpus_per_trial (--cpus-per-trial) {cfg.cpus_per_trial:g}: larger than the "
                           f"{res.node_cpus:g} CPUs of the cluster's biggest node ({res.describe()})")
+    fits = res.placeable(cfg.cpus_per_trial, 1.0 if (cfg.gpus_per_trial or 0) > 0 else 0.0)
+    if cfg.workers_per_trial > fits:
+        raise ConfigError(f"workers_per_trial (--workers-per-trial) {cfg.workers_per_trial}: the cluster can place "
+                          f"{fits} worker(s) of {cfg.cpus_per_trial:g} CPU each ({res.describe()})")
     if cfg.gpus_per_trial is None:
         # share the GPUs between the trials that fit by CPU count: fractional GPUs per trial
         return 0.0 if res.gpus == 0 else min(1.0, res.node_gpus / slots(cfg, res.node_cpus))
@@ -61,7 +66,7 @@ def gpus_per_trial(cfg: SweepConfig, res: cluster.Resources) -> float:
     return cfg.gpus_per_trial
 
 
-def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, callbacks: tuple):
+def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, resources: cluster.Resources, callbacks: tuple):
     from ray import tune
 
     # Tune's newer output engine prints its own tables even at verbose=0; the legacy
@@ -71,9 +76,7 @@ def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, callbacks: tuple):
     # state often (good for --resume) and warn about it every few seconds.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
 
-    settings = TrialSettings(epochs=cfg.epochs, seed=cfg.seed, threads=max(1, int(cfg.cpus_per_trial)))
-    trainable = tune.with_parameters(train_pack, dataset=dataset, packs=packs, settings=settings)
-    trainable = tune.with_resources(trainable, {"cpu": cfg.cpus_per_trial, "gpu": gpus})
+    trainable, max_concurrent = _trainable(cfg, dataset, packs, gpus, resources)
     recorder = ResultsRecorder(cfg.experiment_dir, packs, cfg.epochs, searched(cfg.space))
     if cfg.resume and tune.Tuner.can_restore(str(cfg.experiment_dir)):
         # the callbacks, schedulers and searcher come back from the saved tuner state
@@ -93,7 +96,7 @@ def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, callbacks: tuple):
         param_space=param_space,
         tune_config=tune.TuneConfig(
             metric=METRIC, mode=MODE, num_samples=num_samples, search_alg=search_alg,
-            scheduler=_scheduler(cfg), max_concurrent_trials=cfg.max_concurrent,
+            scheduler=_scheduler(cfg), max_concurrent_trials=max_concurrent,
             # one process per slot for the whole sweep: torch is imported once, not once per trial
             reuse_actors=True,
         ),
@@ -106,6 +109,25 @@ def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, callbacks: tuple):
             callbacks=[recorder, ProgressPrinter(recorder), *callbacks],
         ),
     )
+
+
+def _trainable(cfg: SweepConfig, dataset, packs, gpus: float, resources: cluster.Resources):
+    """The Tune trainable with its resources, and the most trials to run at once."""
+    from ray import tune
+
+    if cfg.workers_per_trial == 1:
+        settings = TrialSettings(epochs=cfg.epochs, seed=cfg.seed, threads=max(1, int(cfg.cpus_per_trial)))
+        trainable = tune.with_parameters(train_pack, dataset=dataset, packs=packs, settings=settings)
+        return tune.with_resources(trainable, {"cpu": cfg.cpus_per_trial, "gpu": gpus}), cfg.max_concurrent
+    from rayhpc.tune.distributed import train_distributed_trial
+
+    trainable = tune.with_parameters(train_distributed_trial, dataset=dataset, packs=packs, sweep=cfg, gpu=gpus > 0)
+    # The trial process only drives a TorchTrainer whose workers hold the CPUs and GPUs, so it
+    # reserves memory alone (Ray refuses an empty request). Start no more trials than their
+    # worker groups fit, or the extra ones wait for workers until Ray Train gives up on them.
+    fit = max(1, resources.placeable(cfg.cpus_per_trial, 1.0 if gpus > 0 else 0.0) // cfg.workers_per_trial)
+    driver = {"cpu": 0, "memory": DRIVER_MEMORY}
+    return tune.with_resources(trainable, driver), min(fit, cfg.max_concurrent or fit)
 
 
 def _scheduler(cfg: SweepConfig):

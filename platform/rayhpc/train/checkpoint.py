@@ -1,0 +1,105 @@
+"""Training checkpoints: rank 0 saves DDP state with torch.save; FSDP ranks save their shards with DCP.
+
+A checkpoint folder holds `progress.json` (where training stands) and either
+`model.pt` (DDP: full model and optimizer state) or the files of
+`torch.distributed.checkpoint` (FSDP: one shard file per rank plus metadata;
+Ray Train merges the ranks' folders into one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rayhpc.train.parallelize import unwrap
+
+PROGRESS_FILE = "progress.json"
+DDP_FILE = "model.pt"
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where training stands; a checkpoint restores it exactly."""
+
+    epoch: int = 0  # epochs completed
+    step_in_epoch: int = 0  # optimizer steps done in the epoch under way
+    global_step: int = 0
+    best_val_loss: float = math.inf
+    train_seconds: float = 0.0
+
+
+def report(metrics: dict, *, strategy: str, model, optimizer, progress: Progress, rank: int) -> None:
+    """`ray.train.report` with a checkpoint of the current state (every rank must call it)."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        if rank == 0:
+            (folder / PROGRESS_FILE).write_text(json.dumps(dataclasses.asdict(progress)))
+        if strategy == "fsdp":
+            _save_sharded(model, optimizer, folder)
+        elif rank == 0:
+            torch.save({"model": unwrap(model).state_dict(), "optim": optimizer.state_dict()}, folder / DDP_FILE)
+        has_files = strategy == "fsdp" or rank == 0
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_files else None)
+
+
+def restore(checkpoint, *, strategy: str, model, optimizer, device: torch.device) -> Progress | None:
+    """Load model and optimizer state from `checkpoint` (None: nothing to restore)."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as d:
+        folder = Path(d)
+        progress = Progress(**json.loads((folder / PROGRESS_FILE).read_text()))
+        if strategy == "fsdp":
+            _load_sharded(model, optimizer, folder)
+        else:
+            state = torch.load(folder / DDP_FILE, map_location=device, weights_only=True)
+            unwrap(model).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optim"])
+    return progress
+
+
+def _save_sharded(model, optimizer, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+
+
+def _load_sharded(model, optimizer, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(folder))  # in place, each rank reads its own shards
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def load_full_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from a checkpoint folder of either strategy, on CPU."""
+    folder = Path(folder)
+    if (folder / DDP_FILE).exists():
+        return torch.load(folder / DDP_FILE, map_location="cpu", weights_only=True)["model"]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(folder), f"{tmp}/full.pt")  # gathers every rank's shards
+        return torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def load_progress(folder: str | Path) -> Progress:
+    return Progress(**json.loads((Path(folder) / PROGRESS_FILE).read_text()))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The run's checkpoint folder furthest into training (None before the first checkpoint)."""
+    folders = [p for p in Path(run_dir).glob("checkpoint_*") if (p / PROGRESS_FILE).exists()]
+    return max(folders, key=lambda p: load_progress(p).global_step, default=None)

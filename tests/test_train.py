@@ -1,0 +1,191 @@
+"""Data-parallel training on a real local Ray with gloo: DDP and FSDP proven equal to one process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import ray
+import torch
+import torch.nn.functional as F
+from ray.train import UserCallback
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from conftest import ROOT, run_job
+from rayhpc.config import validate
+from rayhpc.data import load_dataset
+from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
+from rayhpc.train.config import TrainConfig
+from rayhpc.train.loop import build_model, make_optimizer
+from rayhpc.train.trainer import run_training
+
+EPOCHS = 3
+# Ray Train runs callbacks in its controller process, which cannot import this test module:
+# ship the module's classes by value instead of by reference.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def train_cfg(tmp_path, **kw) -> TrainConfig:
+    return validate(TrainConfig, {"storage_path": str(tmp_path), "epochs": EPOCHS, "num_workers": 2,
+                                  "batch_size_per_worker": 32, "model": {"hidden": 16}, **kw})
+
+
+def one_process(cfg: TrainConfig, batch: int) -> dict:
+    """The same model, optimizer and data order in one process, `batch` samples per step."""
+    ds = load_dataset(cfg.data)
+    model = build_model(cfg, ds)
+    opt = make_optimizer(cfg, model.parameters())
+    train = TensorDataset(ds.x_train, ds.y_train)
+    sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed)
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(train, batch_size=batch, sampler=sampler):
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.state_dict()
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=lambda m: f"{key}: {m}")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(ray_address, tmp_path_factory):
+    cfg = train_cfg(tmp_path_factory.mktemp("ddp"), name="ddp")
+    return run_training(cfg)
+
+
+def test_ddp_equals_one_process_with_the_global_batch(ddp_run):
+    assert_same_weights(load_full_state_dict(ddp_run.checkpoint_dir), one_process(ddp_run.cfg, batch=64))
+    epochs = ddp_run.metrics[ddp_run.metrics["kind"] == "epoch"]
+    assert epochs["epoch"].tolist() == [1, 2, 3] and set(epochs["world_size"]) == {2}
+    assert set(epochs["global_batch_size"]) == {64} and set(epochs["batch_size_per_worker"]) == {32}
+    assert (epochs["samples_per_s"] > 0).all() and (epochs["step_ms"] > 0).all()
+    assert epochs["loss"].iloc[-1] < 0.8 * epochs["loss"].iloc[0]  # the loss went down
+
+
+def test_fsdp_equals_ddp(ddp_run, tmp_path):
+    fsdp = run_training(train_cfg(tmp_path, name="fsdp", strategy="fsdp", metrics_every_steps=10))
+    steps = fsdp.metrics[fsdp.metrics["kind"] == "step"]
+    assert len(steps) >= 6 and (steps["global_step"] % 10 == 0).all()  # optional per-step rows
+    files = sorted(p.name for p in fsdp.checkpoint_dir.iterdir())
+    assert ".metadata" in files and sum(f.endswith(".distcp") for f in files) == 2, files  # one shard per rank
+    assert_same_weights(load_full_state_dict(fsdp.checkpoint_dir), load_full_state_dict(ddp_run.checkpoint_dir))
+
+
+class KillWorkerOnce(UserCallback):
+    """In Ray Train's controller: logs each report with the live worker PIDs, and SIGKILLs one
+    worker right after the report of optimizer step `step` (a mid-epoch checkpoint)."""
+
+    def __init__(self, step: int, log: str):
+        self.step, self.log, self.killed = step, log, False
+
+    def after_report(self, run_context, metrics, checkpoint):
+        from ray.util.state import list_actors
+
+        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        pids = sorted(w.pid for w in workers)
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"step": metrics[0]["global_step"], "pids": pids, "kill": not self.killed
+                                and metrics[0]["global_step"] == self.step}) + "\n")
+        if not self.killed and metrics[0]["global_step"] == self.step:
+            self.killed = True
+            os.kill(pids[-1], signal.SIGKILL)
+
+
+def test_killed_worker_resumes_from_checkpoint_and_ends_equal(ddp_run, tmp_path):
+    log = tmp_path / "reports.jsonl"
+    cfg = train_cfg(tmp_path, name="killed", checkpoint_every_steps=10)
+    result = run_training(cfg, callbacks=(KillWorkerOnce(step=30, log=str(log)),))
+    reports = [json.loads(line) for line in log.read_text().splitlines()]
+    kill = next(i for i, r in enumerate(reports) if r["kill"])
+    before, after = reports[:kill + 1], reports[kill + 1:]
+    assert after and not set(after[0]["pids"]) & set(before[-1]["pids"]), "the worker group was not restarted"
+    # it resumed from the step-30 checkpoint (mid-epoch 2), not from step 0
+    assert min(r["step"] for r in after) > 30
+    epochs = result.metrics[result.metrics["kind"] == "epoch"]
+    assert epochs["epoch"].tolist() == [1, 2, 3] and load_progress(result.checkpoint_dir).epoch == EPOCHS
+    assert_same_weights(load_full_state_dict(result.checkpoint_dir), load_full_state_dict(ddp_run.checkpoint_dir))
+
+
+def test_resume_after_the_driver_is_killed_continues_from_the_checkpoint(ray_address, ddp_run, tmp_path):
+    args = [sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--storage-path", str(tmp_path), "--name", "r",
+            "--epochs", str(EPOCHS), "--num-workers", "2", "--batch-size-per-worker", "32", "--hidden", "16",
+            "--address", ray_address]
+    metrics = tmp_path / "r" / "metrics.parquet"
+    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(pd.read_parquet(metrics)) >= 1):
+        assert driver.poll() is None and time.monotonic() < deadline, "no epoch finished before the deadline"
+        time.sleep(0.1)
+    driver.kill()
+    driver.wait()
+    before = pd.read_parquet(metrics)
+    assert before["epoch"].max() < EPOCHS, "the run ended before the driver was killed"
+
+    proc = run_job("train_mlp.py", *args[2:], "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = pd.read_parquet(metrics)
+    assert after["epoch"].tolist() == [1, 2, 3]
+    # epochs finished before the kill were not trained again: their rows are unchanged
+    pd.testing.assert_frame_equal(after.iloc[:len(before)], before)
+    final = latest_checkpoint(tmp_path / "r")
+    assert load_progress(final).epoch == EPOCHS
+    assert_same_weights(load_full_state_dict(final), load_full_state_dict(ddp_run.checkpoint_dir))
+
+
+def test_shards_partition_the_data_and_reshuffle_every_epoch(ray_address, tmp_path):
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer, prepare_data_loader
+
+    from rayhpc.data import Dataset
+    from rayhpc.train.loop import make_sampler
+
+    n = 40
+    ds = Dataset(torch.arange(n, dtype=torch.float32)[:, None], torch.zeros(n, 1), torch.zeros(1, 1),
+                 torch.zeros(1, 1), ("i",), ("y",))
+    cfg = train_cfg(tmp_path, batch_size_per_worker=4)
+
+    def loop(config):
+        ctx = ray.train.get_context()
+        sampler = make_sampler(ds, cfg, ctx.get_world_rank(), ctx.get_world_size())
+        loader = prepare_data_loader(DataLoader(sampler.dataset, batch_size=4, sampler=sampler))
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            seen = [int(i) for x, _ in loader for i in x[:, 0].tolist()]
+            (tmp_path / f"r{ctx.get_world_rank()}e{epoch}").write_text(",".join(map(str, seen)))
+
+    TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2),
+                 run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="shards")).fit()
+    order = {(r, e): [int(v) for v in (tmp_path / f"r{r}e{e}").read_text().split(",")] for r in (0, 1) for e in (0, 1)}
+    for e in (0, 1):
+        assert len(order[0, e]) == len(order[1, e]) == n // 2
+        assert sorted(order[0, e] + order[1, e]) == list(range(n)), "the shards do not partition the data"
+    for r in (0, 1):
+        assert order[r, 0] != order[r, 1], "the shard order did not change between epochs"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--num-workers", "5"], "error: num_workers (--num-workers) 5: the cluster can place 2 worker(s) of 1 CPU each"),
+    (["--gpu"], "error: gpu (--gpu): the cluster has no GPUs"),
+    (["--global-batch-size", "65"], "error: global_batch_size (--global-batch-size) 65: not divisible by "
+                                    "num_workers (--num-workers) 2"),
+    (["--strategy", "zero3"], "error: strategy (--strategy): Input should be 'ddp' or 'fsdp' (got 'zero3')"),
+    (["--global-batch-size", "64", "--batch-size-per-worker", "32"], "error: global_batch_size (--global-batch-size) "
+                                                                    "and batch_size_per_worker"),
+])
+def test_bad_input_exits_2_within_seconds(args, expected, tmp_path):
+    started = time.monotonic()
+    proc = run_job("train_mlp.py", "--storage-path", str(tmp_path), *args,
+                   env={"RAY_TMPDIR": str(tmp_path / "ray")}, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(expected), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert time.monotonic() - started < 30 and not (tmp_path / "ray").exists()

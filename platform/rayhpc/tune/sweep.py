@@ -50,19 +50,20 @@ def check_resources(cfg: SweepConfig, res: cluster.Resources) -> float:
     if cfg.cpus_per_trial > res.node_cpus:
         raise ConfigError(f"cpus_per_trial (--cpus-per-trial) {cfg.cpus_per_trial:g}: larger than the "
                           f"{res.node_cpus:g} CPUs of the cluster's biggest node ({res.describe()})")
-    fits = res.placeable(cfg.cpus_per_trial, 1.0 if (cfg.gpus_per_trial or 0) > 0 else 0.0)
-    if cfg.workers_per_trial > fits:
-        raise ConfigError(f"workers_per_trial (--workers-per-trial) {cfg.workers_per_trial}: the cluster can place "
-                          f"{fits} worker(s) of {cfg.cpus_per_trial:g} CPU each ({res.describe()})")
+    if cfg.gpus_per_trial is not None and cfg.gpus_per_trial > 0 and res.gpus == 0:
+        raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {cfg.gpus_per_trial:g}: the cluster has no GPUs "
+                          f"({res.describe()}); use 0")
+    if cfg.gpus_per_trial is not None and cfg.gpus_per_trial > res.node_gpus:
+        raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {cfg.gpus_per_trial:g}: larger than the "
+                          f"{res.node_gpus:g} GPUs of the cluster's biggest node")
+    if cfg.workers_per_trial > 1:
+        fits = res.placeable(cfg.cpus_per_trial, 1.0 if (cfg.gpus_per_trial or 0) > 0 else 0.0)
+        if cfg.workers_per_trial > fits:
+            raise ConfigError(f"workers_per_trial (--workers-per-trial) {cfg.workers_per_trial}: the cluster can "
+                              f"place {fits} worker(s) of {cfg.cpus_per_trial:g} CPU each ({res.describe()})")
     if cfg.gpus_per_trial is None:
         # share the GPUs between the trials that fit by CPU count: fractional GPUs per trial
         return 0.0 if res.gpus == 0 else min(1.0, res.node_gpus / slots(cfg, res.node_cpus))
-    if cfg.gpus_per_trial > 0 and res.gpus == 0:
-        raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {cfg.gpus_per_trial:g}: the cluster has no GPUs "
-                          f"({res.describe()}); use 0")
-    if cfg.gpus_per_trial > res.node_gpus:
-        raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {cfg.gpus_per_trial:g}: larger than the "
-                          f"{res.node_gpus:g} GPUs of the cluster's biggest node")
     return cfg.gpus_per_trial
 
 

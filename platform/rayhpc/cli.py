@@ -126,7 +126,23 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-COMMANDS = {"tune": tune_main, "train": train_main}
+def parallel_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc parallel` / `python jobs/train_parallel.py`: TP, PP and DP on the platform's worker group."""
+    from rayhpc.parallel.config import FLAGS, ParallelConfig
+    from rayhpc.parallel.trainer import format_summary, run_parallel
+
+    parser = ArgParser(prog="train_parallel.py",
+                       description="Tensor-, pipeline- and data-parallel training on a group of Ray actors.")
+    add_config_arguments(parser, ParallelConfig, FLAGS)
+    args = parser.parse_args(argv)
+    cfg, explicit = config_from_args(args, ParallelConfig, FLAGS)
+    with ray_session():
+        result = run_parallel(cfg, explicit=explicit)
+    print(format_summary(result))
+    return 0
+
+
+COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main}
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

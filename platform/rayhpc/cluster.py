@@ -40,6 +40,17 @@ class Resources:
         return f"{where}: {self.nodes} node(s), {self.cpus:g} CPUs, {self.gpus:g} GPUs"
 
 
+def check_workers(res: Resources, num_workers: int, cpus_per_worker: float, gpu: bool) -> None:
+    """Fail at once where a placement group would wait for resources that will never come."""
+    if gpu and res.gpus == 0:
+        raise ConfigError(f"gpu (--gpu): the cluster has no GPUs ({res.describe()})")
+    fits = res.placeable(cpus_per_worker, 1.0 if gpu else 0.0)
+    if fits < num_workers:
+        each = f"{cpus_per_worker:g} CPU" + (" + 1 GPU" if gpu else "")
+        raise ConfigError(f"num_workers (--num-workers) {num_workers}: the cluster can place {fits} "
+                          f"worker(s) of {each} each ({res.describe()})")
+
+
 def resolve_address(address: str | None) -> str | None:
     """`--address`, else `RAY_ADDRESS`, else None (start a local cluster)."""
     return address or os.environ.get("RAY_ADDRESS") or None
@@ -92,7 +103,7 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     # so it cannot be switched on from here; rayhpc never switches it off.
     try:
         ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
+    except (OSError, RuntimeError, ValueError) as exc:  # OSError: also a too-long RAY_TMPDIR socket path
         what = f"address (--address) {address}: cannot connect to" if address else "cannot start"
         raise ConfigError(f"{what} a Ray cluster: {exc}".splitlines()[0]) from None
     res = _current()

@@ -65,6 +65,11 @@ class Dataset:
         return self.y_train.shape[1]
 
 
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The shuffled sample order of one epoch: a function of (seed, epoch) only, so restarts replay it."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
 def load_dataset(cfg: DataConfig) -> Dataset:
     """The dataset `cfg` describes, split into train and validation parts."""
     if cfg.path is None:
@@ -83,6 +88,15 @@ def synthetic_tensors(task: SyntheticTask) -> tuple[torch.Tensor, torch.Tensor]:
     w2 = torch.randn(task.teacher_hidden, task.out_features, generator=g) / task.teacher_hidden**0.5
     y = torch.tanh(x @ w1) @ w2 + task.noise * torch.randn(task.num_samples, task.out_features, generator=g)
     return x, y
+
+
+def synthetic_sequences(num_samples: int, tokens: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences for the transformer: each target token mixes a nonlinear map of its own
+    input with its left neighbour's, so a model needs attention to fit it."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, tokens, dim, generator=g)
+    w = torch.randn(dim, dim, generator=g) / dim**0.5
+    return x, 0.5 * torch.tanh(x @ w) + 0.5 * torch.roll(x, shifts=1, dims=1)
 
 
 def split(x, y, features, targets, val_fraction: float, seed: int) -> Dataset:
@@ -137,3 +151,14 @@ def _numeric_matrix(table, names: list[str], path: Path) -> torch.Tensor:
             raise ConfigError(f"data {path}: column {name!r} has {column.null_count} missing values")
         cols.append(torch.from_numpy(column.to_numpy().astype("float32")))
     return torch.stack(cols, dim=1)
+
+
+def step_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """The samples of global step `step` (0-based): consecutive slices of each epoch's shuffled
+    order, the incomplete tail dropped. A function of its arguments only, so every rank, a
+    resumed run and a single-process reference all draw the same batches."""
+    per_epoch = n // batch_size
+    if per_epoch == 0:
+        raise ConfigError(f"batch_size {batch_size}: larger than the dataset's {n} training samples")
+    start = step % per_epoch * batch_size
+    return epoch_order(n, seed, step // per_epoch)[start:start + batch_size]

@@ -87,3 +87,54 @@ class PackedMLP(nn.Module):
         if self.padded:
             h = h * self.mask
         return torch.baddbmm(self.b2, h, self.w2)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention. Heads are inferred from the projection width, so a
+    tensor-parallel rank whose `wq/wk/wv` hold `heads / tp` heads runs exactly those."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim {dim} is not divisible by heads {heads}")
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then x + feed-forward(norm(x))."""
+
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
+        self.norm2, self.ffn = nn.LayerNorm(dim), FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.ffn(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    """`depth` transformer blocks on [batch, tokens, dim] inputs, held in `layers` like `MLP`'s."""
+
+    def __init__(self, dim: int, heads: int, hidden: int, depth: int):
+        super().__init__()
+        self.layers = nn.Sequential(*(TransformerBlock(dim, heads, hidden) for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)

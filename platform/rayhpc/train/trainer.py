@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from rayhpc import cluster
-from rayhpc.config import ConfigError, reconcile_resume
+from rayhpc.config import reconcile_resume
 from rayhpc.data import load_dataset
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.loop import train_loop_per_worker
@@ -40,7 +40,7 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     cfg = reconcile_resume(cfg, set(explicit))
     dataset = load_dataset(cfg.data)
     address = cluster.resolve_address(cfg.address)
-    check_placement(cfg, cluster.probe(address))
+    cluster.check_workers(cluster.probe(address), cfg.num_workers, cfg.cpus_per_worker, cfg.gpu)
     t = time.perf_counter()
     cluster.connect(address)
     ray_seconds = time.perf_counter() - t
@@ -55,18 +55,6 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     metrics = pd.read_parquet(cfg.experiment_dir / METRICS_FILE)
     checkpoint = Path(result.checkpoint.path) if result.checkpoint is not None else None
     return TrainResult(cfg, metrics, checkpoint, ray_seconds, fit_started, fit_seconds)
-
-
-def check_placement(cfg: TrainConfig, res: cluster.Resources) -> None:
-    """Fail at once where Ray Train would wait for resources that will never come."""
-    if cfg.gpu and res.gpus == 0:
-        raise ConfigError(f"gpu (--gpu): the cluster has no GPUs ({res.describe()})")
-    gpus = 1.0 if cfg.gpu else 0.0
-    fits = res.placeable(cfg.cpus_per_worker, gpus)
-    if fits < cfg.num_workers:
-        each = f"{cfg.cpus_per_worker:g} CPU" + (" + 1 GPU" if cfg.gpu else "")
-        raise ConfigError(f"num_workers (--num-workers) {cfg.num_workers}: the cluster can place {fits} "
-                          f"worker(s) of {each} each ({res.describe()})")
 
 
 def make_trainer(cfg: TrainConfig, loop_config: dict, callbacks: tuple = (), verbose: bool = True):

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rayhpc.data import Dataset
-from rayhpc.tune.trainable import epoch_order, init_member
+from rayhpc.data import Dataset, epoch_order
+from rayhpc.tune.trainable import init_member
 
 
 def make_optimizer(hp: dict, params) -> torch.optim.Optimizer:

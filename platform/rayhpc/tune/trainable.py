@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rayhpc.data import Dataset
+from rayhpc.data import Dataset, epoch_order
 from rayhpc.models import MLP, PackedMLP
 from rayhpc.tune.optim import packed_optimizer
 from rayhpc.tune.space import HParams
@@ -32,11 +32,6 @@ class TrialSettings:
     epochs: int
     seed: int
     threads: int
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The shuffled sample order of one epoch: a function of (seed, epoch) only, so restarts replay it."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
 def init_member(in_features: int, hidden: int, out_features: int, seed: int) -> MLP:

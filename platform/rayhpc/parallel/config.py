@@ -1,0 +1,118 @@
+"""The model-parallel training job's config tree: degrees, pipeline schedule, model and data."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from rayhpc.config import ConfigError, JobConfig, StrictModel
+from rayhpc.data import DataConfig
+from rayhpc.parallel.mesh import Degrees
+
+
+class ModelSpec(StrictModel):
+    """The MLP (Linear -> ReLU -> ... -> Linear, in/out widths from the data) or a transformer stack."""
+
+    kind: Literal["mlp", "transformer"] = Field("mlp", description="mlp, or transformer blocks")
+    hidden: int = Field(32, ge=1, description="MLP width; transformer feed-forward width")
+    depth: int = Field(4, ge=1, description="Linear layers (mlp) or blocks (transformer)")
+    dim: int = Field(16, ge=1, description="transformer model width")
+    heads: int = Field(4, ge=1, description="transformer attention heads")
+    tokens: int = Field(8, ge=1, description="transformer sequence length")
+
+    def build(self, in_features: int, out_features: int):
+        """The whole model, initialised from torch's current RNG state (seed it first)."""
+        from rayhpc.models import MLP, Transformer
+
+        if self.kind == "mlp":
+            return MLP(in_features, self.hidden, out_features, self.depth)
+        return Transformer(self.dim, self.heads, self.hidden, self.depth)
+
+
+class ParallelConfig(JobConfig):
+    """Tensor- and pipeline-parallel (and data-parallel) training on the platform's worker group."""
+
+    kind: ClassVar[str] = "parallel"
+    name: str = Field("mlp-parallel", pattern=r"^[A-Za-z0-9_.=-]+$", description="run folder under storage_path")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree")
+    pp: int = Field(1, ge=1, description="pipeline-parallel degree (stages)")
+    dp: int = Field(1, ge=1, description="data-parallel degree (FSDP2 replicas)")
+    num_workers: int | None = Field(None, ge=1, description="world size; must equal dp * pp * tp (default)")
+    microbatches: int | None = Field(None, ge=1, description="pipeline microbatches per step (default: pp)")
+    schedule: Literal["gpipe", "1f1b"] = Field("gpipe", description="pipeline schedule")
+    steps: int = Field(20, ge=1, description="optimizer steps")
+    batch_size: int = Field(32, ge=1, description="global batch: samples per step over all replicas")
+    lr: float = Field(0.3, gt=0, description="SGD learning rate")
+    gpu: bool = Field(False, description="one GPU per rank and NCCL (else CPU and gloo)")
+    cpus_per_worker: float | None = Field(None, gt=0, description="CPUs reserved per rank (fractions allowed); "
+                                          "default 1, or an even share where the cluster has fewer CPUs than ranks")
+    checkpoint_every: int | None = Field(None, ge=1, description="save a sharded checkpoint every K steps")
+    timeout_s: float = Field(120.0, gt=0, description="longest wait for any rank before the run fails")
+    seed: int = Field(0, description="seeds initialisation and the data order")
+    model: ModelSpec = ModelSpec()
+    data: DataConfig = DataConfig()
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(pp=self.pp, dp=self.dp, tp=self.tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_workers or self.degrees.world_size
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or self.pp
+
+    @model_validator(mode="after")
+    def _check(self) -> "ParallelConfig":
+        try:
+            self.degrees.check(self.world_size)
+        except ConfigError as exc:
+            raise ConfigError(f"num_workers (--num-workers) {self.num_workers}: {exc}") from None
+        if self.pp > self.model.depth:
+            raise ConfigError(f"pp (--pp) {self.pp}: more pipeline stages than the model's {self.model.depth} layers")
+        if self.batch_size % self.dp:
+            raise ConfigError(f"batch_size (--batch-size) {self.batch_size}: not divisible by dp (--dp) {self.dp}")
+        per_replica = self.batch_size // self.dp
+        if per_replica % self.n_microbatches:
+            raise ConfigError(f"microbatches (--microbatches) {self.n_microbatches}: do not divide the per-replica "
+                              f"batch {per_replica} (batch_size {self.batch_size} / dp {self.dp})")
+        if self.schedule == "1f1b" and self.pp > 1 and self.n_microbatches < self.pp:
+            raise ConfigError(f"microbatches (--microbatches) {self.n_microbatches}: schedule 1f1b needs at least "
+                              f"one per stage (pp {self.pp})")
+        if self.model.kind == "transformer":
+            self._check_transformer()
+        return self
+
+    def _check_transformer(self) -> None:
+        m = self.model
+        if m.dim % m.heads:
+            raise ConfigError(f"model.dim (--dim) {m.dim}: not divisible by model.heads (--heads) {m.heads}")
+        for key, value in (("model.heads (--heads)", m.heads), ("model.hidden (--hidden)", m.hidden)):
+            if value % self.tp:
+                raise ConfigError(f"{key} {value}: not divisible by tp (--tp) {self.tp}")
+
+    def check_mlp_widths(self, in_features: int, out_features: int) -> None:
+        """Every width that tensor parallelism splits must divide by tp (known once the data is)."""
+        from rayhpc.parallel.pp import stage_ranges
+
+        widths = [in_features] + [self.model.hidden] * (self.model.depth - 1) + [out_features]
+        for stage in stage_ranges(self.model.depth, self.pp):
+            for i, layer in enumerate(stage):  # column-parallel splits outputs, row-parallel inputs
+                dim = layer + 1 if i % 2 == 0 else layer
+                if widths[dim] % self.tp:
+                    key = "model.hidden (--hidden)" if 0 < dim < len(widths) - 1 else "the data's target width"
+                    raise ConfigError(f"{key} {widths[dim]}: not divisible by tp (--tp) {self.tp}")
+
+
+FLAGS = {
+    "--tp": "tp", "--pp": "pp", "--dp": "dp", "--num-workers": "num_workers", "--microbatches": "microbatches",
+    "--schedule": "schedule", "--steps": "steps", "--batch-size": "batch_size", "--lr": "lr", "--gpu": "gpu",
+    "--cpus-per-worker": "cpus_per_worker", "--checkpoint-every": "checkpoint_every", "--seed": "seed",
+    "--model": "model.kind", "--hidden": "model.hidden", "--depth": "model.depth", "--dim": "model.dim",
+    "--heads": "model.heads", "--name": "name",
+    "--storage-path": "storage_path", "--address": "address", "--resume": "resume", "--data": "data.path",
+    "--target": "data.target",
+}

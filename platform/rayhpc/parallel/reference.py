@@ -1,0 +1,28 @@
+"""The same training as a model-parallel run, in one process on the unsharded model: what
+tests compare every parallel layout against."""
+
+from __future__ import annotations
+
+import torch
+
+from rayhpc.data import step_indices
+from rayhpc.parallel.config import ParallelConfig
+from rayhpc.parallel.trainer import training_tensors
+from rayhpc.parallel.worker import LOSS
+
+
+def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """(loss per step, final weights by name): same seed, same batches, whole batch at once."""
+    x, y = training_tensors(cfg)
+    torch.manual_seed(cfg.seed)
+    model = cfg.model.build(x.shape[-1], y.shape[-1])
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    losses = []
+    for step in range(cfg.steps):
+        idx = step_indices(len(x), cfg.batch_size, cfg.seed, step)
+        optimizer.zero_grad()
+        loss = LOSS(model(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -1,0 +1,138 @@
+"""Run a model-parallel training job: validate, start (or join) Ray, train on a worker group."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from rayhpc import cluster
+from rayhpc.config import reconcile_resume
+from rayhpc.data import load_dataset, step_indices, synthetic_sequences
+from rayhpc.parallel import worker
+from rayhpc.parallel.config import ParallelConfig
+from rayhpc.parallel.worker_group import WorkerGroup
+
+PROGRESS_FILE = "progress.json"  # written into a checkpoint folder once every rank has saved
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelResult:
+    cfg: ParallelConfig
+    losses: list[float]  # one per step, from step 1 (restored steps included)
+    step_seconds: list[float]  # slowest rank's time per step run in this session
+    weights: dict[str, torch.Tensor]  # the whole model, gathered, under the unsharded model's names
+    start_seconds: float  # placement group, actors, rendezvous, model set-up
+    checkpoint: Path | None  # the latest checkpoint
+
+
+def training_tensors(cfg: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training inputs and targets; every width and size is checked here, before Ray starts."""
+    if cfg.model.kind == "mlp":
+        data = load_dataset(cfg.data)
+        x, y = data.x_train, data.y_train
+        cfg.check_mlp_widths(x.shape[1], y.shape[1])
+    else:
+        m, synthetic = cfg.model, cfg.data.synthetic
+        x, y = synthetic_sequences(synthetic.num_samples, m.tokens, m.dim, synthetic.seed)
+    step_indices(len(x), cfg.batch_size, cfg.seed, 0)  # raises if the batch exceeds the data
+    return x, y
+
+
+def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbose: bool = True) -> ParallelResult:
+    """Train (or resume) the run `cfg` describes; input errors are raised before Ray starts."""
+    cfg = reconcile_resume(cfg, set(explicit))
+    x, y = training_tensors(cfg)
+    address = cluster.resolve_address(cfg.address)
+    cfg = fit_cpus(cfg, cluster.probe(address))
+    cluster.connect(address)
+    if not (cfg.resume and cfg.saved_file.exists()):
+        cfg.save()
+    import ray
+
+    start, losses, checkpoint = resume_point(cfg)
+    say = print if verbose else (lambda *a, **k: None)
+    started = time.perf_counter()
+    with WorkerGroup(cfg.world_size, cpus_per_worker=cfg.cpus_per_worker, gpus_per_worker=float(cfg.gpu),
+                     timeout_s=cfg.timeout_s) as group:
+        group.describe_rank = cfg.degrees.describe
+        params = group.run(worker.setup, cfg.model_dump(mode="json"), ray.put((x, y)))
+        if checkpoint is not None:
+            group.run(worker.load_checkpoint, str(checkpoint))
+            say(f"resumed from {checkpoint} (step {start})")
+        start_seconds = time.perf_counter() - started
+        say(describe_layout(cfg, params, start_seconds))
+        step_seconds = []
+        for step in range(start, cfg.steps):
+            loss, seconds = step_loss(group.run(worker.train_step, step))
+            losses.append(loss)
+            step_seconds.append(seconds)
+            say(f"step {step + 1}/{cfg.steps}: loss {loss:.5f}  {seconds * 1e3:.1f} ms  "
+                f"{cfg.batch_size / seconds:,.0f} samples/s")
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+                checkpoint = save(group, cfg, step + 1, losses)
+        weights = {k: v for part in group.run(worker.gather_weights) for k, v in part.items()}
+    return ParallelResult(cfg, losses, step_seconds, weights, start_seconds, checkpoint)
+
+
+def fit_cpus(cfg: ParallelConfig, res: cluster.Resources) -> ParallelConfig:
+    """Check that the ranks fit; without an explicit --cpus-per-worker, reserve 1 CPU per rank
+    or, where the cluster has fewer, the largest power-of-two fraction that places them all
+    (4 ranks on a 2-CPU laptop get 0.5 each: model-parallel ranks mostly wait on each other)."""
+    cpus = cfg.cpus_per_worker
+    if cpus is None:
+        cpus = 1.0
+        while cpus > 1 / 64 and res.placeable(cpus, float(cfg.gpu)) < cfg.world_size:
+            cpus /= 2
+    cluster.check_workers(res, cfg.world_size, cpus, cfg.gpu)
+    return cfg.model_copy(update={"cpus_per_worker": cpus})
+
+
+def step_loss(outcomes: list[dict]) -> tuple[float, float]:
+    """The step's loss (mean over data-parallel replicas, from the last stage's first TP rank)
+    and its time (the slowest rank's)."""
+    replicas = [o["loss"] for o in outcomes if o["loss"] is not None and o["coords"]["tp"] == 0]
+    return sum(replicas) / len(replicas), max(o["seconds"] for o in outcomes)
+
+
+def describe_layout(cfg: ParallelConfig, params: list[tuple[int, int]], start_seconds: float) -> str:
+    per_replica = cfg.batch_size // cfg.dp
+    pipeline = (f"; {cfg.schedule}, {cfg.n_microbatches} microbatches of {per_replica // cfg.n_microbatches} "
+                f"samples" if cfg.pp > 1 else "")
+    return (f"parallel: {cfg.world_size} ranks of {cfg.cpus_per_worker:g} CPU, mesh pp({cfg.pp}) x dp({cfg.dp}) x tp({cfg.tp}) on "
+            f"{'GPU (nccl)' if cfg.gpu else 'CPU (gloo)'}; {params[0][0]:,} parameters, "
+            f"{min(p[1] for p in params):,}-{max(p[1] for p in params):,} per rank; batch {cfg.batch_size}{pipeline}; "
+            f"group ready in {start_seconds:.1f} s")
+
+
+def save(group: WorkerGroup, cfg: ParallelConfig, step: int, losses: list[float]) -> Path:
+    """A sharded checkpoint of the weights after `step` steps; the progress file marks it complete."""
+    path = cfg.experiment_dir / f"checkpoint_{step:06d}"
+    group.run(worker.save_checkpoint, str(path))
+    (path / PROGRESS_FILE).write_text(json.dumps({"step": step, "losses": losses}))
+    return path
+
+
+def resume_point(cfg: ParallelConfig) -> tuple[int, list[float], Path | None]:
+    """(first step to run, losses so far, checkpoint to load) for a resumed run; (0, [], None) otherwise."""
+    if not cfg.resume:
+        return 0, [], None
+    complete = sorted(p.parent for p in cfg.experiment_dir.glob(f"checkpoint_*/{PROGRESS_FILE}"))
+    if not complete:
+        return 0, [], None
+    progress = json.loads((complete[-1] / PROGRESS_FILE).read_text())
+    return progress["step"], progress["losses"], complete[-1]
+
+
+def format_summary(result: ParallelResult) -> str:
+    cfg, losses, seconds = result.cfg, result.losses, sorted(result.step_seconds)
+    speed = "no steps left to run"
+    if seconds:
+        median = seconds[len(seconds) // 2]
+        speed = f"median step {median * 1e3:.1f} ms, {cfg.batch_size / median:,.0f} samples/s"
+    return (f"trained {len(losses)} steps: loss {losses[0]:.5f} -> {losses[-1]:.5f}; {speed}; "
+            f"start-up {result.start_seconds:.1f} s\n"
+            f"checkpoint: {result.checkpoint or 'none (--checkpoint-every K to save one)'}")

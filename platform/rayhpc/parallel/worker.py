@@ -1,0 +1,131 @@
+"""What every rank of a model-parallel run executes (through `WorkerGroup.run`).
+
+`setup` builds the whole model from the seed on every rank (so every rank starts
+from the same weights as a single-process run), keeps only its share, and
+leaves it in `ctx.state`; the other functions train, gather and checkpoint it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from rayhpc.data import step_indices
+from rayhpc.parallel.config import ParallelConfig
+from rayhpc.parallel.mesh import build_mesh
+from rayhpc.parallel.parallelize import full_state, parallelize
+from rayhpc.parallel.pp import build_schedule
+from rayhpc.parallel.worker_group import WorkerContext
+
+LOSS = nn.functional.mse_loss  # mean over a (micro)batch; the PP schedule averages over microbatches
+
+
+@dataclasses.dataclass
+class RankRun:
+    cfg: ParallelConfig
+    coords: dict[str, int]
+    module: nn.Module  # this rank's stage, TP/FSDP-sharded
+    optimizer: torch.optim.Optimizer
+    schedule: object | None  # the pipelining schedule when pp > 1
+    x: torch.Tensor
+    y: torch.Tensor
+
+    @property
+    def first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.coords["pp"] == self.cfg.pp - 1
+
+
+def setup(ctx: WorkerContext, cfg_dump: dict, data) -> tuple[int, int]:
+    """Build this rank's share of the model; returns (the model's parameters, this rank's share)."""
+    import ray
+
+    cfg = ParallelConfig.model_validate(cfg_dump)
+    quiet_warnings()
+    x, y = ray.get(data) if isinstance(data, ray.ObjectRef) else data
+    torch.manual_seed(cfg.seed)
+    model = cfg.model.build(x.shape[-1], y.shape[-1]).to(ctx.device)
+    total = sum(p.numel() for p in model.parameters())
+    mesh = build_mesh(cfg.degrees, ctx.device.type)
+    coords = cfg.degrees.coords(ctx.rank)
+    module = parallelize(model, mesh, cfg.degrees, ctx.rank, cfg.model.kind)
+    schedule = None
+    if cfg.pp > 1:
+        schedule = build_schedule(module, coords["pp"], cfg.pp, ctx.device, mesh["pp"].get_group(),
+                                  cfg.schedule, cfg.n_microbatches, LOSS)
+    # plain SGD keeps no optimizer state: the weights alone make a resumable checkpoint
+    optimizer = torch.optim.SGD(module.parameters(), lr=cfg.lr)
+    ctx.state["run"] = RankRun(cfg, coords, module, optimizer, schedule, x.to(ctx.device), y.to(ctx.device))
+    return total, sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
+
+
+def quiet_warnings() -> None:
+    """Silence two warnings that fire every run without anything to act on: FSDP2 warns that a
+    sharded Linear returns a view (only in-place ops on it would be wrong; the models use none),
+    and DTensor that gathering a 2-D (dp x tp) shard takes two all-gathers (once, at the end)."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def replica_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel replica's slice of global step `step`'s batch."""
+    cfg = run.cfg
+    idx = step_indices(len(run.x), cfg.batch_size, cfg.seed, step)
+    per = cfg.batch_size // cfg.dp
+    idx = idx[run.coords["dp"] * per:(run.coords["dp"] + 1) * per]
+    return run.x[idx], run.y[idx]
+
+
+def train_step(ctx: WorkerContext, step: int) -> dict:
+    """One optimizer step; the loss (mean over this replica's batch) where this rank computes it."""
+    run: RankRun = ctx.state["run"]
+    x, y = replica_batch(run, step)
+    started = time.perf_counter()
+    run.optimizer.zero_grad()
+    if run.schedule is None:
+        loss = LOSS(run.module(x), y)
+        loss.backward()
+        value = loss.item()
+    else:
+        losses = [] if run.last_stage else None
+        inputs = (x,) if run.first_stage else ()
+        run.schedule.step(*inputs, target=y if run.last_stage else None, losses=losses)
+        value = torch.stack(losses).mean().item() if run.last_stage else None
+    run.optimizer.step()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    return {"loss": value, "seconds": time.perf_counter() - started, "coords": run.coords}
+
+
+def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:
+    """The stage's whole weights, returned by one rank per stage (tp = dp = 0)."""
+    run: RankRun = ctx.state["run"]
+    weights = full_state(run.module)
+    return weights if run.coords["tp"] == run.coords["dp"] == 0 else {}
+
+
+def save_checkpoint(ctx: WorkerContext, path: str) -> None:
+    """Each rank writes its own shards (torch.distributed.checkpoint); no rank holds the whole model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save({"model": get_model_state_dict(ctx.state["run"].module)}, checkpoint_id=path)
+
+
+def load_checkpoint(ctx: WorkerContext, path: str) -> None:
+    """Read this rank's shards back in place (the layout may differ from the one that saved them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    module = ctx.state["run"].module
+    state = {"model": get_model_state_dict(module)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(module, state["model"])

@@ -1,0 +1,156 @@
+"""Model parallelism on the platform's worker group: every layout equals one process on the whole model."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+from conftest import run_job
+from rayhpc.config import ConfigError, validate
+from rayhpc.parallel import ParallelConfig, WorkerGroup, WorkerGroupError, run_parallel
+from rayhpc.parallel.reference import reference_run
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank functions defined below
+
+LAYOUTS = {
+    "tp2 mlp": dict(tp=2),
+    "pp2 gpipe": dict(pp=2, microbatches=4, schedule="gpipe"),
+    "pp2 1f1b": dict(pp=2, microbatches=4, schedule="1f1b"),
+    "tp2 x pp2 mlp": dict(tp=2, pp=2, microbatches=4, schedule="1f1b"),
+    "dp2 x tp2 mlp": dict(dp=2, tp=2),
+    "tp2 transformer": dict(tp=2, model={"kind": "transformer", "depth": 2}),
+    "tp2 x pp2 transformer": dict(tp=2, pp=2, microbatches=2, model={"kind": "transformer", "depth": 2}),
+}
+
+
+def assert_equal_to_reference(result, cfg: ParallelConfig) -> None:
+    losses, weights = reference_run(cfg)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses))  # fp32 tolerances
+    assert sorted(result.weights) == sorted(weights)
+    for name, expected in weights.items():
+        torch.testing.assert_close(result.weights[name], expected, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address, tmp_path):
+    cfg = ParallelConfig(storage_path=tmp_path, steps=4, **LAYOUTS[layout])
+    result = run_parallel(cfg, verbose=False)
+    assert len(result.losses) == 4
+    assert_equal_to_reference(result, cfg)
+
+
+def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
+    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 3 steps; the run is resumed
+    from step 3 as if it had been stopped before step 6 was saved."""
+    cfg = ParallelConfig(storage_path=tmp_path, steps=6, dp=2, tp=2, checkpoint_every=3)
+    full = run_parallel(cfg, verbose=False)
+    assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000006"
+    shutil.rmtree(full.checkpoint)
+    resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)
+    assert len(resumed.step_seconds) == 3, "the resumed run did not start from step 3"
+    assert resumed.losses == pytest.approx(full.losses, rel=1e-6)
+    assert_equal_to_reference(resumed, cfg)
+
+
+def test_the_job_script_trains_and_prints_loss_and_throughput(tmp_path):
+    proc = run_job("train_parallel.py", "--tp", "2", "--pp", "2", "--microbatches", "8", "--schedule", "1f1b",
+                   "--storage-path", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mesh pp(2) x dp(1) x tp(2)" in proc.stdout and "1f1b, 8 microbatches of 4 samples" in proc.stdout
+    losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 20 and "samples/s" in proc.stdout
+    assert statistics.mean(losses[-5:]) < 0.7 * losses[0], losses
+
+
+def boom_on_rank_1(ctx):
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        raise ValueError("boom")
+    dist.barrier()  # rank 0 waits here for the rank that failed
+
+
+def sleep_on_rank_1(ctx):
+    time.sleep(60 if ctx.rank == 1 else 0)
+    return ctx.rank
+
+
+def placement_groups_left() -> int:
+    return sum(pg["state"] != "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_group_ranks_environment_and_results(ray_address):
+    with WorkerGroup(3, cpus_per_worker=0.5, timeout_s=60) as group:
+        envs = group.run(lambda ctx: {k: __import__("os").environ[k] for k in
+                                      ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")})
+        sums = group.run(lambda ctx: __import__("torch.distributed").distributed.all_reduce(t := torch.ones(1)) or
+                         t.item())
+        assert group.run_on(2, lambda ctx: ctx.rank) == 2
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"] and {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
+    assert sums == [3.0, 3.0, 3.0]
+    assert placement_groups_left() == 0
+
+
+def test_a_failing_rank_is_named_with_its_traceback(ray_address):
+    group = WorkerGroup(2, cpus_per_worker=0.5, timeout_s=60)
+    started = time.monotonic()
+    with pytest.raises(WorkerGroupError) as err:
+        group.run(boom_on_rank_1)
+    message = str(err.value)
+    assert message.startswith("rank 1 failed in boom_on_rank_1; rank 0 still running"), message
+    assert "ValueError: boom" in message and list(err.value.failed) == [1]
+    assert time.monotonic() - started < 30, "the failure waited for the collective's timeout"
+    assert group.actors == [] and placement_groups_left() == 0
+
+
+def test_a_silent_rank_is_named_after_the_timeout(ray_address):
+    group = WorkerGroup(2, cpus_per_worker=0.5, timeout_s=60)
+    with pytest.raises(WorkerGroupError, match=r"^rank 1 did not answer sleep_on_rank_1 within 3 s") as err:
+        group.run(sleep_on_rank_1, timeout_s=3)
+    assert err.value.silent == [1] and placement_groups_left() == 0
+
+
+def test_mesh_mismatch_names_every_factor():
+    with pytest.raises(ConfigError, match=r"^num_workers \(--num-workers\) 3: dp\(1\) \* pp\(2\) \* tp\(2\) = 4 "
+                                          r"!= world size 3$"):
+        validate(ParallelConfig, {"tp": 2, "pp": 2, "num_workers": 3})
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--tp", "2", "--pp", "2", "--num-workers", "3"],
+     "error: num_workers (--num-workers) 3: dp(1) * pp(2) * tp(2) = 4 != world size 3"),
+    (["--tp", "3"], "error: model.hidden (--hidden) 32: not divisible by tp (--tp) 3"),
+    (["--tp", "4", "--model", "transformer", "--hidden", "30"],
+     "error: model.hidden (--hidden) 30: not divisible by tp (--tp) 4"),
+    (["--model", "transformer", "--dim", "16", "--heads", "3"],
+     "error: model.dim (--dim) 16: not divisible by model.heads (--heads) 3"),
+    (["--pp", "5"], "error: pp (--pp) 5: more pipeline stages than the model's 4 layers"),
+    (["--pp", "2", "--microbatches", "5"], "error: microbatches (--microbatches) 5: do not divide the per-replica batch 32"),
+    (["--tp", "2", "--dp", "8", "--cpus-per-worker", "1"],
+     "error: num_workers (--num-workers) 16: the cluster can place 2 worker(s) of 1 CPU each"),
+    (["--gpu"], "error: gpu (--gpu): the cluster has no GPUs"),
+])
+def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
+    proc = run_job("train_parallel.py", "--storage-path", str(tmp_path), *args,
+                   env={"RAY_TMPDIR": str(tmp_path / "ray")}, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(expected), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "ray").exists(), "Ray was started before the input was rejected"
+
+
+def test_the_bubble_benchmark_prints_its_table(tmp_path):
+    proc = run_job("bench_parallel.py", "--microbatches", "1,2", "--hidden", "64", "--microbatch-size", "8",
+                   "--steps", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["gpipe"], ["1f1b"])]
+    assert [(r[0], r[1]) for r in rows] == [("gpipe", "1"), ("gpipe", "2"), ("1f1b", "2")]
+    assert [r[-2] for r in rows] == ["0.500", "0.333", "0.333"]  # the formula column
+    assert all(0 <= float(r[-3]) <= 1 for r in rows)  # measured idle share

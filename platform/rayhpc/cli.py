@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import signal
 import sys
 import types
 import typing
@@ -56,6 +58,9 @@ def config_from_args(args: argparse.Namespace, model: type[M], flags: dict[str, 
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             overrides[key] = value.split(",") if _kind(field_at(model, key).annotation) is list else value
+    if os.environ.get("RAYHPC_RESUME") == "1" and "resume" in model.model_fields:
+        # set by the sbatch startup in a requeued job: continue where the preempted run stopped
+        overrides.setdefault("resume", True)
     merged = merge(data, overrides)
     named = {key: flag for flag, key in flags.items() if key in overrides}
     return validate(model, merged, named), explicit_keys(model, merged)
@@ -71,7 +76,13 @@ def _kind(annotation) -> type | None:
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> NoReturn:
-    """Run `main`, turning user-input errors into `error: ...` and exit status 2."""
+    """Run `main`, turning user-input errors into `error: ...` and exit status 2.
+
+    SIGUSR1 (Slurm's warning before a time limit or preemption, forwarded by the sbatch
+    startup) stops the job like Ctrl-C: checkpoints already written are kept, and a resumed
+    run continues from them. Ray Tune installs its own USR1 handler while a sweep runs.
+    """
+    signal.signal(signal.SIGUSR1, signal.default_int_handler)
     try:
         code = main(argv)
     except ConfigError as exc:
@@ -142,7 +153,37 @@ def parallel_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main}
+def submit_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc submit --cluster FILE [--nodes N] [--dry-run] -- COMMAND...`: a Ray cluster in a Slurm job."""
+    from rayhpc.slurm.config import load_cluster
+    from rayhpc.slurm.submit import submit
+
+    parser = ArgParser(prog="rayhpc submit", description="Run COMMAND on a Ray cluster started inside a Slurm job.")
+    parser.add_argument("--cluster", required=True, metavar="FILE", help="cluster config, e.g. cluster_configs/x.yaml")
+    parser.add_argument("--nodes", type=int, metavar="N", help="Slurm nodes (overrides slurm.nodes)")
+    parser.add_argument("--dry-run", action="store_true", help="print the sbatch script instead of submitting it")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python -u jobs/tune_mlp.py")
+    args = parser.parse_args(argv)
+    if args.nodes is not None and args.nodes < 1:
+        parser.error(f"nodes (--nodes) {args.nodes}: must be at least 1")
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    cfg = load_cluster(args.cluster)
+    out = submit(cfg, command, nodes=args.nodes, dry_run=args.dry_run)
+    print(out if args.dry_run else f"submitted job {out}: log {cfg.log_dir}/rayhpc-{cfg.name}-{out}.log")
+    return 0
+
+
+def status_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc status`: the platform's Slurm jobs, their state, head node and dashboard."""
+    from rayhpc.slurm.submit import format_jobs, jobs
+
+    ArgParser(prog="rayhpc status", description="List rayhpc's Slurm jobs.").parse_args(argv)
+    print(format_jobs(jobs()))
+    return 0
+
+
+COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main, "submit": submit_main,
+            "status": status_main}
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -1,0 +1,63 @@
+"""`rayhpc submit` and `rayhpc status`: render and submit the sbatch script; list the platform's jobs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from rayhpc.config import ConfigError
+from rayhpc.slurm.config import ClusterConfig
+from rayhpc.slurm.render import render_sbatch
+
+
+def submit(cfg: ClusterConfig, command: list[str], *, nodes: int | None = None, dry_run: bool = False) -> str:
+    """Submit `command` on a Ray cluster of `cfg`'s shape; returns the job id (or the script, dry)."""
+    if not command:
+        raise ConfigError("command: nothing to run; put it after --, e.g. -- python -u jobs/tune_mlp.py")
+    text = render_sbatch(cfg, command, nodes=nodes)
+    if dry_run:
+        return text
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output folder
+    script = cfg.log_dir / f"rayhpc-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    script.write_text(text)
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    if proc.returncode:
+        raise ConfigError(f"sbatch {script}: {proc.stderr.strip() or 'failed'}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def jobs() -> list[dict]:
+    """The platform's jobs in the queue (job names rayhpc-*), with head node and dashboard address."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T|%N|%M"], capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        job_id, name, state, nodelist, elapsed = line.split("|")
+        if not name.startswith("rayhpc-"):
+            continue
+        info = cluster_info(job_id)
+        rows.append({"job": job_id, "name": name, "state": state, "nodes": nodelist or "-", "elapsed": elapsed,
+                     "head": info.get("head", "-"), "dashboard": info.get("dashboard", "-")})
+    return rows
+
+
+def cluster_info(job_id: str) -> dict:
+    """What the job's startup wrote to <log dir>/<job>/cluster.json once its cluster was ready."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    fields = dict(part.split("=", 1) for part in out.split() if "=" in part)
+    for log_dir in (Path(fields.get("StdOut", "/nonexistent")).parent, Path(fields.get("WorkDir", "/")) / "rayhpc-logs"):
+        path = log_dir / job_id / "cluster.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+    return {}
+
+
+def format_jobs(rows: list[dict]) -> str:
+    if not rows:
+        return "no rayhpc jobs in the queue"
+    keys = ["job", "name", "state", "elapsed", "nodes", "head", "dashboard"]
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in keys}
+    lines = ["  ".join(k.upper().ljust(widths[k]) for k in keys)]
+    lines += ["  ".join(str(r[k]).ljust(widths[k]) for k in keys) for r in rows]
+    return "\n".join(lines)

@@ -128,13 +128,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     from rayhpc.train.trainer import format_summary, run_training
 
     parser = ArgParser(prog="train_mlp.py", description="Data-parallel (DDP or FSDP2) training of the MLP on Ray Train.")
-    add_config_arguments(parser, TrainConfig, FLAGS)
-    args = parser.parse_args(argv)
-    cfg, explicit = config_from_args(args, TrainConfig, FLAGS)
-    with ray_session():
-        result = run_training(cfg, explicit=explicit)
-    print(format_summary(result))
-    return 0
+    return _run_training_job(parser, argv, TrainConfig, FLAGS, run_training, format_summary)
 
 
 def parallel_main(argv: Sequence[str] | None = None) -> int:
@@ -144,12 +138,17 @@ def parallel_main(argv: Sequence[str] | None = None) -> int:
 
     parser = ArgParser(prog="train_parallel.py",
                        description="Tensor-, pipeline- and data-parallel training on a group of Ray actors.")
-    add_config_arguments(parser, ParallelConfig, FLAGS)
-    args = parser.parse_args(argv)
-    cfg, explicit = config_from_args(args, ParallelConfig, FLAGS)
+    return _run_training_job(parser, argv, ParallelConfig, FLAGS, run_parallel, format_summary)
+
+
+def _run_training_job(parser: ArgParser, argv, model: type[M], flags: dict[str, str], run: Callable,
+                      summary: Callable) -> int:
+    """Parse flags into the job's config, run it in a Ray session, print its summary."""
+    add_config_arguments(parser, model, flags)
+    cfg, explicit = config_from_args(parser.parse_args(argv), model, flags)
     with ray_session():
-        result = run_parallel(cfg, explicit=explicit)
-    print(format_summary(result))
+        result = run(cfg, explicit=explicit)
+    print(summary(result))
     return 0
 
 

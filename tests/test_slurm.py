@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import glob
+import json
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +15,8 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT
+from rayhpc.slurm.config import load_cluster
+from rayhpc.slurm.render import render_sbatch
 
 RAYHPC = str(Path(sys.executable).with_name("rayhpc"))
 CLUSTER = str(ROOT / "cluster_configs" / "local-slurm.yaml")
@@ -26,6 +30,7 @@ def slurm():
 
 
 def submit(*command: str) -> str:
+    """`rayhpc submit` on the test cluster; the job id."""
     proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, "--", *command], capture_output=True, text=True,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -72,4 +77,180 @@ def test_the_command_exit_code_reaches_slurm(slurm):
     info = wait_done(job)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", job_log(job)
     assert "rayhpc: command exited with code 3" in job_log(job)
+    assert_nothing_left(job)
+
+
+TWO_NODES = """
+import ray, socket, time
+ray.init()
+where = ray.remote(num_cpus=1)(lambda: (time.sleep(3), socket.gethostname())[1])
+hosts = ray.get([where.options(scheduling_strategy="SPREAD").remote() for _ in range(2)])
+assert sorted(hosts) == ["node1", "node2"], hosts
+"""
+
+
+def test_two_jobs_on_the_same_nodes_at_once_both_succeed(slurm):
+    jobs = [submit("python", "-c", TWO_NODES) for _ in range(2)]
+    infos = [wait_done(job) for job in jobs]
+    for job, info in zip(jobs, infos):
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job_log(job)
+        assert_nothing_left(job)
+    assert max(i["StartTime"] for i in infos) < min(i["EndTime"] for i in infos), "the jobs did not overlap"
+    assert {i["NodeList"] for i in infos} == {"node[1-2]"}
+    addresses = [json.loads((LOGS / job / "cluster.json").read_text())["address"] for job in jobs]
+    assert addresses[0] != addresses[1]
+
+
+def wait_cluster(job: str, timeout_s: float = 120) -> dict:
+    """The job's cluster.json, once its cluster is up."""
+    path, deadline = LOGS / job / "cluster.json", time.monotonic() + timeout_s
+    while not path.is_file():
+        assert time.monotonic() < deadline, f"job {job} did not start its cluster: {job_log(job)}"
+        time.sleep(0.5)
+    return json.loads(path.read_text())
+
+
+def from_node2(code: str, env: dict) -> subprocess.CompletedProcess:
+    """Python run in node2's network namespace (as another user's process on that node would)."""
+    return subprocess.run(["nsenter", "--net=/var/run/netns/n2", sys.executable, "-c", code], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+HTTP_STATUS = """
+import sys, urllib.request, urllib.error
+request = urllib.request.Request(sys.argv[1], headers=dict(a.split(": ", 1) for a in sys.argv[2:]))
+try:
+    print(urllib.request.urlopen(request, timeout=10).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+"""
+
+
+def test_a_client_without_the_token_is_refused(slurm, tmp_path):
+    go = tmp_path / "go"
+    job = submit("python", "-c", f"import pathlib, time\nwhile not pathlib.Path({str(go)!r}).exists(): time.sleep(0.2)")
+    try:
+        info = wait_cluster(job)
+        status = subprocess.run([RAYHPC, "status"], capture_output=True, text=True, check=True).stdout
+        row = next(line.split() for line in status.splitlines() if line.startswith(job + " "))
+        assert row[1:3] == ["rayhpc-local-slurm", "RUNNING"] and row[-2:] == ["node1", info["dashboard"]], status
+        # another user: no RAY_AUTH_* settings and a home without ~/.ray/auth_token
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(tmp_path)}
+        client = from_node2(f"import ray; ray.init(address={info['address']!r})", env)
+        assert client.returncode != 0 and "token" in client.stderr.lower(), client.stderr[-2000:]
+        url = info["dashboard"] + "/api/jobs/"
+        status = subprocess.run(["nsenter", "--net=/var/run/netns/n2", sys.executable, "-c", HTTP_STATUS, url],
+                                capture_output=True, text=True, env=env).stdout.strip()
+        assert status in ("401", "403"), f"the dashboard answered {status} without the token"
+        token_file = LOGS / job / "auth_token"
+        assert token_file.stat().st_mode & 0o777 == 0o600 and token_file.read_text().strip() not in job_log(job)
+        token = token_file.read_text().strip()
+        status = subprocess.run(["nsenter", "--net=/var/run/netns/n2", sys.executable, "-c", HTTP_STATUS, url,
+                                 f"Authorization: Bearer {token}"], capture_output=True, text=True, env=env).stdout
+        assert status.strip() == "200", "the dashboard refused the job's own token"
+    finally:
+        go.touch()
+    assert wait_done(job)["JobState"] == "COMPLETED"
+    assert_nothing_left(job)
+
+
+def test_a_node_that_never_joins_is_named_within_the_timeout(slurm, tmp_path):
+    cfg = load_cluster(CLUSTER)
+    cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"join_timeout_s": 8.0})})
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(cfg, ["true"]))
+    job = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True, cwd=ROOT,
+                         check=True).stdout.strip()
+    Path(f"/tmp/rh-{job}-node2").write_text("a file where node2's Ray wants its temp dir: its ray start fails")
+    subprocess.run(["scontrol", "release", job], check=True)
+    info = wait_done(job)
+    log = job_log(job)
+    assert "error: node(s) node2 did not join the Ray cluster within 8 s (1 of 2 joined: node1)" in log, log
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0"
+    assert_nothing_left(job)
+
+
+PREEMPT = {
+    "scontrol requeue": lambda job: ["scontrol", "requeue", job],
+    # what --signal=B:USR1@<lead> delivers before a time limit or preemption: the startup
+    # stops the sweep (Tune saves its state) and requeues the job itself
+    "USR1 warning": lambda job: ["scancel", "--batch", "--signal=USR1", job],
+}
+
+
+@pytest.mark.parametrize("how", PREEMPT)
+def test_requeue_mid_sweep_resumes_without_rerunning_finished_trials(how, slurm):
+    storage = f"/tmp/rayhpc-slurm-results-{uuid.uuid4().hex[:8]}"
+    job = submit("python", "-u", "jobs/tune_mlp.py", "--num-samples", "6", "--pack", "1", "--epochs", "60",
+                 "--storage-path", storage)
+    results = Path(storage) / "mlp-sweep" / "results.parquet"
+    deadline = time.monotonic() + 300
+    while not (results.is_file() and (before := finished(results)).shape[0] >= 2):
+        assert time.monotonic() < deadline, job_log(job)
+        time.sleep(0.5)
+    subprocess.run(PREEMPT[how](job), check=True)
+    skip_requeue_delay(job)
+    info = wait_done(job)
+    log = job_log(job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert "(restart 0)" in log and "(restart 1)" in log, "the log was not appended to across the restart"
+    assert log.rstrip().endswith("rayhpc: command exited with code 0")
+    final = pd.read_parquet(results)
+    assert len(final) == 6 and final["trial_id"].is_unique and set(final["status"]) == {"finished"}, final
+    again = final.set_index("trial_id").loc[before.index]
+    # a finished trial that ran again would have new timings
+    assert again["train_seconds"].tolist() == before["train_seconds"].tolist()
+    assert_nothing_left(job)
+
+
+def skip_requeue_delay(job: str, timeout_s: float = 120) -> None:
+    """Slurm holds a requeued job back for a while (about 150 s here); an admin would start it
+    at once, as the test does, once it is pending again."""
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip() \
+            != "PENDING":
+        assert time.monotonic() < deadline, f"job {job} was not requeued"
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+
+
+def finished(results: Path) -> pd.DataFrame:
+    table = pd.read_parquet(results)
+    return table[table["status"] == "finished"].set_index("trial_id")
+
+
+RAY_SWEEP_COLUMNS = ["trial_id", "status", "config.hidden", "config.lr", "val_loss", "best_val_loss", "iterations",
+                     "train_seconds", "node", "pack_size", "error"]
+
+
+def test_array_mode_writes_the_ray_sweeps_results_table(slurm):
+    storage = Path(f"/tmp/rayhpc-slurm-results-{uuid.uuid4().hex[:8]}")
+    proc = subprocess.run([RAYHPC, "submit", "--array", "--cluster", CLUSTER, "--", "--num-samples", "4", "--epochs",
+                           "3", "--max-concurrent", "2", "--storage-path", str(storage)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    array = proc.stdout.split()[3]  # "submitted array job N (4 tasks) ..."
+    assert "#SBATCH --array=0-3%2" in (storage / "mlp-sweep" / "array.sbatch").read_text()
+    wait_done(array)
+    results = storage / "mlp-sweep" / "results.parquet"
+    deadline = time.monotonic() + 120
+    while not results.is_file():  # written by the collecting job once every task has ended
+        assert time.monotonic() < deadline, "no results.parquet from the collecting job"
+        time.sleep(0.5)
+    table = pd.read_parquet(results)
+    assert list(table.columns) == RAY_SWEEP_COLUMNS
+    assert len(table) == 4 and set(table["status"]) == {"finished"} and set(table["node"]) <= {"node1", "node2"}
+    assert all((LOGS / f"rayhpc-local-slurm-array-{array}_{i}.log").is_file() for i in range(4))
+
+
+def test_the_sbatch_script_works_directly(slurm, tmp_path):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # the venv, activated
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/%x-%j.log",
+                          str(ROOT / "cluster_configs" / "slurm" / "ray_cluster.sbatch"),
+                          "python", "-c", "import ray; ray.init(); assert len(ray.nodes()) == 2"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout.strip()
+    info = wait_done(job)
+    log = (tmp_path / f"rayhpc-ray-{job}.log").read_text()
+    assert info["JobState"] == "COMPLETED" and "rayhpc: command exited with code 0" in log, log
+    assert (tmp_path / "rayhpc-logs" / job / "cluster.json").is_file()
     assert_nothing_left(job)

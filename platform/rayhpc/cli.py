@@ -161,14 +161,35 @@ def submit_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cluster", required=True, metavar="FILE", help="cluster config, e.g. cluster_configs/x.yaml")
     parser.add_argument("--nodes", type=int, metavar="N", help="Slurm nodes (overrides slurm.nodes)")
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch script instead of submitting it")
+    parser.add_argument("--array", action="store_true",
+                        help="run a sweep as a Slurm array job, one trial per task: give tune_mlp.py's flags after --")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python -u jobs/tune_mlp.py")
     args = parser.parse_args(argv)
     if args.nodes is not None and args.nodes < 1:
         parser.error(f"nodes (--nodes) {args.nodes}: must be at least 1")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     cfg = load_cluster(args.cluster)
+    if args.array:
+        return _submit_array(cfg, command, args.dry_run)
     out = submit(cfg, command, nodes=args.nodes, dry_run=args.dry_run)
     print(out if args.dry_run else f"submitted job {out}: log {cfg.log_dir}/rayhpc-{cfg.name}-{out}.log")
+    return 0
+
+
+def _submit_array(cluster, command: list[str], dry_run: bool) -> int:
+    """`rayhpc submit --array`: the sweep flags (after an optional `python [-u] jobs/tune_mlp.py`)."""
+    from rayhpc.slurm.array import check_array_sweep, submit_array
+    from rayhpc.tune.config import FLAGS, SweepConfig
+
+    while command and (command[0].startswith("python") or command[0] == "-u" or command[0].endswith("tune_mlp.py")):
+        command = command[1:]
+    parser = ArgParser(prog="rayhpc submit --array -- ", description="The sweep to run as an array job.")
+    add_config_arguments(parser, SweepConfig, FLAGS)
+    sweep, explicit = config_from_args(parser.parse_args(command), SweepConfig, FLAGS)
+    sweep, n_trials = check_array_sweep(sweep, explicit)
+    out = submit_array(cluster, sweep, n_trials, dry_run=dry_run)
+    print(out if dry_run else f"submitted array job {out} ({n_trials} tasks) and a job collecting their results "
+                              f"into {sweep.experiment_dir / 'results.parquet'}")
     return 0
 
 

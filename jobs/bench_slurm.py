@@ -1,0 +1,112 @@
+"""Start-up overhead of Ray inside a Slurm job, for 1 and 2 nodes (or --nodes 1,2,4,...).
+
+    python jobs/bench_slurm.py --cluster cluster_configs/local-slurm.yaml --nodes 1,2
+
+Ray's own start: a Slurm job of the same nodes times Ray's own commands back to back:
+`ray start --head` (which returns once the node is up), then `ray start --address` on every
+other node at once. Ready: jobs through the platform's startup run `true`, and the
+startup logs when every node had joined, in seconds since the batch script started.
+Overhead = ready - Ray's own start. (Ray's documented example sleeps 10 s for the head and
+5 s per worker node instead.)
+"""
+
+import argparse
+import re
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rayhpc.slurm.config import load_cluster
+from rayhpc.slurm.submit import submit
+
+TIMING = re.compile(r"rayhpc: timing: head launched ([\d.]+) s, head port open ([\d.]+) s, "
+                    r"all nodes joined ([\d.]+) s")
+
+
+def run_job(cluster, nodes: int) -> tuple[float, float, float]:
+    job = submit(cluster, ["true"], nodes=nodes)
+    wait(job)
+    log = Path(cluster.log_dir) / f"rayhpc-{cluster.name}-{job}.log"
+    match = TIMING.search(log.read_text())
+    if not match or "ray start failed" in log.read_text():
+        sys.exit(f"job {job}: no timing line in {log}:\n{log.read_text()}")
+    return tuple(float(v) for v in match.groups())
+
+
+OWN_START = """#!/bin/bash
+#SBATCH --job-name=rayhpc-bench-ray-start
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task={cpus}
+#SBATCH --output={log}
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="{log}.token" T=/tmp/rh-bench-$SLURM_JOB_ID
+(umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > "$RAY_AUTH_TOKEN_PATH")
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1)
+ip=$(getent ahostsv4 "$head" | awk 'NR==1{{print $1}}')
+t0=$(date +%s.%N)
+# the head in the batch step, so that it outlives `ray start`; it returns once the node is up
+ray start --head --node-ip-address="$ip" --port={port} --dashboard-port={dashboard} --temp-dir="$T-$head" \\
+    --num-cpus={cpus} --disable-usage-stats --include-dashboard=true >/dev/null 2>&1 || echo "ray start failed on $head"
+# then every other node at once, each `ray start` returning once its node has joined
+for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +2); do
+    srun --overlap -N1 -n1 -w "$node" bash -c 'exec ray start --address="$0" --temp-dir="$1-$(hostname -s)" \\
+        --node-ip-address="$(getent ahostsv4 "$(hostname -s)" | awk "NR==1{{print \\$1}}")" --num-cpus={cpus} \\
+        --disable-usage-stats' "$ip:{port}" "$T" >/dev/null 2>&1 || echo "ray start failed on $node" &
+done
+wait
+t1=$(date +%s.%N)
+awk -v a="$t0" -v b="$t1" 'BEGIN{{printf "ray-own-start %.2f\\n", b-a}}'
+# only this job's Ray (`ray stop` stops every Ray on the node); KILL, since the GCS server
+# outlives a TERM once its session dir is gone
+srun --overlap --ntasks-per-node=1 bash -c 'for _ in $(seq 50); do pkill -KILL -f "/tmp/[r]h-bench-$0-" || break
+    sleep 0.1; done; rm -rf "/tmp/r""h-bench-$0-$(hostname -s)"' "$SLURM_JOB_ID"
+rm -f "$RAY_AUTH_TOKEN_PATH"
+"""
+
+
+def ray_own_start(cluster, nodes: int) -> float:
+    """Seconds Ray's own commands take to bring up `nodes` nodes in a Slurm job: `ray start --head`
+    (head and dashboard, as the platform starts them), then `ray start --address` on the others."""
+    log = Path(cluster.log_dir) / f"bench-ray-start-{time.time_ns()}.log"
+    text = OWN_START.format(log=log, nodes=nodes, cpus=cluster.slurm.cpus_per_task or 1, port=29400, dashboard=29403)
+    partition = [f"--partition={cluster.slurm.partition}"] if cluster.slurm.partition else []
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # this venv's ray
+    job = subprocess.run(["sbatch", "--parsable", *partition], input=text, capture_output=True, text=True,
+                         env=env, check=True).stdout.strip()
+    wait(job)
+    match = re.search(r"ray-own-start ([\d.]+)", log.read_text())
+    if not match or "ray start failed" in log.read_text():
+        sys.exit(f"job {job}: no ray-own-start line in {log}:\n{log.read_text()}")
+    return float(match.group(1))
+
+
+def wait(job: str) -> None:
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        time.sleep(0.5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cluster", default="cluster_configs/local-slurm.yaml")
+    p.add_argument("--nodes", default="1,2", help="comma-separated node counts")
+    p.add_argument("--repeats", type=int, default=3, help="jobs per node count (the median is shown)")
+    a = p.parse_args()
+    cluster = load_cluster(a.cluster)
+    cluster.log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{'nodes':>5} {'Ray own start s':>16} {'head port open s':>17} {'all joined s':>13} {'overhead s':>11}")
+    for nodes in [int(n) for n in a.nodes.split(",")]:
+        own = median([ray_own_start(cluster, nodes) for _ in range(a.repeats)])
+        ready = median([run_job(cluster, nodes) for _ in range(a.repeats)])
+        print(f"{nodes:>5} {own:>16.1f} {ready[1]:>17.1f} {ready[2]:>13.1f} {ready[2] - own:>11.1f}", flush=True)
+    print(f"(median of {a.repeats} jobs each; overhead = all joined - Ray's own start)")
+
+
+def median(runs: list):
+    """The middle run (by its last field, for tuples)."""
+    return sorted(runs, key=lambda r: r[-1] if isinstance(r, tuple) else r)[len(runs) // 2]
+
+
+if __name__ == "__main__":
+    main()

@@ -13,13 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def ray_address():
-    """Start one local Ray cluster (2 CPUs, token auth) shared by every test; yield its address."""
+def ray_cluster():
+    """Start one local Ray cluster (2 CPUs, token auth, dashboard) shared by every test; yield
+    its `address_info` (gcs_address, webui_url, metrics_export_port, node_ip_address, ...)."""
     import ray
 
-    ray.init(num_cpus=2, logging_level="WARNING")
-    yield ray.get_runtime_context().gcs_address
+    ctx = ray.init(num_cpus=2, logging_level="WARNING", include_dashboard=True)
+    yield ctx.address_info
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_cluster):
+    """The shared local Ray cluster's address."""
+    return ray_cluster["gcs_address"]
 
 
 def run_job(script: str, *args: str, env: dict | None = None, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
@@ -28,3 +35,22 @@ def run_job(script: str, *args: str, env: dict | None = None, timeout: float = 3
     full_env.pop("RAY_ADDRESS", None) if "RAY_ADDRESS" not in (env or {}) else None
     return subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=kwargs.pop("cwd", ROOT), **kwargs)
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[float]]:
+    """Every scalar in the TensorBoard event files under `folder`, by tag (read with
+    tensorboardX's protobufs: TFRecord = length, crc, Event, crc)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, list[float]] = {}
+    for path in sorted(Path(folder).rglob("events.out.tfevents.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(value.simple_value)
+    return scalars

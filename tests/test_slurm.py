@@ -148,10 +148,21 @@ def test_a_client_without_the_token_is_refused(slurm, tmp_path):
         status = subprocess.run(["nsenter", "--net=/var/run/netns/n2", sys.executable, "-c", HTTP_STATUS, url,
                                  f"Authorization: Bearer {token}"], capture_output=True, text=True, env=env).stdout
         assert status.strip() == "200", "the dashboard refused the job's own token"
+        # Prometheus file service discovery: both nodes' metrics endpoints, which answer
+        sd = json.loads((LOGS / "prometheus" / f"{job}.json").read_text())
+        targets = sd[0]["targets"]
+        assert [t.split(":")[0] for t in targets] == ["10.77.0.11", "10.77.0.12"], sd
+        assert sd[0]["labels"]["slurm_job"] == job
+        metrics = subprocess.run(["nsenter", "--net=/var/run/netns/n1", sys.executable, "-c",
+                                  "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10)"
+                                  ".read().decode())", f"http://{targets[1]}/metrics"],
+                                 capture_output=True, text=True).stdout
+        assert "ray_" in metrics, metrics[:500]
     finally:
         go.touch()
     assert wait_done(job)["JobState"] == "COMPLETED"
     assert_nothing_left(job)
+    assert not (LOGS / "prometheus" / f"{job}.json").exists()  # Prometheus stops scraping the ended job
 
 
 def test_a_node_that_never_joins_is_named_within_the_timeout(slurm, tmp_path):

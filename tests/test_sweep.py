@@ -14,7 +14,7 @@ import pytest
 import torch
 from ray.tune import Callback
 
-from conftest import ROOT, run_job
+from conftest import ROOT, run_job, tensorboard_scalars
 from rayhpc.config import validate
 from rayhpc.data import load_dataset
 from rayhpc.tune.config import SweepConfig
@@ -49,6 +49,10 @@ def test_sweep_runs_end_to_end_and_its_table_is_right(ray_address, tmp_path):
     assert table["config.lr"].between(1e-3, 1e-1).all()
     # the loss went down: the best trial beats predicting the mean by far
     assert table["best_val_loss"].min() < 0.5 * predict_mean_mse(cfg)
+    # Ray Tune's TensorBoard events, one series per trial of every pack (`tensorboard --logdir <experiment>`)
+    series = [tag for trial_dir in (tmp_path / "e2e").iterdir() if trial_dir.is_dir()
+              for tag in tensorboard_scalars(trial_dir) if "/members/" in tag and tag.endswith("/best_val_loss")]
+    assert len(series) == 6, series
 
 
 def test_asha_stops_bad_trials_early(ray_address, tmp_path):

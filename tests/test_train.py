@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ray.train import UserCallback
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import ROOT, run_job
+from conftest import ROOT, run_job, tensorboard_scalars
 from rayhpc.config import validate
 from rayhpc.data import load_dataset
 from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
@@ -70,6 +70,8 @@ def test_ddp_equals_one_process_with_the_global_batch(ddp_run):
     assert set(epochs["global_batch_size"]) == {64} and set(epochs["batch_size_per_worker"]) == {32}
     assert (epochs["samples_per_s"] > 0).all() and (epochs["step_ms"] > 0).all()
     assert epochs["loss"].iloc[-1] < 0.8 * epochs["loss"].iloc[0]  # the loss went down
+    events = tensorboard_scalars(ddp_run.cfg.experiment_dir / "tensorboard")  # `tensorboard --logdir` reads these
+    torch.testing.assert_close(events["epoch/loss"], epochs["loss"].tolist())
 
 
 def test_fsdp_equals_ddp(ddp_run, tmp_path):

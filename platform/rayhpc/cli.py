@@ -17,6 +17,7 @@ from typing import Callable, NoReturn, Sequence, TypeVar
 
 from pydantic import BaseModel
 
+from rayhpc import cluster
 from rayhpc.config import ConfigError, explicit_keys, field_at, load_yaml, merge, validate
 
 USAGE_ERROR = 2
@@ -83,6 +84,7 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     run continues from them. Ray Tune installs its own USR1 handler while a sweep runs.
     """
     signal.signal(signal.SIGUSR1, signal.default_int_handler)
+    cluster.use_token_if_present()
     try:
         code = main(argv)
     except ConfigError as exc:
@@ -176,7 +178,7 @@ def submit_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _submit_array(cluster, command: list[str], dry_run: bool) -> int:
+def _submit_array(cluster_cfg, command: list[str], dry_run: bool) -> int:
     """`rayhpc submit --array`: the sweep flags (after an optional `python [-u] jobs/tune_mlp.py`)."""
     from rayhpc.slurm.array import check_array_sweep, submit_array
     from rayhpc.tune.config import FLAGS, SweepConfig
@@ -187,18 +189,34 @@ def _submit_array(cluster, command: list[str], dry_run: bool) -> int:
     add_config_arguments(parser, SweepConfig, FLAGS)
     sweep, explicit = config_from_args(parser.parse_args(command), SweepConfig, FLAGS)
     sweep, n_trials = check_array_sweep(sweep, explicit)
-    out = submit_array(cluster, sweep, n_trials, dry_run=dry_run)
+    out = submit_array(cluster_cfg, sweep, n_trials, dry_run=dry_run)
     print(out if dry_run else f"submitted array job {out} ({n_trials} tasks) and a job collecting their results "
                               f"into {sweep.experiment_dir / 'results.parquet'}")
     return 0
 
 
 def status_main(argv: Sequence[str] | None = None) -> int:
-    """`rayhpc status`: the platform's Slurm jobs, their state, head node and dashboard."""
-    from rayhpc.slurm.submit import format_jobs, jobs
+    """`rayhpc status`: the platform's Slurm jobs; with --address, what that Ray cluster is doing."""
+    import shutil
 
-    ArgParser(prog="rayhpc status", description="List rayhpc's Slurm jobs.").parse_args(argv)
-    print(format_jobs(jobs()))
+    parser = ArgParser(prog="rayhpc status", description="rayhpc's Slurm jobs, or (--address) a Ray cluster's "
+                       "nodes, resources in use, running jobs and sweeps.")
+    parser.add_argument("--address", metavar="ADDR", help="a running Ray cluster (host:port); default $RAY_ADDRESS")
+    args = parser.parse_args(argv)
+    address = cluster.resolve_address(args.address)
+    if address is None and shutil.which("squeue") is None:
+        parser.error("no Ray cluster to ask: give --address HOST:PORT (or set RAY_ADDRESS); "
+                     "no Slurm here (squeue not found)")
+    if address is None:
+        from rayhpc.slurm.submit import format_jobs, jobs
+
+        print(format_jobs(jobs()))
+        return 0
+    from rayhpc.monitor.status import cluster_status
+
+    with ray_session():
+        cluster.connect(address, log_to_driver=False)
+        print(cluster_status())
     return 0
 
 

@@ -56,6 +56,19 @@ def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get("RAY_ADDRESS") or None
 
 
+def use_token_if_present() -> None:
+    """Send this user's Ray token when joining a cluster, as a local `ray.init()` does when starting one.
+
+    Ray reads RAY_AUTH_MODE once, when it is imported; a client without it is refused by a
+    token-protected cluster (such as the local one a sweep starts). Call before importing ray.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    if os.environ.get("RAY_AUTH_TOKEN") or Path(path).is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def local_cpus() -> int:
     """CPUs this process may use: affinity mask, capped by a cgroup v2 quota if any."""
     cpus = len(os.sched_getaffinity(0))
@@ -100,7 +113,10 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     # A local cluster started by ray.init() has token auth on by default in Ray 2.60
     # (token in ~/.ray/auth_token, generated if absent), so on a shared machine no
     # other user can submit code to it. RAY_AUTH_MODE is read when ray is imported,
-    # so it cannot be switched on from here; rayhpc never switches it off.
+    # so it cannot be switched on from here (see use_token_if_present); rayhpc never
+    # switches it off.
+    if address is None:  # on by default too, but only if ray[default] is there: say so when it is not
+        init_kwargs.setdefault("include_dashboard", True)
     try:
         ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
     except (OSError, RuntimeError, ValueError) as exc:  # OSError: also a too-long RAY_TMPDIR socket path
@@ -108,9 +124,10 @@ def connect(address: str | None, **init_kwargs) -> Resources:
         raise ConfigError(f"{what} a Ray cluster: {exc}".splitlines()[0]) from None
     res = _current()
     dashboard = getattr(ctx, "dashboard_url", None)
-    started = "started local Ray" if address is None else f"joined Ray at {address}"
+    started = f"started local Ray at {res.address}" if address is None else f"joined Ray at {address}"
+    # the dashboard asks for the cluster's token once per browser: `ray get-auth-token` prints it
     print(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
-          + (f"; dashboard http://{dashboard}" if dashboard else ""), flush=True)
+          + (f"; dashboard http://{dashboard} (token: `ray get-auth-token`)" if dashboard else ""), flush=True)
     return res
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from rayhpc.data import step_indices
+from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.mesh import build_mesh
 from rayhpc.parallel.parallelize import full_state, parallelize
@@ -64,6 +65,7 @@ def setup(ctx: WorkerContext, cfg_dump: dict, data) -> tuple[int, int]:
     # plain SGD keeps no optimizer state: the weights alone make a resumable checkpoint
     optimizer = torch.optim.SGD(module.parameters(), lr=cfg.lr)
     ctx.state["run"] = RankRun(cfg, coords, module, optimizer, schedule, x.to(ctx.device), y.to(ctx.device))
+    ctx.state["gauges"] = WorkerMetrics(cfg.name, ctx.rank)
     return total, sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
 
 
@@ -102,7 +104,9 @@ def train_step(ctx: WorkerContext, step: int) -> dict:
     run.optimizer.step()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-    return {"loss": value, "seconds": time.perf_counter() - started, "coords": run.coords}
+    seconds = time.perf_counter() - started
+    ctx.state["gauges"].record(value, len(x) / seconds, seconds, ctx.device)  # loss: None off the last stage
+    return {"loss": value, "seconds": seconds, "coords": run.coords}
 
 
 def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:

@@ -74,6 +74,8 @@ class RaySettings(StrictModel):
 
     object_store_gb: float | None = Field(None, gt=0, description="object store per node (GB); Ray's default if unset")
     dashboard: bool = Field(True, description="start the dashboard on the head node")
+    dashboard_host: str = Field("127.0.0.1", description="address the dashboard binds on the head: its loopback "
+                                "(reach it by the printed ssh tunnel) or e.g. 0.0.0.0; token-protected either way")
     head_ip: str | None = Field(None, description="head address other nodes reach; found automatically if unset")
     join_timeout_s: float = Field(120.0, gt=0, description="longest wait for every node to join")
 

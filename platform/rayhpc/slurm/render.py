@@ -46,7 +46,8 @@ def startup_env(cfg: ClusterConfig) -> dict[str, str]:
     """Settings the startup script reads (RAYHPC_*)."""
     r = cfg.ray
     env = {"RAYHPC_LOG_DIR": str(cfg.log_dir), "RAYHPC_JOIN_TIMEOUT_S": f"{r.join_timeout_s:g}",
-           "RAYHPC_DASHBOARD": "1" if r.dashboard else "0", "RAYHPC_REQUEUE": "1" if cfg.requeue.enabled else "0"}
+           "RAYHPC_DASHBOARD": "1" if r.dashboard else "0", "RAYHPC_DASHBOARD_HOST": r.dashboard_host,
+           "RAYHPC_REQUEUE": "1" if cfg.requeue.enabled else "0"}
     if r.head_ip:
         env["RAYHPC_HEAD_IP"] = r.head_ip
     if r.object_store_gb:

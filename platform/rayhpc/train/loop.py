@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from rayhpc.data import Dataset
 from rayhpc.models import MLP
+from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.train import checkpoint
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.parallelize import parallelize
@@ -57,6 +58,9 @@ class Worker:
     progress: checkpoint.Progress
     first_step_time: float | None = None  # unix time
 
+    def __post_init__(self):
+        self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
+
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         autocast = self.cfg.use_bf16 and self.cfg.strategy == "ddp" and self.device.type == "cuda"
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -69,6 +73,7 @@ class Worker:
         return self.loss(*self.val).item()
 
     def report(self, metrics: dict, with_checkpoint: bool) -> None:
+        self.gauges.record(metrics["loss"], metrics["worker_samples_per_s"], metrics["step_ms"] / 1000, self.device)
         if with_checkpoint:
             checkpoint.report(metrics, strategy=self.cfg.strategy, model=self.model, optimizer=self.optimizer,
                               progress=self.progress, rank=self.rank)
@@ -158,6 +163,7 @@ def run_epoch(w: Worker, epoch: int) -> None:
 
 def _rates(w: Worker, totals: torch.Tensor, steps: int, seconds: float, epoch: int) -> dict:
     """Loss and throughput over all ranks since the last report."""
+    own_samples = float(totals[1])
     if dist.is_initialized() and w.world > 1:
         totals = totals.clone()
         dist.all_reduce(totals)
@@ -167,6 +173,7 @@ def _rates(w: Worker, totals: torch.Tensor, steps: int, seconds: float, epoch: i
         "global_step": w.progress.global_step,
         "loss": loss_sum / max(samples, 1),
         "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "worker_samples_per_s": own_samples / seconds if seconds > 0 else 0.0,  # this rank's
         "step_ms": 1000 * seconds / max(steps, 1),
         "train_seconds": w.progress.train_seconds,
         "world_size": w.world,

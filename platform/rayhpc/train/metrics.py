@@ -9,21 +9,27 @@ checkpoint, and their new rows replace the old ones.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pandas as pd
 from ray.train import UserCallback
 
 METRICS_FILE = "metrics.parquet"
+TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir <run_dir>/tensorboard`
+EVENT_SCALARS = ("loss", "val_loss", "best_val_loss", "samples_per_s", "step_ms", "lr")
 
 
 class MetricsRecorder(UserCallback):
-    """Appends rank 0's metrics of every report to `metrics.parquet` and prints one line per epoch."""
+    """Appends rank 0's metrics of every report to `metrics.parquet` and TensorBoard events, and
+    prints one line per epoch."""
 
     def __init__(self, run_dir: Path, epochs: int, verbose: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
         self.epochs, self.verbose = epochs, verbose
         self.rows: list[dict] | None = None  # loaded lazily: a resumed run keeps its earlier rows
+        self.tensorboard = Path(run_dir) / TENSORBOARD_DIR
+        self._writer = None  # made where the callback runs: it does not pickle
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         row = dict(metrics[0])
@@ -36,7 +42,30 @@ class MetricsRecorder(UserCallback):
         tmp = self.path.with_suffix(".tmp")
         pd.DataFrame(self.rows).to_parquet(tmp, index=False)
         tmp.replace(self.path)
+        self._write_events(row)
         if kind == "epoch" and self.verbose:
             print(f"epoch {row['epoch']}/{self.epochs}: loss {row['loss']:.4g}, val_loss {row['val_loss']:.4g}, "
                   f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.2f} ms/step "
                   f"({row['world_size']} workers x {row['batch_size_per_worker']} samples)", flush=True)
+
+    def _write_events(self, row: dict) -> None:
+        """The report's scalars as TensorBoard events (tensorboardX ships with Ray Tune).
+
+        Written synchronously: SummaryWriter queues events for a background thread, and Ray
+        Train ends the controller right after the last report, losing what was queued.
+        """
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        if self._writer is None:
+            self.tensorboard.mkdir(parents=True, exist_ok=True)
+            self._writer = EventsWriter(str(self.tensorboard / "events"))
+        for key in EVENT_SCALARS:
+            if row.get(key) is not None:
+                self._writer.write_event(Event(wall_time=time.time(), step=row["global_step"],
+                                               summary=scalar(f"{row['kind']}/{key}", row[key])))
+        self._writer.flush()
+
+    def __getstate__(self):
+        return {**self.__dict__, "_writer": None}

@@ -9,6 +9,7 @@ import pandas as pd
 from rayhpc import cluster
 from rayhpc.config import ConfigError, reconcile_resume
 from rayhpc.data import load_dataset
+from rayhpc.monitor.board import SweepMonitor
 from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.plan import load_plan, make_plan, save_plan, slots
 from rayhpc.tune.progress import ProgressPrinter
@@ -107,7 +108,7 @@ def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, resources: cluster.Res
             # keeping one checkpoint makes Tune save the experiment state after every trial
             # checkpoint, so a killed driver's --resume never re-runs an epoch already done
             checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-            callbacks=[recorder, ProgressPrinter(recorder), *callbacks],
+            callbacks=[recorder, ProgressPrinter(recorder), SweepMonitor(recorder, cfg.name), *callbacks],
         ),
     )
 

@@ -1,0 +1,196 @@
+"""Monitoring during a real sweep on the shared local Ray: the metrics endpoint, a real
+Prometheus with the shipped scrape config, the dashboard's token check (HTTP API and a real
+headless Chromium), and `rayhpc status` reading the sweep from the cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rayhpc.monitor.metrics import METRICS
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = Path(os.environ.get("RAYHPC_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+SWEEP = "monitored"
+
+
+def token() -> str:
+    return (Path.home() / ".ray" / "auth_token").read_text().strip()
+
+
+def scrape(cluster: dict) -> dict[str, list]:
+    """The platform's samples on the node's metrics endpoint, by name (Ray's `ray_` prefix dropped)."""
+    url = f"http://{cluster['node_ip_address']}:{cluster['metrics_export_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_rayhpc_"):
+                samples.setdefault(s.name.removeprefix("ray_"), []).append(s)
+    return samples
+
+
+def iterations(cluster: dict) -> dict[str, float]:
+    return {s.labels["trial_id"]: s.value for s in scrape(cluster).get("rayhpc_trial_iterations", [])
+            if s.labels["sweep"] == SWEEP}
+
+
+def test_training_workers_export_loss_throughput_and_step_time_per_rank(ray_cluster, tmp_path):
+    """First in this module: the training job needs the CPUs that the module's sweep takes later."""
+    job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--address", ray_cluster["gcs_address"],
+                            "--name", "watched", "--num-workers", "2", "--epochs", "1000", "--metrics-every-steps", "5",
+                            "--storage-path", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+    try:
+        deadline, ranks = time.monotonic() + 150, {}
+        while len(ranks) < 2:
+            assert job.poll() is None, "the training job ended early"
+            assert time.monotonic() < deadline, f"no per-rank training metrics within 150 s: {ranks}"
+            time.sleep(2)
+            samples = scrape(ray_cluster)
+            ranks = {s.labels["rank"]: s for s in samples.get("rayhpc_train_samples_per_second", [])
+                     if s.labels["run"] == "watched"}
+    finally:
+        job.send_signal(signal.SIGINT)
+        job.wait(timeout=60)
+    assert set(ranks) == {"0", "1"} and all(s.value > 0 for s in ranks.values())
+    for name in ("rayhpc_train_loss", "rayhpc_train_step_seconds"):
+        mine = {s.labels["rank"]: s.value for s in samples[name] if s.labels["run"] == "watched"}
+        assert set(mine) == {"0", "1"} and all(v > 0 for v in mine.values()), (name, mine)
+    assert "rayhpc_gpu_memory_allocated_bytes" not in samples  # only where there is a GPU
+
+
+@pytest.fixture(scope="module")
+def sweep(ray_cluster, tmp_path_factory):
+    """A sweep running on the shared cluster for the whole module (stopped like Ctrl-C at the end)."""
+    out = tmp_path_factory.mktemp("monitor")
+    log = open(out / "sweep.log", "w")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--address", ray_cluster["gcs_address"],
+                             "--name", SWEEP, "--num-samples", "4", "--epochs", "100000", "--storage-path", str(out)],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while len(iterations(ray_cluster)) < 4:  # every trial has reported at least once
+        assert proc.poll() is None, (out / "sweep.log").read_text()
+        assert time.monotonic() < deadline, "no trial metrics within 120 s:\n" + (out / "sweep.log").read_text()
+        time.sleep(1)
+    yield out
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def test_the_metrics_endpoint_has_the_platforms_metrics_and_they_move(ray_cluster, sweep):
+    before, deadline = iterations(ray_cluster), time.monotonic() + 40
+    while True:  # Ray's agents export every 10 s
+        time.sleep(2)
+        after = iterations(ray_cluster)
+        if all(after[t] > before[t] for t in before):
+            break
+        assert time.monotonic() < deadline, f"trial iterations did not move in 40 s: {before} -> {after}"
+    samples = scrape(ray_cluster)
+    for name in ("rayhpc_trial_val_loss", "rayhpc_trial_best_val_loss", "rayhpc_trial_iterations"):
+        mine = [s for s in samples[name] if s.labels["sweep"] == SWEEP]
+        assert len(mine) == 4 and {s.labels["node"] for s in mine} == {socket.gethostname()}, mine
+        assert all(set(METRICS[name][1]) <= set(s.labels) for s in mine)
+    assert all(0 < s.value < 1 for s in samples["rayhpc_trial_val_loss"] if s.labels["sweep"] == SWEEP)
+    states = {s.labels["state"]: s.value for s in samples["rayhpc_trials"] if s.labels["sweep"] == SWEEP}
+    assert states["running"] == 4 and states["error"] == 0, states
+
+
+def test_prometheus_scrapes_the_trial_loss_with_the_shipped_config(ray_cluster, sweep, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([shutil.which("prometheus") or "prometheus",
+                               f"--config.file={ROOT / 'cluster_configs' / 'monitoring' / 'prometheus.yml'}",
+                               f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={tmp_path / 'tsdb'}"],
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+    query = urllib.parse.urlencode({"query": f'rayhpc_trial_val_loss{{sweep="{SWEEP}"}}'})
+    try:
+        deadline, series = time.monotonic() + 90, []
+        while len(series) < 4:
+            assert server.poll() is None, (tmp_path / "prometheus.log").read_text()
+            assert time.monotonic() < deadline, f"Prometheus has no trial-loss series after 90 s: {series}"
+            time.sleep(2)
+            try:
+                answer = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=5))
+            except (urllib.error.URLError, ConnectionError):
+                continue  # not listening yet
+            series = answer["data"]["result"]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert {s["metric"]["__name__"] for s in series} == {"rayhpc_trial_val_loss"}  # renamed from ray_rayhpc_*
+    assert all(0 < float(s["value"][1]) < 1 for s in series)
+
+
+def dashboard_status(url: str, bearer: str | None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {bearer}"} if bearer else {})
+    try:
+        return urllib.request.urlopen(request, timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_dashboard_api_answers_with_the_token_and_refuses_without(ray_cluster, sweep):
+    url = f"http://{ray_cluster['webui_url']}/api/jobs/"
+    assert ray_cluster["webui_url"].startswith("127.0.0.1:")  # the head's loopback
+    assert dashboard_status(url, None) == 401
+    assert dashboard_status(url, "not-the-token") == 403
+    assert dashboard_status(url, token()) == 200
+
+
+def test_status_reads_the_running_sweep_from_the_cluster(ray_cluster, sweep):
+    proc = subprocess.run([str(Path(sys.executable).with_name("rayhpc")), "status", "--address", ray_cluster["gcs_address"]],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert f"cluster {ray_cluster['gcs_address']}: 1 node(s); in use: 2/2 CPU" in out, out
+    assert "tune_mlp.py" in out and f"sweep {SWEEP}: 4 trials (4 running)" in out, out
+    rows = [line.split() for line in out.splitlines()[out.splitlines().index(f"sweep {SWEEP}: 4 trials (4 running)") + 2:]]
+    assert len(rows) == 4 and all(r[1] == "running" and int(r[-3]) > 0 for r in rows), out
+
+
+def test_a_browser_signs_in_with_the_token_and_sees_the_node(ray_cluster, sweep):
+    from playwright.sync_api import sync_playwright
+
+    url = f"http://{ray_cluster['webui_url']}"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        # Debian's Chromium; --no-sandbox because CI runs as root
+        browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(url)
+        # what the README tells users: paste the token (`ray get-auth-token`) into the sign-in box
+        page.get_by_placeholder("Enter your authentication token").fill(token())
+        page.keyboard.press("Enter")
+        page.get_by_text("Authentication Token Required").wait_for(state="hidden", timeout=30_000)
+        page.goto(f"{url}/#/cluster")
+        page.get_by_text(ray_cluster["node_ip_address"]).first.wait_for(timeout=60_000)
+        assert page.get_by_text(socket.gethostname(), exact=True).count() >= 1  # the node's row
+        page.screenshot(path=str(ARTIFACTS / "dashboard-cluster.png"), full_page=True)
+        browser.close()
+    assert (ARTIFACTS / "dashboard-cluster.png").stat().st_size > 10_000
+
+
+def test_the_grafana_dashboard_plots_every_platform_metric_and_nothing_else():
+    dashboard = json.loads((ROOT / "cluster_configs" / "monitoring" / "grafana-rayhpc.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    plotted = {expr.split("{")[0] for expr in exprs}
+    assert plotted == set(METRICS), plotted ^ set(METRICS)

@@ -72,6 +72,21 @@ def test_a_sweep_runs_trials_on_both_nodes_and_leaves_nothing_behind(slurm, tmp_
     assert_nothing_left(job)
 
 
+def test_the_scaling_study_runs_inside_the_startup_and_marks_the_two_node_run(slurm):
+    storage = f"/tmp/rayhpc-slurm-results-{uuid.uuid4().hex[:8]}"
+    # 1 CPU per node in these jobs: 2 workers must span both nodes
+    job = submit("python", "-u", "jobs/scaling_study.py", "--modes", "strong", "--workers", "1,2", "--epochs", "2",
+                 "--hidden", "64", "--storage-path", storage)
+    info = wait_done(job)
+    log = job_log(job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    table = pd.read_parquet(Path(storage) / "scaling" / "scaling.parquet")
+    assert table["workers"].tolist() == [1, 2] and table["nodes"].tolist() == [1, 2], table
+    assert (Path(storage) / "scaling" / "scaling.png").stat().st_size > 10_000
+    assert "* = the workers spanned several nodes" in log
+    assert_nothing_left(job)
+
+
 def test_the_command_exit_code_reaches_slurm(slurm):
     job = submit("python", "-c", "import ray, sys; ray.init(); sys.exit(3)")
     info = wait_done(job)

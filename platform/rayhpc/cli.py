@@ -143,6 +143,39 @@ def parallel_main(argv: Sequence[str] | None = None) -> int:
     return _run_training_job(parser, argv, ParallelConfig, FLAGS, run_parallel, format_summary)
 
 
+def collectives_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc collectives` / `python jobs/bench_collectives.py`: the collective-primitive benchmark."""
+    from rayhpc.collectives.bench import PLOT_FILE, RESULTS_FILE, run_collectives
+    from rayhpc.collectives.config import FLAGS, CollectivesConfig
+
+    parser = ArgParser(prog="bench_collectives.py", description="Check, then time, each collective primitive "
+                       "over message sizes on a worker group (gloo on CPU, NCCL with --gpu).")
+    add_config_arguments(parser, CollectivesConfig, FLAGS)
+    cfg, _ = config_from_args(parser.parse_args(argv), CollectivesConfig, FLAGS)
+    with ray_session():
+        table = run_collectives(cfg)
+    wrong = table[~table["correct"]]
+    print(f"results: {cfg.experiment_dir / RESULTS_FILE}, plot: {cfg.experiment_dir / PLOT_FILE}"
+          + (f"; {wrong['primitive'].nunique()} primitive(s) NOT timed (wrong or unsupported): "
+             f"{', '.join(wrong['primitive'].unique())}" if len(wrong) else ""))
+    return 1 if len(wrong) else 0
+
+
+def scaling_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc scaling` / `python jobs/scaling_study.py`: strong and weak scaling of DDP training."""
+    from rayhpc.scaling.config import FLAGS, ScalingConfig
+    from rayhpc.scaling.study import PLOT_FILE, RESULTS_FILE, format_table, run_scaling
+
+    parser = ArgParser(prog="scaling_study.py", description="Strong and weak scaling of DDP training.")
+    add_config_arguments(parser, ScalingConfig, FLAGS)
+    cfg, _ = config_from_args(parser.parse_args(argv), ScalingConfig, FLAGS)
+    with ray_session():
+        table = run_scaling(cfg)
+    print(format_table(table))
+    print(f"results: {cfg.experiment_dir / RESULTS_FILE}, plot: {cfg.experiment_dir / PLOT_FILE}")
+    return 0
+
+
 def _run_training_job(parser: ArgParser, argv, model: type[M], flags: dict[str, str], run: Callable,
                       summary: Callable) -> int:
     """Parse flags into the job's config, run it in a Ray session, print its summary."""
@@ -220,8 +253,8 @@ def status_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main, "submit": submit_main,
-            "status": status_main}
+COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main, "collectives": collectives_main,
+            "scaling": scaling_main, "submit": submit_main, "status": status_main}
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -64,7 +64,12 @@ class SweepMonitor(Callback):
             self._publish(trials)
 
     def on_experiment_end(self, trials, **info):
-        self._publish(trials)
+        self._publish(trials)  # the final gauges
+        if self._board is not None:  # the sweep is over: `rayhpc status` lists running sweeps only
+            import ray
+
+            ray.kill(self._board)
+            self._board = None
 
     def _publish(self, trials) -> None:
         self._last = time.monotonic()

@@ -1,0 +1,40 @@
+"""The scaling study's config."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from rayhpc.config import JobConfig
+from rayhpc.data import DataConfig
+
+
+class ScalingConfig(JobConfig):
+    """DDP training at each worker count: strong (fixed global batch) and weak (fixed per-worker batch)."""
+
+    kind: ClassVar[str] = "scaling"
+    name: str = Field("scaling", pattern=r"^[A-Za-z0-9_.=-]+$", description="results folder under storage_path")
+    workers: list[int] = Field([1, 2], description="worker counts to run, e.g. 1,2,4,8")
+    modes: list[Literal["strong", "weak"]] = Field(["strong", "weak"], description="strong, weak or both")
+    global_batch_size: int = Field(512, ge=1, description="strong scaling: samples per step over all workers")
+    batch_size_per_worker: int = Field(128, ge=1, description="weak scaling: samples per step on each worker")
+    epochs: int = Field(3, ge=2, description="epochs per run; the first is warm-up and not measured")
+    hidden: int = Field(256, ge=1, description="MLP width (a wider model computes more per byte communicated)")
+    depth: int = Field(3, ge=2, description="MLP Linear layers")
+    gpu: bool = Field(False, description="one GPU per worker and NCCL (else CPU and gloo)")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker")
+    data: DataConfig = DataConfig()
+
+    @field_validator("workers")
+    @classmethod
+    def _counts(cls, v: list[int]) -> list[int]:
+        if not v or any(n < 1 for n in v):
+            raise ValueError(f"{v}: worker counts must be at least 1")
+        return sorted(set(v))
+
+
+FLAGS = {"--workers": "workers", "--modes": "modes", "--global-batch-size": "global_batch_size",
+         "--batch-size-per-worker": "batch_size_per_worker", "--epochs": "epochs", "--hidden": "hidden",
+         "--depth": "depth", "--gpu": "gpu", "--cpus-per-worker": "cpus_per_worker", "--name": "name",
+         "--storage-path": "storage_path", "--address": "address", "--data": "data.path"}

@@ -1,0 +1,99 @@
+"""Run the scaling study: one DDP training run per (mode, worker count), through `run_training`."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from rayhpc import cluster
+from rayhpc.config import validate
+from rayhpc.scaling.config import ScalingConfig
+from rayhpc.train.config import TrainConfig
+
+RESULTS_FILE, PLOT_FILE = "scaling.parquet", "scaling.png"
+
+
+def nodes_spanned(res: cluster.Resources, workers: int, cpus: float, gpu: bool) -> int:
+    """Nodes that `workers` bundles take when packed (Ray Train's PACK placement): biggest nodes first."""
+    left, nodes = workers, 0
+    for node_cpus, node_gpus in sorted(res.per_node, reverse=True):
+        fits = int(node_cpus // cpus) if not gpu else min(int(node_cpus // cpus), int(node_gpus))
+        if fits > 0 and left > 0:
+            left, nodes = left - fits, nodes + 1
+    return nodes
+
+
+def train_config(cfg: ScalingConfig, mode: str, n: int) -> TrainConfig:
+    batch = {"global_batch_size": cfg.global_batch_size} if mode == "strong" else \
+        {"batch_size_per_worker": cfg.batch_size_per_worker}
+    return validate(TrainConfig, {
+        "name": f"{mode}-{n}", "storage_path": str(cfg.experiment_dir), "num_workers": n, "epochs": cfg.epochs,
+        "gpu": cfg.gpu, "cpus_per_worker": cfg.cpus_per_worker, "address": cfg.address,
+        "model": {"hidden": cfg.hidden, "depth": cfg.depth}, "data": cfg.data.model_dump(), **batch})
+
+
+def run_scaling(cfg: ScalingConfig) -> pd.DataFrame:
+    """The study's table (also Parquet and a PNG plot under the study's folder)."""
+    from rayhpc.train.trainer import run_training
+
+    runs = {(mode, n): train_config(cfg, mode, n) for mode in cfg.modes for n in cfg.workers}  # all checked first
+    address = cluster.resolve_address(cfg.address)
+    res = cluster.probe(address)
+    cluster.check_workers(res, max(cfg.workers), cfg.cpus_per_worker, cfg.gpu)
+    rows = []
+    for (mode, n), train_cfg in runs.items():
+        print(f"--- {mode} scaling, {n} worker(s)", flush=True)
+        result = run_training(train_cfg)
+        epochs = result.metrics[result.metrics["kind"] == "epoch"]
+        rows.append({"mode": mode, "workers": n, "nodes": nodes_spanned(res, n, cfg.cpus_per_worker, cfg.gpu),
+                     "global_batch": int(epochs["global_batch_size"].iloc[0]),
+                     "samples_per_s": float(epochs["samples_per_s"].iloc[1:].median())})  # epoch 1 is warm-up
+    table = add_speedup(pd.DataFrame(rows))
+    cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
+    table.to_parquet(cfg.experiment_dir / RESULTS_FILE, index=False)
+    plot(table, cfg.experiment_dir / PLOT_FILE)
+    return table
+
+
+def add_speedup(table: pd.DataFrame) -> pd.DataFrame:
+    """Speedup over the smallest worker count of each mode, and efficiency = speedup / (n / n0)."""
+    table = table.copy()
+    for mode, rows in table.groupby("mode"):
+        base = rows.loc[rows["workers"].idxmin()]
+        table.loc[rows.index, "speedup"] = rows["samples_per_s"] / base["samples_per_s"]
+        table.loc[rows.index, "efficiency"] = table.loc[rows.index, "speedup"] / (rows["workers"] / base["workers"])
+    return table
+
+
+def format_table(table: pd.DataFrame) -> str:
+    shown = table.assign(nodes=[f"{n}{' *' if n > 1 else ''}" for n in table["nodes"]])
+    return (shown.to_string(index=False, float_format=lambda v: f"{v:,.2f}")
+            + "\n(samples/s: median over epochs after the first; * = the workers spanned several nodes)")
+
+
+def plot(table: pd.DataFrame, path) -> None:
+    """Throughput and efficiency against workers, per mode; a dashed line where runs left one node."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on compute nodes
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for mode, rows in table.groupby("mode"):
+        left.plot(rows["workers"], rows["samples_per_s"], marker="o", label=f"{mode} scaling")
+        right.plot(rows["workers"], rows["efficiency"], marker="o", label=f"{mode} scaling")
+    right.axhline(1.0, color="grey", lw=0.8)
+    multi = table[table["nodes"] > 1]["workers"]
+    for ax in (left, right):
+        if len(multi):
+            ax.axvline(multi.min() - 0.5, color="red", ls="--", lw=1, label="several nodes from here")
+        ax.set_xlabel("workers")
+        ax.set_xticks(sorted(table["workers"].unique()))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_ylabel("throughput (samples/s)")
+    right.set_ylabel("efficiency (speedup / workers)")
+    right.set_ylim(0, max(1.2, float(table["efficiency"].max()) * 1.1))
+    fig.suptitle("DDP scaling study")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -61,7 +61,7 @@ awk -v a="$t0" -v b="$t1" 'BEGIN{{printf "ray-own-start %.2f\\n", b-a}}'
 # only this job's Ray (`ray stop` stops every Ray on the node); KILL, since the GCS server
 # outlives a TERM once its session dir is gone
 srun --overlap --ntasks-per-node=1 bash -c 'for _ in $(seq 50); do pkill -KILL -f "/tmp/[r]h-bench-$0-" || break
-    sleep 0.1; done; rm -rf "/tmp/r""h-bench-$0-$(hostname -s)"' "$SLURM_JOB_ID"
+    sleep 0.1; done; cd /tmp && rm -rf "rh-bench-$0-$(hostname -s)"' "$SLURM_JOB_ID"  # relative: no pkill match
 rm -f "$RAY_AUTH_TOKEN_PATH"
 """
 

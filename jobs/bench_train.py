@@ -1,6 +1,12 @@
-"""Training benchmark: rayhpc DDP against torchrun-launched plain DDP, side by side, on CPU (gloo).
+"""Training benchmarks, side by side in one run.
 
     python jobs/bench_train.py [--workers 2] [--hidden 1024] [--in-features 256] [--batch 256] [--epochs 4]
+    python jobs/bench_train.py --strategies [--gpu] [--hidden 8192 --depth 4 --in-features 8192 --batch 8192]
+
+Default: rayhpc DDP against torchrun-launched plain DDP on CPU (gloo).
+`--strategies`: one worker each, raw PyTorch (one process, no Ray, no wrapper)
+against our DDP and our FSDP2: steady-state samples/s as ratios to raw, and
+the time from fit() to done; with `--gpu` on CUDA, NCCL and bf16 autocast.
 
 Both train the same MLP (in -> hidden -> in) on the same data with the same
 sampler and optimizer. Time to first step is from launching the command
@@ -33,25 +39,29 @@ ROOT = Path(__file__).resolve().parents[1]
 RAY_TRAIN_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
 
 
-def torchrun(args, work: Path) -> dict:
-    out = work / "torchrun.json"
-    launcher = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+def baseline(args, work: Path, raw: bool = False) -> dict:
+    """Plain PyTorch: torchrun + DDP on `--workers` CPU ranks, or (`raw`) one process on the chosen device."""
+    out = work / "baseline.json"
+    launcher = [] if raw else [shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun")),
+                               "--nproc_per_node", str(args.workers)]
+    device = ["--device", "cuda", "--bf16"] if raw and args.gpu else []
     launch = time.time()
-    subprocess.run([launcher, "--nproc_per_node", str(args.workers), "-m", "rayhpc.train.baseline",
-                    "--out", str(out), "--launch-time", str(launch), "--in-features", str(args.in_features),
-                    "--hidden", str(args.hidden), "--samples", str(args.samples), "--batch", str(args.batch),
-                    "--epochs", str(args.epochs)], check=True, capture_output=True, env={**os.environ,
-                                                                                          "OMP_NUM_THREADS": "1"})
+    subprocess.run([*(launcher or [sys.executable]), "-m", "rayhpc.train.baseline", "--out", str(out),
+                    "--launch-time", str(launch), "--in-features", str(args.in_features), "--hidden",
+                    str(args.hidden), "--depth", str(args.depth), "--samples", str(args.samples), "--batch",
+                    str(args.batch), "--epochs", str(args.epochs), *device],
+                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads(out.read_text())
     return {"first_step_s": result["first_step_s"], "samples_per_s": sum(result["samples_per_s"][1:])
-            / (args.epochs - 1), "detail": ""}
+            / (args.epochs - 1), "detail": "", "fit_s": float("nan")}
 
 
-def rayhpc(args, work: Path, name: str, env: dict | None = None) -> dict:
+def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str = "ddp") -> dict:
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
         "name": name, "storage_path": str(work), "num_workers": args.workers, "epochs": args.epochs,
-        "batch_size_per_worker": args.batch, "model": {"hidden": args.hidden},
+        "strategy": strategy, "gpu": args.gpu, "batch_size_per_worker": args.batch,
+        "model": {"hidden": args.hidden, "depth": args.depth},
         "data": {"synthetic": {"num_samples": args.samples, "in_features": args.in_features,
                                "out_features": args.in_features}}}))
     launch = time.time()
@@ -62,41 +72,69 @@ def rayhpc(args, work: Path, name: str, env: dict | None = None) -> dict:
     metrics = pd.read_parquet(work / name / "metrics.parquet")
     epochs = metrics[metrics["kind"] == "epoch"]
     startup = re.search(r"start-up: (.*)", proc.stdout)
+    fit = re.search(r"in ([0-9.]+) s from fit\(\) to done", proc.stdout)
     return {"first_step_s": float(epochs["first_step_time"].iloc[0]) - launch,
             "samples_per_s": float(epochs["samples_per_s"].iloc[1:].mean()),
-            "detail": startup.group(1) if startup else ""}
+            "detail": startup.group(1) if startup else "", "fit_s": float(fit.group(1)) if fit else float("nan")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", action="store_true", help="raw PyTorch vs our DDP vs our FSDP, 1 worker")
+    parser.add_argument("--gpu", action="store_true", help="with --strategies: CUDA, NCCL, bf16 autocast")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--in-features", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=2, help="Linear layers")
     parser.add_argument("--batch", type=int, default=256, help="samples per step per worker")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--samples", type=int, default=30720, help="rows of the synthetic task (80%% train)")
     args = parser.parse_args()
+    if args.gpu and not args.strategies:
+        parser.error("--gpu: only with --strategies (the torchrun comparison is CPU, gloo)")
+    if args.epochs < 2:
+        parser.error(f"--epochs {args.epochs}: need >= 2 (epoch 1 holds the warm-up)")
+    args.workers = 1 if args.strategies else args.workers
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
-    print(f"bench_train: MLP {args.in_features}-{args.hidden}-{args.in_features}, {args.workers} gloo workers x "
-          f"{args.batch} samples/step, {args.epochs} epochs of {int(args.samples * 0.8)} samples", flush=True)
-    runs: dict[str, list[dict]] = {"torchrun + plain DDP": [], "rayhpc DDP": [], "rayhpc DDP, Ray Train defaults": []}
+    widths = "-".join(map(str, [args.in_features] + [args.hidden] * (args.depth - 1) + [args.in_features]))
+    print(f"bench_train: MLP {widths}, {args.workers} "
+          f"{'NCCL' if args.gpu else 'gloo'} worker(s) x {args.batch} samples/step, {args.epochs} epochs of "
+          f"{int(args.samples * 0.8)} samples", flush=True)
+    runs: dict[str, list[dict]] = {}
     for i in range(args.repeats):
-        runs["torchrun + plain DDP"].append(torchrun(args, work))
-        runs["rayhpc DDP"].append(rayhpc(args, work, f"rayhpc{i}"))
-        runs["rayhpc DDP, Ray Train defaults"].append(rayhpc(args, work, f"defaults{i}", RAY_TRAIN_DEFAULTS))
+        for name, run in plan(args).items():
+            runs.setdefault(name, []).append(run(work, i))
+    print_table(runs)
+
+
+def print_table(runs: dict[str, list[dict]]) -> None:
+    """Medians over the repeats, each beside the first (baseline) row."""
     rows = [(name, _median(results)) for name, results in runs.items()]
     base = rows[0][1]
-    print(f"\n{'':32s} {'first step':>11s} {'vs torchrun':>12s} {'samples/s':>10s} {'vs torchrun':>12s}")
+    print(f"\n{'':32s} {'first step':>11s} {'vs ' + rows[0][0].split()[0]:>12s} {'samples/s':>10s} "
+          f"{'ratio':>7s} {'fit() to done':>14s}")
     for name, r in rows:
         print(f"{name:32s} {r['first_step_s']:10.1f}s {r['first_step_s'] / base['first_step_s']:11.2f}x "
-              f"{r['samples_per_s']:10,.0f} {r['samples_per_s'] / base['samples_per_s']:11.3f}x")
+              f"{r['samples_per_s']:10,.0f} {r['samples_per_s'] / base['samples_per_s']:6.3f}x "
+              + (f"{r['fit_s']:13.1f}s" if r["fit_s"] == r["fit_s"] else f"{'-':>14s}"))  # NaN: not a Ray run
     for name, results in list(runs.items())[1:]:
         print(f"{name}: " + " | ".join(r["detail"] for r in results))
 
 
+def plan(args) -> dict:
+    """The runs of one repeat, the baseline first."""
+    if args.strategies:
+        return {"raw PyTorch": lambda work, i: baseline(args, work, raw=True),
+                "rayhpc DDP": lambda work, i: rayhpc(args, work, f"ddp{i}"),
+                "rayhpc FSDP2": lambda work, i: rayhpc(args, work, f"fsdp{i}", strategy="fsdp")}
+    return {"torchrun + plain DDP": lambda work, i: baseline(args, work),
+            "rayhpc DDP": lambda work, i: rayhpc(args, work, f"rayhpc{i}"),
+            "rayhpc DDP, Ray Train defaults": lambda work, i: rayhpc(args, work, f"defaults{i}", RAY_TRAIN_DEFAULTS)}
+
+
 def _median(results: list[dict]) -> dict:
-    return {key: statistics.median(r[key] for r in results) for key in ("first_step_s", "samples_per_s")}
+    return {key: statistics.median(r[key] for r in results) for key in ("first_step_s", "samples_per_s", "fit_s")}
 
 
 if __name__ == "__main__":

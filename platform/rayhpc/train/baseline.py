@@ -1,9 +1,12 @@
-"""Plain DDP launched by torchrun: what users write by hand today, the baseline of `jobs/bench_train.py`.
+"""Plain PyTorch training, the baselines of `jobs/bench_train.py`: what users write by hand today.
 
     torchrun --nproc_per_node 2 -m rayhpc.train.baseline --out result.json --launch-time T [options]
+    python -m rayhpc.train.baseline --out result.json --launch-time T --device cuda --bf16 [options]
 
-Same model, data, sampler and optimizer as the platform's DDP loop, with
-`init_process_group` from torchrun's environment and nothing else.
+Same model, data, sampler and optimizer as the platform's loop. Under torchrun
+(RANK in the environment): DDP with `init_process_group` from torchrun's
+environment and nothing else. Run directly: one process, no process group, no
+wrapper ("raw PyTorch"), on `--device`, with bf16 autocast if `--bf16`.
 """
 
 from __future__ import annotations
@@ -23,23 +26,34 @@ from rayhpc.data import DataConfig, SyntheticTask, load_dataset
 from rayhpc.models import MLP
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--launch-time", type=float, required=True, help="unix time the launcher was started")
     parser.add_argument("--in-features", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--samples", type=int, default=30720)
     parser.add_argument("--batch", type=int, default=256, help="per worker")
     parser.add_argument("--epochs", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="single process only")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (cuda), as the platform's DDP")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    distributed = "RANK" in os.environ  # launched by torchrun
+    if distributed:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device("cpu" if distributed else args.device)
     task = SyntheticTask(num_samples=args.samples, in_features=args.in_features, out_features=args.in_features)
     ds = load_dataset(DataConfig(synthetic=task))
     torch.manual_seed(0)
-    model = DistributedDataParallel(MLP(args.in_features, args.hidden, args.in_features))
+    model = MLP(args.in_features, args.hidden, args.in_features, args.depth).to(device)
+    model = DistributedDataParallel(model) if distributed else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     train = TensorDataset(ds.x_train, ds.y_train)
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
@@ -49,18 +63,25 @@ def main() -> None:
         sampler.set_epoch(epoch)
         started, samples = time.perf_counter(), 0
         for x, y in loader:
-            loss = F.mse_loss(model(x), y)
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda"):
+                out = model(x)
+            loss = F.mse_loss(out.float(), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             first_step = first_step or time.time()
             samples += len(x) * world
-        dist.barrier()
+        if distributed:
+            dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         per_epoch.append(samples / (time.perf_counter() - started))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"first_step_s": first_step - args.launch_time, "samples_per_s": per_epoch}, f)
-    dist.destroy_process_group()
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

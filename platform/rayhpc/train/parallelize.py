@@ -34,9 +34,11 @@ def apply_fsdp(model: nn.Module, bf16: bool) -> nn.Module:
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    for layer in model.modules():
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=policy)
+    linears = [layer for layer in model.modules() if isinstance(layer, nn.Linear)]
+    for i, layer in enumerate(linears):
+        # the last layer's backward runs right after its forward: freeing its
+        # gathered weights would only all-gather them again (torchtitan does the same)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=i < len(linears) - 1)
     fully_shard(model, mp_policy=policy)
     return model
 

@@ -8,12 +8,12 @@ Default: rayhpc DDP against torchrun-launched plain DDP on CPU (gloo).
 against our DDP and our FSDP2: steady-state samples/s as ratios to raw, and
 the time from fit() to done; with `--gpu` on CUDA, NCCL and bf16 autocast.
 
-Both train the same MLP (in -> hidden -> in) on the same data with the same
+All runs train the same MLP (in -> hidden ... -> in) on the same data with the same
 sampler and optimizer. Time to first step is from launching the command
 (`torchrun ...` / `python jobs/train_mlp.py ...`) to the end of the first
 optimizer step, Ray's start included. Throughput is the mean over epochs 2..N
 (epoch 1 holds the warm-up). "Ray Train defaults" is the same job with Ray
-Train's own start-up settings instead of the platform's. The three run in
+Train's own start-up settings instead of the platform's. The runs take
 turn, `--repeats` times; each figure is the median of its runs (this is a
 shared machine: single runs vary by 10-20%).
 """

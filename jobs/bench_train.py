@@ -14,7 +14,7 @@ sampler and optimizer. Time to first step is from launching the command
 optimizer step, Ray's start included. Throughput is the mean over epochs 2..N
 (epoch 1 holds the warm-up). "Ray Train defaults" is the same job with Ray
 Train's own start-up settings instead of the platform's. The runs take
-turn, `--repeats` times; each figure is the median of its runs (this is a
+turns, `--repeats` times; each figure is the median of its runs (this is a
 shared machine: single runs vary by 10-20%).
 """
 

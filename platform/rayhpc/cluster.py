@@ -27,13 +27,17 @@ class Resources:
     address: str | None  # None: a local cluster not started yet
     per_node: tuple[tuple[float, float], ...] = ()  # (CPUs, GPUs) of each node
 
-    def placeable(self, cpus: float, gpus: float = 0.0) -> int:
-        """How many bundles of (cpus, gpus) the cluster's nodes hold at once (each on one node)."""
+    def fits_per_node(self, cpus: float, gpus: float = 0.0) -> list[int]:
+        """How many bundles of (cpus, gpus) each node holds at once."""
         def fits(have: float, need: float) -> float:
             return math.floor(have / need + 1e-9) if need > 0 else math.inf
 
-        total = sum(min(fits(c, cpus), fits(g, gpus)) for c, g in self.per_node or [(self.node_cpus, self.node_gpus)])
-        return int(min(total, 1 << 30))
+        return [int(min(fits(c, cpus), fits(g, gpus), 1 << 30))
+                for c, g in self.per_node or [(self.node_cpus, self.node_gpus)]]
+
+    def placeable(self, cpus: float, gpus: float = 0.0) -> int:
+        """How many bundles of (cpus, gpus) the cluster's nodes hold at once (each on one node)."""
+        return min(sum(self.fits_per_node(cpus, gpus)), 1 << 30)
 
     def describe(self) -> str:
         where = self.address or "local"

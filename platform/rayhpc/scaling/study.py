@@ -15,8 +15,7 @@ RESULTS_FILE, PLOT_FILE = "scaling.parquet", "scaling.png"
 def nodes_spanned(res: cluster.Resources, workers: int, cpus: float, gpu: bool) -> int:
     """Nodes that `workers` bundles take when packed (Ray Train's PACK placement): biggest nodes first."""
     left, nodes = workers, 0
-    for node_cpus, node_gpus in sorted(res.per_node, reverse=True):
-        fits = int(node_cpus // cpus) if not gpu else min(int(node_cpus // cpus), int(node_gpus))
+    for fits in sorted(res.fits_per_node(cpus, 1.0 if gpu else 0.0), reverse=True):
         if fits > 0 and left > 0:
             left, nodes = left - fits, nodes + 1
     return nodes

@@ -46,3 +46,19 @@ def test_bad_cluster_configs_are_one_line_errors(data, expected):
     with pytest.raises(ConfigError) as err:
         validate(ClusterConfig, data)
     assert str(err.value).startswith(expected) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("ephemeral", [(32768, 60999), (20000, 65535), (1024, 65535)])
+def test_job_ports_stay_out_of_the_ephemeral_range_and_apart(ephemeral):
+    from rayhpc.slurm.layout import block_bases, ports
+
+    n = len(block_bases(ephemeral))
+    low, high = ephemeral
+    for job in range(2 * n):
+        used = set(ports(job, ephemeral).values())
+        assert all(1024 <= p <= 65535 for p in used), (job, sorted(used))
+        if (low, high) != (1024, 65535):  # that range leaves no room: every block, collisions possible
+            assert not any(low <= p <= high for p in used), (job, ephemeral, sorted(used))
+    first, second = ports(0, ephemeral), ports(1, ephemeral)
+    assert first["max_worker"] < second["gcs"], (first, second)  # neighbouring jobs never share a port
+    assert ports(n, ephemeral) == first  # ids n apart share a block (documented)

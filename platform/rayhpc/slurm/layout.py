@@ -14,8 +14,10 @@ import shlex
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
-PORT_BASE, BLOCK, BLOCKS = 10000, 200, 250  # job id mod 250 picks a 200-port block in 10000-59999
+PORT_BASE, PORT_MAX, BLOCK = 10000, 65535, 200  # a 200-port block per job, from 10000 up
+EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
 
 # offsets inside a job's block; worker processes use the rest of the block
 OFFSETS = {"gcs": 0, "node_manager": 1, "object_manager": 2, "dashboard": 3, "dashboard_agent_grpc": 4,
@@ -23,10 +25,31 @@ OFFSETS = {"gcs": 0, "node_manager": 1, "object_manager": 2, "dashboard": 3, "da
 FIRST_WORKER, LAST_WORKER = 20, BLOCK - 1
 
 
-def ports(job_id: int) -> dict[str, int]:
-    """Every port Ray opens for job `job_id` (jobs whose ids differ by 250 share a block: don't
-    run them on one node at once)."""
-    base = PORT_BASE + (job_id % BLOCKS) * BLOCK
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux default 32768-60999)."""
+    try:
+        low, high = map(int, Path(EPHEMERAL).read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def block_bases(ephemeral: tuple[int, int] | None = None) -> list[int]:
+    """First port of every block that lies wholly outside the ephemeral range: any outgoing
+    connection on the node (srun's I/O, a client of another job) may hold a port in that range,
+    and Ray's GCS then fails with "Address already in use" on its fixed port. Where the range
+    leaves no room, every block (a collision is then possible, as before)."""
+    low, high = ephemeral or ephemeral_range()
+    blocks = range(PORT_BASE, PORT_MAX - BLOCK + 2, BLOCK)
+    return [b for b in blocks if b + BLOCK <= low or b > high] or list(blocks)
+
+
+def ports(job_id: int, ephemeral: tuple[int, int] | None = None) -> dict[str, int]:
+    """Every port Ray opens for job `job_id`: block `job_id mod len(block_bases())` (135 blocks with
+    Linux's default ephemeral range; jobs whose ids differ by that share a block: don't run them on
+    one node at once)."""
+    bases = block_bases(ephemeral)
+    base = bases[job_id % len(bases)]
     out = {name: base + offset for name, offset in OFFSETS.items()}
     out.update(min_worker=base + FIRST_WORKER, max_worker=base + LAST_WORKER)
     return out

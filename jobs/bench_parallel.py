@@ -11,9 +11,10 @@ this 2-core machine p = 2. Idle = 1 - (time in the stage's forward/backward) / (
 import argparse
 
 from rayhpc import cluster
-from rayhpc.parallel import ParallelConfig, WorkerGroup
-from rayhpc.parallel.bubble import measure_bubble
+from rayhpc.bench.bubble import measure_bubble
+from rayhpc.parallel import ParallelConfig
 from rayhpc.parallel.trainer import training_tensors
+from rayhpc.workers import WorkerGroup
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
     p.add_argument("--address", default=None)
     a = p.parse_args()
     counts = [int(m) for m in a.microbatches.split(",")]
-    base = dict(pp=a.pp, steps=a.steps, gpu=a.gpu, model={"hidden": a.hidden, "depth": 2 * a.pp},
+    base = dict(pp=a.pp, steps=a.steps, compute={"gpu": a.gpu}, model={"hidden": a.hidden, "depth": 2 * a.pp},
                 data={"synthetic": {"num_samples": 2 * a.microbatch_size * max(counts) + 8}})
     cfgs = [ParallelConfig(schedule=s, microbatches=m, batch_size=m * a.microbatch_size, **base)
             for s in ("gpipe", "1f1b") for m in counts if s == "gpipe" or m >= a.pp]  # 1F1B needs m >= p

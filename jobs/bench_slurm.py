@@ -11,15 +11,15 @@ Overhead = ready - Ray's own start. (Ray's documented example sleeps 10 s for th
 """
 
 import argparse
-import re
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from rayhpc.slurm.config import load_cluster
-from rayhpc.slurm.submit import submit
+from rayhpc.slurm.submit import sbatch, submit
 
 TIMING = re.compile(r"rayhpc: timing: head launched ([\d.]+) s, head port open ([\d.]+) s, "
                     r"all nodes joined ([\d.]+) s")
@@ -73,8 +73,7 @@ def ray_own_start(cluster, nodes: int) -> float:
     text = OWN_START.format(log=log, nodes=nodes, cpus=cluster.slurm.cpus_per_task or 1, port=29400, dashboard=29403)
     partition = [f"--partition={cluster.slurm.partition}"] if cluster.slurm.partition else []
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # this venv's ray
-    job = subprocess.run(["sbatch", "--parsable", *partition], input=text, capture_output=True, text=True,
-                         env=env, check=True).stdout.strip()
+    job = sbatch(partition, script=text, env=env)
     wait(job)
     match = re.search(r"ray-own-start ([\d.]+)", log.read_text())
     if not match or "ray start failed" in log.read_text():

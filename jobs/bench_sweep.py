@@ -26,22 +26,24 @@ from pathlib import Path
 
 import yaml
 
-from rayhpc.data import load_dataset
-from rayhpc.tune.config import SweepConfig
-from rayhpc.tune.space import sample_configs
+from rayhpc.task import task_for
+from rayhpc.task.mlp import MLPTask
+from rayhpc.tune.config import SweepConfig, bind_sweep
+from rayhpc.tune.plan import save_plan
+
+VAL_FRACTION = MLPTask.val_fraction  # the mlp task's hold-out, as every run here uses it
 
 
-def reference_seconds(cfg: SweepConfig) -> float:
+def reference_seconds(cfg: SweepConfig, configs: list[dict]) -> float:
     """Summed in-trial seconds of every trial trained alone, in this warm process, one thread."""
     import torch
 
     from rayhpc.tune.single import train_single
 
     torch.set_num_threads(1)
-    dataset = load_dataset(cfg.data)
-    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
-    train_single(configs[0], dataset, 1, cfg.seed)  # warm-up: first-call costs are not the trial's
-    return sum(train_single(hp, dataset, cfg.epochs, cfg.seed)["train_seconds"] for hp in configs)
+    task = task_for(cfg.task, cfg.data)
+    train_single(task, configs[0], 1, VAL_FRACTION)  # warm-up: first-call costs are not the trial's
+    return sum(train_single(task, hp, cfg.epochs, VAL_FRACTION)["train_seconds"] for hp in configs)
 
 
 def array_style(cfg_file: Path, n: int, cpus: int, out: Path) -> tuple[float, float]:
@@ -54,28 +56,28 @@ def array_style(cfg_file: Path, n: int, cpus: int, out: Path) -> tuple[float, fl
     return makespan, sum(json.loads(f.read_text())["train_seconds"] for f in out.glob("*.json"))
 
 
-def plain_tune(cfg: SweepConfig, storage: Path) -> tuple[float, float]:
+def plain_tune(cfg: SweepConfig, configs: list[dict], storage: Path) -> tuple[float, float]:
     """Ray Tune with its defaults: one actor per trial, report + checkpoint per epoch."""
     from ray import tune
 
     from rayhpc.tune.single import train_single
 
-    dataset = load_dataset(cfg.data)
+    task = task_for(cfg.task, cfg.data)
 
     def trainable(config):
         import torch
 
         torch.set_num_threads(1)
 
-        def report(epoch, val, best, model):
+        def report(epoch, values, model):
             with tempfile.TemporaryDirectory() as d:
                 torch.save(model.state_dict(), Path(d) / "model.pt")
-                tune.report({"val_loss": val, "epoch": epoch}, checkpoint=tune.Checkpoint.from_directory(d))
+                tune.report({"val_loss": values["val_loss"], "epoch": epoch},
+                            checkpoint=tune.Checkpoint.from_directory(d))
 
-        result = train_single(config["hp"], dataset, cfg.epochs, cfg.seed, on_epoch=report)
+        result = train_single(task, config["hp"], cfg.epochs, VAL_FRACTION, on_epoch=report)
         tune.report({"val_loss": result["val_loss"], "train_seconds": result["train_seconds"]})
 
-    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
     tuner = tune.Tuner(trainable, param_space={"hp": tune.grid_search(configs)},
                        run_config=tune.RunConfig(name="plain", storage_path=str(storage), verbose=0))
     start = time.perf_counter()
@@ -104,12 +106,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_sweep_"))
     cfg = SweepConfig(name="ours", storage_path=work, num_samples=1, search="grid", epochs=args.epochs,
                       space={"hidden": {"grid": [8, 16, 32, 64]}, "lr": {"grid": lrs}})
-    cfg_file = work / "sweep.yaml"
+    task = task_for(cfg.task, cfg.data)
+    cfg, _ = bind_sweep(cfg, task)
+    configs = cfg.configs(task.hp_model)
+    cfg_file = work / "sweep.yaml"  # what an array task reads: the sweep and its drawn trials beside it
     cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
-    n = len(sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed))
+    save_plan([[c] for c in configs], work)
+    n = len(configs)
     print(f"sweep benchmark: {n} trials, {args.epochs} epochs each, {args.cpus} CPUs, work dir {work}", flush=True)
 
-    ideal = reference_seconds(cfg) / args.cpus
+    ideal = reference_seconds(cfg, configs) / args.cpus
     rows = [("(a) array job, one process per trial", *array_style(cfg_file, n, args.cpus, work / "array"))]
 
     import ray
@@ -117,7 +123,7 @@ def main() -> None:
     t = time.perf_counter()
     ray.init(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
     ray_start = time.perf_counter() - t
-    rows.append(("(b) plain Ray Tune (defaults)", *plain_tune(cfg, work)))
+    rows.append(("(b) plain Ray Tune (defaults)", *plain_tune(cfg, configs, work)))
     ours, in_trial, packs = rayhpc_sweep(cfg)
     rows.append((f"(c) rayhpc sweep ({packs} packs)", ours, in_trial))
     ray.shutdown()

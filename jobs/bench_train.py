@@ -46,7 +46,7 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
                                "--nproc_per_node", str(args.workers)]
     device = ["--device", "cuda", "--bf16"] if raw and args.gpu else []
     launch = time.time()
-    subprocess.run([*(launcher or [sys.executable]), "-m", "rayhpc.train.baseline", "--out", str(out),
+    subprocess.run([*(launcher or [sys.executable]), "-m", "rayhpc.bench.train_baseline", "--out", str(out),
                     "--launch-time", str(launch), "--in-features", str(args.in_features), "--hidden",
                     str(args.hidden), "--depth", str(args.depth), "--samples", str(args.samples), "--batch",
                     str(args.batch), "--epochs", str(args.epochs), *device],
@@ -59,9 +59,9 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
 def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str = "ddp") -> dict:
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
-        "name": name, "storage_path": str(work), "num_workers": args.workers, "epochs": args.epochs,
-        "strategy": strategy, "gpu": args.gpu, "batch_size_per_worker": args.batch,
-        "model": {"hidden": args.hidden, "depth": args.depth},
+        "name": name, "storage_path": str(work), "compute": {"num_workers": args.workers, "gpu": args.gpu},
+        "epochs": args.epochs, "strategy": strategy, "batch_size_per_worker": args.batch,
+        "hparams": {"hidden": args.hidden, "depth": args.depth},
         "data": {"synthetic": {"num_samples": args.samples, "in_features": args.in_features,
                                "out_features": args.in_features}}}))
     launch = time.time()

@@ -15,7 +15,7 @@ from conftest import run_job
 from rayhpc.collectives.bench import measure
 from rayhpc.collectives.config import parse_size
 from rayhpc.collectives.primitives import PRIMITIVES, _mismatch, bandwidths
-from rayhpc.parallel.worker_group import WorkerGroup
+from rayhpc.workers.group import WorkerGroup
 
 
 @pytest.mark.parametrize("name, n, algbw, busbw", [

@@ -25,6 +25,39 @@ from rayhpc.monitor.metrics import METRICS
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("RAYHPC_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 SWEEP = "monitored"
+# a user's task with a validation metric: the synthetic teacher task, its mean absolute error as the metric
+TASK = """
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from rayhpc.data import SyntheticTask, synthetic_tensors
+
+
+class Regression:
+    val_fraction = 0.2
+
+    def model(self, hp):
+        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def data(self, hp):
+        return TensorDataset(*synthetic_tensors(SyntheticTask())), None
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+    def metrics(self, model, batch):
+        x, y = batch
+        return {"abs_error": (model(x) - y).abs().mean()}
+"""
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("task") / "regression.py"
+    path.write_text(TASK)
+    return f"{path}:Regression"
 
 
 def token() -> str:
@@ -48,21 +81,25 @@ def iterations(cluster: dict) -> dict[str, float]:
             if s.labels["sweep"] == SWEEP}
 
 
-def test_training_workers_export_loss_throughput_and_step_time_per_rank(ray_cluster, tmp_path):
+def test_training_workers_export_loss_throughput_and_step_time_per_rank(ray_cluster, task, tmp_path):
     """First in this module: the training job needs the CPUs that the module's sweep takes later."""
     job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--address", ray_cluster["gcs_address"],
-                            "--name", "watched", "--num-workers", "2", "--epochs", "1000", "--metrics-every-steps", "5",
-                            "--storage-path", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            "--task", task, "--name", "watched", "--num-workers", "2", "--epochs", "1000",
+                            "--metrics-every-steps", "5", "--storage-path", str(tmp_path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
     try:
-        deadline, ranks = time.monotonic() + 150, {}
-        while len(ranks) < 2:
+        deadline, ranks, metric = time.monotonic() + 150, {}, {}
+        while len(ranks) < 2 or len(metric) < 2:
             assert job.poll() is None, "the training job ended early"
-            assert time.monotonic() < deadline, f"no per-rank training metrics within 150 s: {ranks}"
+            assert time.monotonic() < deadline, f"no per-rank training metrics within 150 s: {ranks} {metric}"
             time.sleep(2)
             samples = scrape(ray_cluster)
             ranks = {s.labels["rank"]: s for s in samples.get("rayhpc_train_samples_per_second", [])
                      if s.labels["run"] == "watched"}
+            # the task's validation metric, after each epoch, on every rank
+            metric = {s.labels["rank"]: s.value for s in samples.get("rayhpc_train_val_metric", [])
+                      if s.labels["run"] == "watched" and s.labels["metric"] == "abs_error"}
     finally:
         job.send_signal(signal.SIGINT)
         job.wait(timeout=60)
@@ -70,16 +107,19 @@ def test_training_workers_export_loss_throughput_and_step_time_per_rank(ray_clus
     for name in ("rayhpc_train_loss", "rayhpc_train_step_seconds"):
         mine = {s.labels["rank"]: s.value for s in samples[name] if s.labels["run"] == "watched"}
         assert set(mine) == {"0", "1"} and all(v > 0 for v in mine.values()), (name, mine)
+    assert all(0 < v < 1 for v in metric.values()), metric
     assert "rayhpc_gpu_memory_allocated_bytes" not in samples  # only where there is a GPU
 
 
 @pytest.fixture(scope="module")
-def sweep(ray_cluster, tmp_path_factory):
-    """A sweep running on the shared cluster for the whole module (stopped like Ctrl-C at the end)."""
+def sweep(ray_cluster, task, tmp_path_factory):
+    """A sweep of a task with a metric, running on the shared cluster for the whole module (stopped like
+    Ctrl-C at the end)."""
     out = tmp_path_factory.mktemp("monitor")
     log = open(out / "sweep.log", "w")
     proc = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--address", ray_cluster["gcs_address"],
-                             "--name", SWEEP, "--num-samples", "4", "--epochs", "100000", "--storage-path", str(out)],
+                             "--task", task, "--name", SWEEP, "--num-samples", "4", "--epochs", "100000",
+                             "--storage-path", str(out)],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
     deadline = time.monotonic() + 120
     while len(iterations(ray_cluster)) < 4:  # every trial has reported at least once
@@ -104,7 +144,8 @@ def test_the_metrics_endpoint_has_the_platforms_metrics_and_they_move(ray_cluste
             break
         assert time.monotonic() < deadline, f"trial iterations did not move in 40 s: {before} -> {after}"
     samples = scrape(ray_cluster)
-    for name in ("rayhpc_trial_val_loss", "rayhpc_trial_best_val_loss", "rayhpc_trial_iterations"):
+    for name in ("rayhpc_trial_val_loss", "rayhpc_trial_best_val_loss", "rayhpc_trial_iterations",
+                 "rayhpc_trial_val_metric"):
         mine = [s for s in samples[name] if s.labels["sweep"] == SWEEP]
         # the message names each series by the labels that tell series apart (a CI run once saw 6 here)
         assert len(mine) == 4 and {s.labels["node"] for s in mine} == {socket.gethostname()}, (name, [
@@ -112,6 +153,8 @@ def test_the_metrics_endpoint_has_the_platforms_metrics_and_they_move(ray_cluste
             for s in mine])
         assert all(set(METRICS[name][1]) <= set(s.labels) for s in mine)
     assert all(0 < s.value < 1 for s in samples["rayhpc_trial_val_loss"] if s.labels["sweep"] == SWEEP)
+    assert {s.labels["metric"] for s in samples["rayhpc_trial_val_metric"] if s.labels["sweep"] == SWEEP} == \
+        {"abs_error"}
     states = {s.labels["state"]: s.value for s in samples["rayhpc_trials"] if s.labels["sweep"] == SWEEP}
     assert states["running"] == 4 and states["error"] == 0, states
 

@@ -12,9 +12,10 @@ import ray
 import torch
 
 from conftest import run_job
+from rayhpc.bench.parallel_reference import reference_run
 from rayhpc.config import ConfigError, validate
-from rayhpc.parallel import ParallelConfig, WorkerGroup, WorkerGroupError, run_parallel
-from rayhpc.parallel.reference import reference_run
+from rayhpc.parallel import ParallelConfig, run_parallel
+from rayhpc.workers import WorkerGroup, WorkerGroupError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank functions defined below
 
@@ -119,14 +120,14 @@ def test_a_silent_rank_is_named_after_the_timeout(ray_address):
 
 
 def test_mesh_mismatch_names_every_factor():
-    with pytest.raises(ConfigError, match=r"^num_workers \(--num-workers\) 3: dp\(1\) \* pp\(2\) \* tp\(2\) = 4 "
+    with pytest.raises(ConfigError, match=r"^compute\.num_workers \(--num-workers\) 3: dp\(1\) \* pp\(2\) \* tp\(2\) = 4 "
                                           r"!= world size 3$"):
-        validate(ParallelConfig, {"tp": 2, "pp": 2, "num_workers": 3})
+        validate(ParallelConfig, {"tp": 2, "pp": 2, "compute": {"num_workers": 3}})
 
 
 @pytest.mark.parametrize("args, expected", [
     (["--tp", "2", "--pp", "2", "--num-workers", "3"],
-     "error: num_workers (--num-workers) 3: dp(1) * pp(2) * tp(2) = 4 != world size 3"),
+     "error: compute.num_workers (--num-workers) 3: dp(1) * pp(2) * tp(2) = 4 != world size 3"),
     (["--tp", "3"], "error: model.hidden (--hidden) 32: not divisible by tp (--tp) 3"),
     (["--tp", "4", "--model", "transformer", "--hidden", "30"],
      "error: model.hidden (--hidden) 30: not divisible by tp (--tp) 4"),
@@ -135,8 +136,8 @@ def test_mesh_mismatch_names_every_factor():
     (["--pp", "5"], "error: pp (--pp) 5: more pipeline stages than the model's 4 layers"),
     (["--pp", "2", "--microbatches", "5"], "error: microbatches (--microbatches) 5: do not divide the per-replica batch 32"),
     (["--tp", "2", "--dp", "8", "--cpus-per-worker", "1"],
-     "error: num_workers (--num-workers) 16: the cluster can place 2 worker(s) of 1 CPU each"),
-    (["--gpu"], "error: gpu (--gpu): the cluster has no GPUs"),
+     "error: compute.num_workers (--num-workers) 16: the cluster can place 2 worker(s) of 1 CPU each"),
+    (["--gpu"], "error: compute.gpu (--gpu): the cluster has no GPUs"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
     proc = run_job("train_parallel.py", "--storage-path", str(tmp_path), *args,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -245,27 +246,62 @@ def finished(results: Path) -> pd.DataFrame:
     return table[table["status"] == "finished"].set_index("trial_id")
 
 
-RAY_SWEEP_COLUMNS = ["trial_id", "status", "config.hidden", "config.lr", "val_loss", "best_val_loss", "iterations",
-                     "train_seconds", "node", "pack_size", "error"]
+ARRAY_TASK = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
 
 
-def test_array_mode_writes_the_ray_sweeps_results_table(slurm):
+class Line:
+    hparams = {"width": 8}
+    val_fraction = 0.25
+
+    def model(self, hp):
+        return nn.Sequential(nn.Linear(2, hp["width"]), nn.Tanh(), nn.Linear(hp["width"], 1))
+
+    def data(self, hp):
+        x = torch.randn(256, 2, generator=torch.Generator().manual_seed(0))
+        return TensorDataset(x, x @ torch.tensor([[1.5], [-0.5]])), None
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+    def metrics(self, model, batch):
+        x, y = batch
+        return {"abs_error": (model(x) - y).abs().mean()}
+"""
+# the Ray sweep's columns for this task: searched parameters, losses, the task's metric
+RAY_SWEEP_COLUMNS = ["trial_id", "status", "config.width", "config.lr", "val_loss", "best_val_loss", "val_abs_error",
+                     "iterations", "train_seconds", "node", "pack_size", "error"]
+
+
+def test_array_mode_runs_a_task_shipped_with_the_job_and_writes_the_ray_sweeps_table(slurm, tmp_path):
     storage = Path(f"/tmp/rayhpc-slurm-results-{uuid.uuid4().hex[:8]}")
-    proc = subprocess.run([RAYHPC, "submit", "--array", "--cluster", CLUSTER, "--", "--num-samples", "4", "--epochs",
-                           "3", "--max-concurrent", "2", "--storage-path", str(storage)],
-                          capture_output=True, text=True, cwd=ROOT)
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "line.py").write_text(ARRAY_TASK)
+    space = tmp_path / "space.yaml"
+    space.write_text("space: {width: {choice: [4, 8]}, lr: {loguniform: [0.01, 0.1]}}\n")
+    proc = subprocess.run([RAYHPC, "submit", "--array", "--cluster", CLUSTER, "--", "--task", f"{private}/line.py:Line",
+                           "--config", str(space), "--num-samples", "4", "--epochs", "3", "--max-concurrent", "2",
+                           "--storage-path", str(storage)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+    shutil.rmtree(private)  # the tasks run the copy in the sweep folder
     array = proc.stdout.split()[3]  # "submitted array job N (4 tasks) ..."
-    assert "#SBATCH --array=0-3%2" in (storage / "mlp-sweep" / "array.sbatch").read_text()
+    script = (storage / "line-sweep" / "array.sbatch").read_text()
+    assert "#SBATCH --array=0-3%2" in script and f"--task {storage}/line-sweep/task/line.py:Line" in script, script
     wait_done(array)
-    results = storage / "mlp-sweep" / "results.parquet"
+    results = storage / "line-sweep" / "results.parquet"
     deadline = time.monotonic() + 120
     while not results.is_file():  # written by the collecting job once every task has ended
         assert time.monotonic() < deadline, "no results.parquet from the collecting job"
         time.sleep(0.5)
     table = pd.read_parquet(results)
     assert list(table.columns) == RAY_SWEEP_COLUMNS
-    assert len(table) == 4 and set(table["status"]) == {"finished"} and set(table["node"]) <= {"node1", "node2"}
+    assert len(table) == 4 and set(table["status"]) == {"finished"} and set(table["node"]) <= {"node1", "node2"}, table
+    assert set(table["config.width"]) <= {4, 8} and (table["val_abs_error"] > 0).all()
     assert all((LOGS / f"rayhpc-local-slurm-array-{array}_{i}.log").is_file() for i in range(4))
 
 

@@ -1,21 +1,34 @@
-"""Search spaces and the sweep config: parsing, sampling, and one-line errors (no Ray needed)."""
+"""Search spaces and the sweep config: parsing, sampling, packing plans, and one-line errors (no Ray needed)."""
+
+import functools
 
 import pytest
 
 from rayhpc.config import ConfigError, validate
-from rayhpc.tune.config import SweepConfig
+from rayhpc.data import DataConfig
+from rayhpc.task import task_for
+from rayhpc.task.check import check_task
+from rayhpc.task.hparams import PlatformHParams
+from rayhpc.tune.config import SweepConfig, bind_sweep
+from rayhpc.tune.packing import pack_key
 from rayhpc.tune.plan import make_plan
-from rayhpc.tune.space import HParams, sample_configs
+
+MLP = task_for("mlp", DataConfig())
 
 
 def sweep(**kw) -> SweepConfig:
-    return validate(SweepConfig, kw)
+    """The sweep `kw` describes, bound to the built-in mlp task (its space checked against the task)."""
+    return bind_sweep(validate(SweepConfig, kw), MLP)[0]
+
+
+def sample_configs(cfg: SweepConfig) -> list[dict]:
+    return cfg.configs(MLP.hp_model)
 
 
 def test_grid_is_a_cross_product_repeated_per_sample():
     cfg = sweep(num_samples=3, space={"hidden": {"grid": [4, 8]}, "batch_size": {"grid": [16, 32]},
                                       "lr": {"loguniform": [1e-3, 1e-1]}})
-    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
+    configs = sample_configs(cfg)
     assert len(configs) == 2 * 2 * 3
     assert {(c["hidden"], c["batch_size"]) for c in configs} == {(4, 16), (4, 32), (8, 16), (8, 32)}
     assert len({c["lr"] for c in configs}) == 12  # a fresh draw for every trial
@@ -25,18 +38,18 @@ def test_every_kind_draws_inside_its_domain_and_is_reproducible():
     space = {"hidden": {"randint": [3, 7]}, "lr": {"loguniform": [1e-4, 1e-2]}, "momentum": {"uniform": [0.1, 0.5]},
              "optimizer": {"choice": ["sgd", "adam"]}, "weight_decay": 0.01}
     cfg = sweep(num_samples=200, space=space, seed=5)
-    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
+    configs = sample_configs(cfg)
     assert {c["hidden"] for c in configs} == {3, 4, 5, 6}  # randint's high is exclusive, as in Ray Tune
     assert all(1e-4 <= c["lr"] <= 1e-2 and 0.1 <= c["momentum"] <= 0.5 for c in configs)
     assert {c["optimizer"] for c in configs} == {"sgd", "adam"}
     assert {c["weight_decay"] for c in configs} == {0.01}
-    assert configs == sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
-    assert configs != sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed + 1)
+    assert configs == sample_configs(cfg)
+    assert configs != sample_configs(cfg.model_copy(update={"seed": cfg.seed + 1}))
 
 
 def test_grid_search_turns_choices_into_grid_values():
     cfg = sweep(search="grid", space={"hidden": {"choice": [4, 8, 16]}, "lr": {"grid": [0.1, 0.01]}})
-    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
+    configs = sample_configs(cfg)
     assert sorted((c["hidden"], c["lr"]) for c in configs) == sorted((h, lr) for h in (4, 8, 16) for lr in (0.1, 0.01))
 
 
@@ -48,12 +61,19 @@ def test_yaml_style_exponents_are_numbers():
 
 def test_packs_group_trials_that_can_step_together():
     cfg = sweep(num_samples=3, space={"batch_size": {"grid": [16, 32]}, "optimizer": {"grid": ["sgd", "adam"]},
-                                      "lr": {"uniform": [0.01, 0.1]}})
-    packs = make_plan(cfg, n_slots=2)
-    assert sum(len(p) for p in packs) == 12
+                                      "lr": {"uniform": [0.01, 0.1]}, "hidden": {"choice": [4, 8]},
+                                      "depth": {"grid": [2, 3]}})
+    configs = sample_configs(cfg)
+    info, _ = check_task(MLP, configs[0], 0.2, 0)
+    assert info.model_reads == {"hidden", "depth"} and info.data_reads == frozenset()
+    packs = make_plan(configs, 64, functools.partial(pack_key, MLP, info))
+    assert sum(len(p) for p in packs) == 24
     for pack in packs:
-        assert len({(m["batch_size"], m["optimizer"]) for m in pack}) == 1
-    assert all(len(p) == 1 for p in make_plan(cfg.model_copy(update={"pack": 1}), n_slots=2))
+        assert len({(m["batch_size"], m["optimizer"], m["depth"]) for m in pack}) == 1
+        # two-layer MLPs of different widths share a padded pack; deeper ones must agree on the width
+        assert pack[0]["depth"] == 2 or len({m["hidden"] for m in pack}) == 1
+    assert any(len({m["hidden"] for m in p}) > 1 for p in packs)
+    assert all(len(p) == 1 for p in make_plan(configs, 64, None))
 
 
 @pytest.mark.parametrize("data, message", [
@@ -63,7 +83,8 @@ def test_packs_group_trials_that_can_step_together():
     ({"search": "bayes"}, "search: Input should be 'random', 'grid' or 'optuna'"),
     ({"space": {}}, "space: empty search space"),
     ({"space": {"hidden": 8}}, "space: empty search space"),
-    ({"space": {"depth": {"choice": [1, 2]}}}, "space.depth: unknown parameter; allowed: hidden, lr,"),
+    ({"space": {"width": {"choice": [1, 2]}}}, "space.width: unknown parameter; allowed: lr, batch_size,"),
+    ({"space": {"depth": {"choice": [2, "deep"]}}}, "space.depth: Input should be a valid integer"),
     ({"space": {"lr": {"loguniform": [0, 1]}}}, "space: lr: loguniform: low 0.0 must be > 0"),
     ({"space": {"lr": {"normal": [0, 1]}}}, "space: lr: unknown kind 'normal'; allowed: grid, choice,"),
     ({"space": {"hidden": {"choice": []}}}, "space: hidden: choice: empty list"),
@@ -81,4 +102,5 @@ def test_bad_configs_name_the_key_and_what_is_allowed(data, message):
 
 
 def test_hparams_defaults_are_a_valid_trial():
-    assert HParams().model_dump()["optimizer"] == "adam"
+    assert PlatformHParams().model_dump()["optimizer"] == "adam"
+    assert MLP.hp_model().model_dump() == {**PlatformHParams().model_dump(), "hidden": 4, "depth": 2}

@@ -17,10 +17,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from conftest import ROOT, run_job, tensorboard_scalars
 from rayhpc.config import validate
-from rayhpc.data import load_dataset
+from rayhpc.data import synthetic_tensors
+from rayhpc.models import MLP
+from rayhpc.task.batches import epoch_indices
 from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.train.config import TrainConfig
-from rayhpc.train.loop import build_model, make_optimizer
 from rayhpc.train.trainer import run_training
 
 EPOCHS = 3
@@ -30,16 +31,20 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def train_cfg(tmp_path, **kw) -> TrainConfig:
-    return validate(TrainConfig, {"storage_path": str(tmp_path), "epochs": EPOCHS, "num_workers": 2,
-                                  "batch_size_per_worker": 32, "model": {"hidden": 16}, **kw})
+    return validate(TrainConfig, {"storage_path": str(tmp_path), "epochs": EPOCHS, "compute": {"num_workers": 2},
+                                  "batch_size_per_worker": 32, "hparams": {"hidden": 16}, **kw})
 
 
 def one_process(cfg: TrainConfig, batch: int) -> dict:
-    """The same model, optimizer and data order in one process, `batch` samples per step."""
-    ds = load_dataset(cfg.data)
-    model = build_model(cfg, ds)
-    opt = make_optimizer(cfg, model.parameters())
-    train = TensorDataset(ds.x_train, ds.y_train)
+    """The same model, optimizer and data order in one plain process, `batch` samples per step: the
+    mlp task's rows without its 20% hold-out (split by a permutation seeded with split_seed 0)."""
+    x, y = synthetic_tensors(cfg.data.synthetic)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    keep = order[round(0.2 * len(x)):]
+    torch.manual_seed(cfg.seed)
+    model = MLP(6, 16, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
+    train = TensorDataset(x[keep], y[keep])
     sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed)
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)
@@ -120,7 +125,7 @@ def test_killed_worker_resumes_from_checkpoint_and_ends_equal(ddp_run, tmp_path)
 
 def test_resume_after_the_driver_is_killed_continues_from_the_checkpoint(ray_address, ddp_run, tmp_path):
     args = [sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--storage-path", str(tmp_path), "--name", "r",
-            "--epochs", str(EPOCHS), "--num-workers", "2", "--batch-size-per-worker", "32", "--hidden", "16",
+            "--epochs", str(EPOCHS), "--num-workers", "2", "--batch-size-per-worker", "32", "--hp", "hidden=16",
             "--address", ray_address]
     metrics = tmp_path / "r" / "metrics.parquet"
     driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
@@ -144,42 +149,27 @@ def test_resume_after_the_driver_is_killed_continues_from_the_checkpoint(ray_add
     assert_same_weights(load_full_state_dict(final), load_full_state_dict(ddp_run.checkpoint_dir))
 
 
-def test_shards_partition_the_data_and_reshuffle_every_epoch(ray_address, tmp_path):
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchTrainer, prepare_data_loader
-
-    from rayhpc.data import Dataset
-    from rayhpc.train.loop import make_sampler
-
-    n = 40
-    ds = Dataset(torch.arange(n, dtype=torch.float32)[:, None], torch.zeros(n, 1), torch.zeros(1, 1),
-                 torch.zeros(1, 1), ("i",), ("y",))
-    cfg = train_cfg(tmp_path, batch_size_per_worker=4)
-
-    def loop(config):
-        ctx = ray.train.get_context()
-        sampler = make_sampler(ds, cfg, ctx.get_world_rank(), ctx.get_world_size())
-        loader = prepare_data_loader(DataLoader(sampler.dataset, batch_size=4, sampler=sampler))
-        for epoch in range(2):
+def test_shards_partition_the_data_and_reshuffle_every_epoch():
+    """Every rank's order is torch's DistributedSampler's (seed, epoch): the shards partition the data."""
+    n, world = 41, 2
+    for epoch in (0, 1):
+        shards = [epoch_indices(n, 5, epoch, rank, world) for rank in range(world)]
+        for rank, shard in enumerate(shards):
+            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=5)
             sampler.set_epoch(epoch)
-            seen = [int(i) for x, _ in loader for i in x[:, 0].tolist()]
-            (tmp_path / f"r{ctx.get_world_rank()}e{epoch}").write_text(",".join(map(str, seen)))
-
-    TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2),
-                 run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="shards")).fit()
-    order = {(r, e): [int(v) for v in (tmp_path / f"r{r}e{e}").read_text().split(",")] for r in (0, 1) for e in (0, 1)}
-    for e in (0, 1):
-        assert len(order[0, e]) == len(order[1, e]) == n // 2
-        assert sorted(order[0, e] + order[1, e]) == list(range(n)), "the shards do not partition the data"
-    for r in (0, 1):
-        assert order[r, 0] != order[r, 1], "the shard order did not change between epochs"
+            assert shard == list(sampler)
+        assert len(shards[0]) == len(shards[1]) == 21 and set(shards[0] + shards[1]) == set(range(n))
+    assert epoch_indices(n, 5, 0, 0, world) != epoch_indices(n, 5, 1, 0, world), "no reshuffle between epochs"
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--num-workers", "5"], "error: num_workers (--num-workers) 5: the cluster can place 2 worker(s) of 1 CPU each"),
-    (["--gpu"], "error: gpu (--gpu): the cluster has no GPUs"),
+    (["--num-workers", "5", "--cpus-per-worker", "1"],
+     "error: compute.num_workers (--num-workers) 5: the cluster can place 2 worker(s) of 1 CPU each"),
+    (["--gpu"], "error: compute.gpu (--gpu): the cluster has no GPUs"),
     (["--global-batch-size", "65"], "error: global_batch_size (--global-batch-size) 65: not divisible by "
-                                    "num_workers (--num-workers) 2"),
+                                    "compute.num_workers (--num-workers) 2"),
+    (["--hp", "hidden=wide"], "error: hparams.hidden (--hp): Input should be a valid integer"),
+    (["--hp", "lr=0.1"], "error: hparams.lr (--hp): a platform hyperparameter; set it with --lr"),
     (["--strategy", "zero3"], "error: strategy (--strategy): Input should be 'ddp' or 'fsdp' (got 'zero3')"),
     (["--global-batch-size", "64", "--batch-size-per-worker", "32"], "error: global_batch_size (--global-batch-size) "
                                                                     "and batch_size_per_worker"),

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 import types
 import typing
 from typing import Callable, NoReturn, Sequence, TypeVar
 
+import yaml
 from pydantic import BaseModel
 
 from rayhpc import cluster
-from rayhpc.config import ConfigError, explicit_keys, field_at, load_yaml, merge, validate
+from rayhpc import log as rayhpc_log
+from rayhpc.config import ConfigError, explicit_keys, field_at, is_model, load_yaml, merge, unwrap_annotation, validate
 
 USAGE_ERROR = 2
 M = TypeVar("M", bound=BaseModel)
@@ -32,12 +33,38 @@ class ArgParser(argparse.ArgumentParser):
         sys.exit(USAGE_ERROR)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], flags: dict[str, str]) -> None:
-    """`--config FILE` plus one flag per config key (`flags` maps flag -> dotted key).
+def derived_flags(model: type[BaseModel]) -> dict[str, str]:
+    """flag -> dotted key, for every scalar or list field of the config and of its sections (one level
+    down): `--` and the field's name with dashes (`compute.num_workers` -> `--num-workers`), unless the
+    field names its own flag (`json_schema_extra={"flag": "--data"}`). Dict fields (`space`) have none
+    unless they name one (`hparams`: `--hp KEY=VALUE,...`)."""
+    flags: dict[str, str] = {}
+    for key, field in _flag_fields(model):
+        flag = (field.json_schema_extra or {}).get("flag") or "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+        if flag in flags:
+            raise TypeError(f"{model.__name__}: {flags[flag]} and {key} would both be {flag}; name one's flag")
+        flags[flag] = key
+    return flags
+
+
+def _flag_fields(model: type[BaseModel], prefix: str = "", depth: int = 0):
+    for name, field in model.model_fields.items():
+        sub = unwrap_annotation(field.annotation)
+        if is_model(sub):
+            if depth == 0:
+                yield from _flag_fields(sub, f"{prefix}{name}.", depth + 1)
+        elif _kind(field.annotation) is not dict or "flag" in (field.json_schema_extra or {}):
+            yield f"{prefix}{name}", field
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, model: type[BaseModel]) -> dict[str, str]:
+    """`--config FILE` plus one flag per config key; returns the flags (flag -> dotted key).
 
     Every flag defaults to None, so an unset flag leaves the YAML value alone;
-    bool keys become switches and list keys take comma-separated values.
+    bool keys become switches, list keys take comma-separated values, and dict
+    keys KEY=VALUE pairs (comma-separated or repeated; values read as YAML).
     """
+    flags = derived_flags(model)
     parser.add_argument("--config", metavar="FILE", help="YAML file of these keys; flags override its values")
     for flag, key in flags.items():
         field = field_at(model, key)
@@ -45,10 +72,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, model: type[BaseModel]
         text = (field.description or "").replace("%", "%%")  # argparse %-formats help text
         if kind is bool:
             parser.add_argument(flag, action="store_true", default=None, help=text)
+        elif kind is dict:
+            parser.add_argument(flag, action="append", metavar="KEY=VALUE[,...]", help=text)
         else:
             choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else ()
             metavar = "{" + ",".join(choices) + "}" if choices else key.split(".")[-1].upper()
             parser.add_argument(flag, metavar=metavar + ("[,...]" if kind is list else ""), help=text)
+    return flags
 
 
 def config_from_args(args: argparse.Namespace, model: type[M], flags: dict[str, str]) -> tuple[M, set[str]]:
@@ -57,22 +87,32 @@ def config_from_args(args: argparse.Namespace, model: type[M], flags: dict[str, 
     overrides = {}
     for flag, key in flags.items():
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            overrides[key] = value.split(",") if _kind(field_at(model, key).annotation) is list else value
-    if os.environ.get("RAYHPC_RESUME") == "1" and "resume" in model.model_fields:
-        # set by the sbatch startup in a requeued job: continue where the preempted run stopped
-        overrides.setdefault("resume", True)
+        if value is None:
+            continue
+        kind = _kind(field_at(model, key).annotation)
+        overrides[key] = value.split(",") if kind is list else _pairs(flag, value) if kind is dict else value
     merged = merge(data, overrides)
     named = {key: flag for flag, key in flags.items() if key in overrides}
     return validate(model, merged, named), explicit_keys(model, merged)
 
 
+def _pairs(flag: str, values: list[str]) -> dict:
+    """`KEY=VALUE` pairs (comma-separated or repeated flags); values are read as YAML scalars."""
+    out = {}
+    for item in ",".join(values).split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} hidden=16")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
 def _kind(annotation) -> type | None:
-    """bool or list for switch and comma-list flags; None for everything else."""
+    """bool, list or dict for switch, comma-list and KEY=VALUE flags; None for everything else."""
     options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
     for a in options or (annotation,):
-        if a is bool or typing.get_origin(a) is list:
-            return bool if a is bool else list
+        if a is bool or typing.get_origin(a) in (list, dict):
+            return bool if a is bool else typing.get_origin(a)
     return None
 
 
@@ -85,6 +125,7 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     """
     signal.signal(signal.SIGUSR1, signal.default_int_handler)
     cluster.use_token_if_present()
+    rayhpc_log.show()  # the platform's progress lines, as plain lines on stdout
     try:
         code = main(argv)
     except ConfigError as exc:
@@ -93,19 +134,24 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     sys.exit(code or 0)
 
 
+def parse_config(parser: ArgParser, model: type[M], argv) -> tuple[M, set[str]]:
+    """Flags derived from `model`, parsed: the validated config and the keys set explicitly."""
+    flags = add_config_arguments(parser, model)
+    return config_from_args(parser.parse_args(argv), model, flags)
+
+
 def tune_main(argv: Sequence[str] | None = None) -> int:
-    """`rayhpc tune` / `python jobs/tune_mlp.py`: run a hyperparameter sweep."""
-    from rayhpc.tune.config import FLAGS, SweepConfig
+    """`rayhpc tune` / `python jobs/tune_mlp.py`: a hyperparameter sweep of a task on Ray Tune."""
+    from rayhpc.tune.config import SweepConfig
     from rayhpc.tune.results import format_best
     from rayhpc.tune.sweep import run_sweep
 
-    parser = ArgParser(prog="tune_mlp.py", description="Hyperparameter sweep of the MLP on Ray Tune.")
-    add_config_arguments(parser, SweepConfig, FLAGS)
-    args = parser.parse_args(argv)
-    cfg, explicit = config_from_args(args, SweepConfig, FLAGS)
+    parser = ArgParser(prog="tune_mlp.py", description="Hyperparameter sweep of a task (the built-in MLP by "
+                       "default) on Ray Tune.")
+    cfg, explicit = parse_config(parser, SweepConfig, argv)
     with ray_session():
         table = run_sweep(cfg, explicit=explicit)
-    print(format_best(table))
+    print(format_best(table, table.attrs["objective"]))
     print(f"results: {cfg.experiment_dir / 'results.parquet'} ({len(table)} trials)")
     errored = int((table["status"] == "error").sum())
     return 1 if errored == len(table) else 0
@@ -125,35 +171,35 @@ def ray_session():
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    """`rayhpc train` / `python jobs/train_mlp.py`: data-parallel training with Ray Train."""
-    from rayhpc.train.config import FLAGS, TrainConfig
+    """`rayhpc train` / `python jobs/train_mlp.py`: data-parallel training of a task with Ray Train."""
+    from rayhpc.train.config import TrainConfig
     from rayhpc.train.trainer import format_summary, run_training
 
-    parser = ArgParser(prog="train_mlp.py", description="Data-parallel (DDP or FSDP2) training of the MLP on Ray Train.")
-    return _run_training_job(parser, argv, TrainConfig, FLAGS, run_training, format_summary)
+    parser = ArgParser(prog="train_mlp.py", description="Data-parallel (DDP or FSDP2) training of a task (the "
+                       "built-in MLP by default) on Ray Train.")
+    return _run_job(parser, argv, TrainConfig, run_training, format_summary)
 
 
 def parallel_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc parallel` / `python jobs/train_parallel.py`: TP, PP and DP on the platform's worker group."""
-    from rayhpc.parallel.config import FLAGS, ParallelConfig
+    from rayhpc.parallel.config import ParallelConfig
     from rayhpc.parallel.trainer import format_summary, run_parallel
 
     parser = ArgParser(prog="train_parallel.py",
                        description="Tensor-, pipeline- and data-parallel training on a group of Ray actors.")
-    return _run_training_job(parser, argv, ParallelConfig, FLAGS, run_parallel, format_summary)
+    return _run_job(parser, argv, ParallelConfig, run_parallel, format_summary)
 
 
 def collectives_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc collectives` / `python jobs/bench_collectives.py`: the collective-primitive benchmark."""
     from rayhpc.collectives.bench import PLOT_FILE, RESULTS_FILE, run_collectives
-    from rayhpc.collectives.config import FLAGS, CollectivesConfig
+    from rayhpc.collectives.config import CollectivesConfig
 
     parser = ArgParser(prog="bench_collectives.py", description="Check, then time, each collective primitive "
                        "over message sizes on a worker group (gloo on CPU, NCCL with --gpu).")
-    add_config_arguments(parser, CollectivesConfig, FLAGS)
-    cfg, _ = config_from_args(parser.parse_args(argv), CollectivesConfig, FLAGS)
+    cfg, explicit = parse_config(parser, CollectivesConfig, argv)
     with ray_session():
-        table = run_collectives(cfg)
+        table = run_collectives(cfg, explicit)
     wrong = table[~table["correct"]]
     print(f"results: {cfg.experiment_dir / RESULTS_FILE}, plot: {cfg.experiment_dir / PLOT_FILE}"
           + (f"; {wrong['primitive'].nunique()} primitive(s) NOT timed (wrong or unsupported): "
@@ -163,24 +209,21 @@ def collectives_main(argv: Sequence[str] | None = None) -> int:
 
 def scaling_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc scaling` / `python jobs/scaling_study.py`: strong and weak scaling of DDP training."""
-    from rayhpc.scaling.config import FLAGS, ScalingConfig
+    from rayhpc.scaling.config import ScalingConfig
     from rayhpc.scaling.study import PLOT_FILE, RESULTS_FILE, format_table, run_scaling
 
     parser = ArgParser(prog="scaling_study.py", description="Strong and weak scaling of DDP training.")
-    add_config_arguments(parser, ScalingConfig, FLAGS)
-    cfg, _ = config_from_args(parser.parse_args(argv), ScalingConfig, FLAGS)
+    cfg, explicit = parse_config(parser, ScalingConfig, argv)
     with ray_session():
-        table = run_scaling(cfg)
+        table = run_scaling(cfg, explicit)
     print(format_table(table))
     print(f"results: {cfg.experiment_dir / RESULTS_FILE}, plot: {cfg.experiment_dir / PLOT_FILE}")
     return 0
 
 
-def _run_training_job(parser: ArgParser, argv, model: type[M], flags: dict[str, str], run: Callable,
-                      summary: Callable) -> int:
+def _run_job(parser: ArgParser, argv, model: type[M], run: Callable, summary: Callable) -> int:
     """Parse flags into the job's config, run it in a Ray session, print its summary."""
-    add_config_arguments(parser, model, flags)
-    cfg, explicit = config_from_args(parser.parse_args(argv), model, flags)
+    cfg, explicit = parse_config(parser, model, argv)
     with ray_session():
         result = run(cfg, explicit=explicit)
     print(summary(result))
@@ -213,17 +256,15 @@ def submit_main(argv: Sequence[str] | None = None) -> int:
 
 def _submit_array(cluster_cfg, command: list[str], dry_run: bool) -> int:
     """`rayhpc submit --array`: the sweep flags (after an optional `python [-u] jobs/tune_mlp.py`)."""
-    from rayhpc.slurm.array import check_array_sweep, submit_array
-    from rayhpc.tune.config import FLAGS, SweepConfig
+    from rayhpc.tune.array import prepare_array, submit_array
+    from rayhpc.tune.config import SweepConfig
 
     while command and (command[0].startswith("python") or command[0] == "-u" or command[0].endswith("tune_mlp.py")):
         command = command[1:]
     parser = ArgParser(prog="rayhpc submit --array -- ", description="The sweep to run as an array job.")
-    add_config_arguments(parser, SweepConfig, FLAGS)
-    sweep, explicit = config_from_args(parser.parse_args(command), SweepConfig, FLAGS)
-    sweep, n_trials = check_array_sweep(sweep, explicit)
-    out = submit_array(cluster_cfg, sweep, n_trials, dry_run=dry_run)
-    print(out if dry_run else f"submitted array job {out} ({n_trials} tasks) and a job collecting their results "
+    sweep, task, configs, columns = prepare_array(*parse_config(parser, SweepConfig, command))
+    out = submit_array(cluster_cfg, sweep, task, configs, columns, dry_run=dry_run)
+    print(out if dry_run else f"submitted array job {out} ({len(configs)} tasks) and a job collecting their results "
                               f"into {sweep.experiment_dir / 'results.parquet'}")
     return 0
 
@@ -257,11 +298,26 @@ COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main, "
             "scaling": scaling_main, "submit": submit_main, "status": status_main}
 
 
+def usage() -> str:
+    """`rayhpc --help`: every command with its one-line description."""
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {fn.__doc__.split(':', 1)[1].strip().rstrip('.')}" for name, fn in COMMANDS.items()]
+    return ("usage: rayhpc COMMAND [options]   (rayhpc COMMAND --help for its options)\n\ncommands:\n"
+            + "\n".join(lines))
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    """The `rayhpc` command: `rayhpc <command> [options]`."""
+    """The `rayhpc` command (also `python -m rayhpc`): `rayhpc <command> [options]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        sys.exit(0)
     if not argv or argv[0] not in COMMANDS:
         given = repr(argv[0]) if argv else "nothing"
-        print(f"error: command {given}: expected one of {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"error: command {given}: expected one of {', '.join(COMMANDS)} (see rayhpc --help)", file=sys.stderr)
         sys.exit(USAGE_ERROR)
     run_main(COMMANDS[argv[0]], argv[1:])
+
+
+if __name__ == "__main__":
+    main()

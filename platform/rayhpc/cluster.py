@@ -14,6 +14,8 @@ from pathlib import Path
 
 from rayhpc.config import ConfigError
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Resources:
@@ -44,14 +46,28 @@ class Resources:
         return f"{where}: {self.nodes} node(s), {self.cpus:g} CPUs, {self.gpus:g} GPUs"
 
 
-def check_workers(res: Resources, num_workers: int, cpus_per_worker: float, gpu: bool) -> None:
+MIN_CPU_SHARE = 1 / 64
+
+
+def default_cpus_per_worker(res: Resources, num_workers: int, gpu: bool) -> float:
+    """The one default policy: 1 CPU per worker or, where the cluster has fewer, the largest
+    power-of-two share that places them all (4 workers on a 2-CPU laptop get 0.5 each: their
+    torch threads share the cores; on a cluster every worker gets a whole CPU)."""
+    cpus = 1.0
+    while cpus > MIN_CPU_SHARE and res.placeable(cpus, 1.0 if gpu else 0.0) < num_workers:
+        cpus /= 2
+    return cpus
+
+
+def check_workers(res: Resources, num_workers: int, cpus_per_worker: float, gpu: bool,
+                  key: str = "compute.num_workers (--num-workers)") -> None:
     """Fail at once where a placement group would wait for resources that will never come."""
     if gpu and res.gpus == 0:
-        raise ConfigError(f"gpu (--gpu): the cluster has no GPUs ({res.describe()})")
+        raise ConfigError(f"compute.gpu (--gpu): the cluster has no GPUs ({res.describe()})")
     fits = res.placeable(cpus_per_worker, 1.0 if gpu else 0.0)
     if fits < num_workers:
         each = f"{cpus_per_worker:g} CPU" + (" + 1 GPU" if gpu else "")
-        raise ConfigError(f"num_workers (--num-workers) {num_workers}: the cluster can place {fits} "
+        raise ConfigError(f"{key} {num_workers}: the cluster can place {fits} "
                           f"worker(s) of {each} each ({res.describe()})")
 
 
@@ -130,8 +146,8 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     dashboard = getattr(ctx, "dashboard_url", None)
     started = f"started local Ray at {res.address}" if address is None else f"joined Ray at {address}"
     # the dashboard asks for the cluster's token once per browser: `ray get-auth-token` prints it
-    print(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
-          + (f"; dashboard http://{dashboard} (token: `ray get-auth-token`)" if dashboard else ""), flush=True)
+    log.info(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
+             + (f"; dashboard http://{dashboard} (token: `ray get-auth-token`)" if dashboard else ""))
     return res
 
 

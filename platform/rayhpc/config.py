@@ -14,7 +14,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, TypeVar
+from typing import Any, ClassVar, Literal, Mapping, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -60,22 +60,56 @@ class JobConfig(StrictModel):
         os.replace(tmp, self.saved_file)
 
 
+class PerWorker(StrictModel):
+    """What each worker reserves (the `compute:` section, shared by every job with workers)."""
+
+    gpu: bool = Field(False, description="one GPU per worker and NCCL (else CPU and gloo)")
+    cpus_per_worker: float | None = Field(None, gt=0, description="CPUs reserved per worker (its torch threads); "
+                                          "unset: 1, or the largest power-of-two share that places every worker")
+
+
+class Compute(PerWorker):
+    """How many workers a run has, and what each reserves."""
+
+    num_workers: int = Field(2, ge=1, description="training processes (ranks)")
+
+
+class Optim(StrictModel):
+    """The optimiser (the `optim:` section)."""
+
+    optimizer: Literal["sgd", "adam"] = Field("sgd", description="torch.optim.SGD or Adam")
+    lr: float = Field(0.05, gt=0, description="learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (ignored by Adam)")
+    weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient")
+
+
 J = TypeVar("J", bound=JobConfig)
+RESUME_ENV = "RAYHPC_RESUME"  # set by the sbatch startup in a requeued job: resume if there is something to resume
 
 
 def reconcile_resume(cfg: J, explicit: set[str]) -> J:
     """Refuse to clobber an existing job; on `--resume` use its saved definition.
 
     Values the user gave explicitly (YAML or flags) must agree with the saved
-    ones: a resumed job cannot change what it computes.
+    ones: a resumed job cannot change what it computes. `--resume` of a job
+    that never ran is an error listing the jobs that exist; a requeued Slurm job
+    (RAYHPC_RESUME=1) resumes if there is something to resume and starts otherwise.
     """
+    check_storage(cfg.storage_path)
+    exists = cfg.saved_file.exists()
+    if not cfg.resume and exists and os.environ.get(RESUME_ENV) == "1":
+        cfg = cfg.model_copy(update={"resume": True})
     if not cfg.resume:
-        if cfg.saved_file.exists():
+        if exists:
             raise ConfigError(f"name (--name) {cfg.name}: a {cfg.kind} already exists at {cfg.experiment_dir}; "
                               "pass --resume to continue it or choose another --name")
         return cfg
-    if not cfg.saved_file.exists():
-        return cfg
+    if not exists:
+        if os.environ.get(RESUME_ENV) == "1":
+            return cfg.model_copy(update={"resume": False})
+        there = sorted(p.parent.name for p in cfg.storage_path.resolve().glob(f"*/{cfg.kind}.yaml"))
+        raise ConfigError(f"resume (--resume): no {cfg.kind} named {cfg.name} under {cfg.storage_path.resolve()}; "
+                          f"{cfg.kind}s there: {', '.join(there) or 'none'}")
     saved = validate(type(cfg), load_yaml(cfg.saved_file))
     now, before = cfg.saved(), saved.saved()
     for key in sorted(explicit):
@@ -85,13 +119,26 @@ def reconcile_resume(cfg: J, explicit: set[str]) -> J:
     return saved.model_copy(update={"resume": True, "address": cfg.address, "storage_path": cfg.storage_path})
 
 
+def check_storage(path: Path) -> None:
+    """`storage_path` must be a folder, or a path whose first existing ancestor is a writable folder."""
+    path = path.expanduser().resolve()
+    for parent in (path, *path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                what = "is a file" if parent == path else f"lies under {parent}, which is a file"
+                raise ConfigError(f"storage_path (--storage-path) {path}: {what}, not a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"storage_path (--storage-path) {path}: {parent} is not writable")
+            return
+
+
 def explicit_keys(model: type[BaseModel], data: Mapping[str, Any], prefix: str = "") -> set[str]:
     """Dotted keys set in `data`, descending into sub-models only (a dict-valued field is one key)."""
     out = set()
     for key, value in data.items():
         field = model.model_fields.get(key)
-        sub = _unwrap(field.annotation) if field is not None else None
-        if isinstance(value, dict) and _is_model(sub):
+        sub = unwrap_annotation(field.annotation) if field is not None else None
+        if isinstance(value, dict) and is_model(sub):
             out |= explicit_keys(sub, value, f"{prefix}{key}.")
         else:
             out.add(f"{prefix}{key}")
@@ -102,7 +149,7 @@ def field_at(model: type[BaseModel], dotted: str):
     """The pydantic field that a dotted key (`data.path`) names."""
     *parents, leaf = dotted.split(".")
     for part in parents:
-        model = _unwrap(model.model_fields[part].annotation)
+        model = unwrap_annotation(model.model_fields[part].annotation)
     return model.model_fields[leaf]
 
 
@@ -187,27 +234,27 @@ def _fields_at(model: Any, loc: list[str]) -> set[str]:
         current = _submodel(current, part)
         if current is None:
             return set()
-    return set(current.model_fields) if _is_model(current) else set()
+    return set(current.model_fields) if is_model(current) else set()
 
 
 def _submodel(annotation: Any, part: str) -> Any:
     """Follow one location step through models, Optional, dict values and list items."""
-    if _is_model(annotation):
+    if is_model(annotation):
         field = annotation.model_fields.get(part)
-        return _unwrap(field.annotation) if field is not None else None
-    return _unwrap(annotation)
+        return unwrap_annotation(field.annotation) if field is not None else None
+    return unwrap_annotation(annotation)
 
 
-def _unwrap(annotation: Any) -> Any:
+def unwrap_annotation(annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        models = [a for a in typing.get_args(annotation) if _is_model(a)]
+        models = [a for a in typing.get_args(annotation) if is_model(a)]
         return models[0] if models else None
     if origin in (dict, list, tuple):
         args = typing.get_args(annotation)
-        return _unwrap(args[-1]) if args else None
+        return unwrap_annotation(args[-1]) if args else None
     return annotation
 
 
-def _is_model(obj: Any) -> bool:
+def is_model(obj: Any) -> bool:
     return isinstance(obj, type) and issubclass(obj, BaseModel)

@@ -1,14 +1,15 @@
-"""Datasets for the platform's jobs: a learnable synthetic task, or a Parquet file.
+"""The job's `data:` section, and the built-in MLP task's data: a learnable synthetic task or a Parquet file.
 
 The synthetic task keeps the seed documents' shapes (6 features in, 2 targets
 out, generator seed 12345) but, unlike their `RandomTensorDataset`, its
 targets are a fixed function of the inputs (a random "teacher" MLP plus a
 little noise), so a model can learn it and a sweep can tell configs apart.
+Other tasks load their own data (`data(hp)`); of this section they use only
+`val_fraction` and `split_seed`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,14 +30,22 @@ class SyntheticTask(StrictModel):
 
 
 class DataConfig(StrictModel):
-    """Where the training data comes from and how it is split."""
+    """The validation hold-out (every task), and where the built-in MLP task's data comes from."""
 
-    path: Path | None = Field(None, description="Parquet file; None means the synthetic task")
-    target: list[str] = Field(["target"], min_length=1, description="target column(s) in the Parquet file")
-    features: list[str] | None = Field(None, description="feature columns; None means every other column")
-    val_fraction: float = Field(0.2, gt=0, lt=1, description="share of rows held out for validation")
+    path: Path | None = Field(None, description="mlp task: a Parquet file; unset: the synthetic task",
+                              json_schema_extra={"flag": "--data"})
+    target: list[str] = Field(["target"], min_length=1, description="mlp task: target column(s) of the Parquet file")
+    features: list[str] | None = Field(None, description="mlp task: feature columns; unset: every other column")
+    val_fraction: float | None = Field(None, gt=0, lt=1, description="share of the training data held out for "
+                                       "validation when the task gives no validation set; unset: the task's own "
+                                       "default (mlp: 0.2; else no validation)")
     split_seed: int = Field(0, description="seed of the train/validation split permutation")
     synthetic: SyntheticTask = SyntheticTask()
+
+    def mlp_only(self) -> list[str]:
+        """The keys set here that only the built-in MLP task reads."""
+        default = DataConfig()
+        return [k for k in ("path", "target", "features", "synthetic") if getattr(self, k) != getattr(default, k)]
 
     @field_validator("path")
     @classmethod
@@ -45,40 +54,9 @@ class DataConfig(StrictModel):
         return path.expanduser().resolve() if path is not None else None
 
 
-@dataclass(frozen=True)
-class Dataset:
-    """A train/validation split held as float32 tensors."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_val: torch.Tensor
-    y_val: torch.Tensor
-    features: tuple[str, ...]
-    targets: tuple[str, ...]
-
-    @property
-    def in_features(self) -> int:
-        return self.x_train.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.y_train.shape[1]
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The shuffled sample order of one epoch: a function of (seed, epoch) only, so restarts replay it."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-
-
-def load_dataset(cfg: DataConfig) -> Dataset:
-    """The dataset `cfg` describes, split into train and validation parts."""
-    if cfg.path is None:
-        x, y = synthetic_tensors(cfg.synthetic)
-        features = tuple(f"x{i}" for i in range(x.shape[1]))
-        targets = tuple(f"y{i}" for i in range(y.shape[1]))
-    else:
-        x, y, features, targets = read_parquet(cfg)
-    return split(x, y, features, targets, cfg.val_fraction, cfg.split_seed)
+def mlp_tensors(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of the MLP task's data, as float32 (features, targets)."""
+    return synthetic_tensors(cfg.synthetic) if cfg.path is None else read_parquet(cfg)
 
 
 def synthetic_tensors(task: SyntheticTask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,15 +77,7 @@ def synthetic_sequences(num_samples: int, tokens: int, dim: int, seed: int) -> t
     return x, 0.5 * torch.tanh(x @ w) + 0.5 * torch.roll(x, shifts=1, dims=1)
 
 
-def split(x, y, features, targets, val_fraction: float, seed: int) -> Dataset:
-    n = x.shape[0]
-    n_val = min(n - 1, max(1, round(n * val_fraction)))
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    val, train = order[:n_val], order[n_val:]
-    return Dataset(x[train], y[train], x[val], y[val], tuple(features), tuple(targets))
-
-
-def read_parquet(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str]]:
+def read_parquet(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Feature and target columns of a Parquet file as float32 tensors, or a one-line error."""
     import pyarrow.parquet as pq
 
@@ -136,7 +106,7 @@ def read_parquet(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, list[str]
         raise ConfigError(f"data.path (--data) {path}: {table.num_rows} rows; need at least 2 to hold out a validation split")
     x = _numeric_matrix(table, features, path)
     y = _numeric_matrix(table, list(cfg.target), path)
-    return x, y, features, list(cfg.target)
+    return x, y
 
 
 def _numeric_matrix(table, names: list[str], path: Path) -> torch.Tensor:
@@ -154,11 +124,12 @@ def _numeric_matrix(table, names: list[str], path: Path) -> torch.Tensor:
 
 
 def step_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
-    """The samples of global step `step` (0-based): consecutive slices of each epoch's shuffled
-    order, the incomplete tail dropped. A function of its arguments only, so every rank, a
-    resumed run and a single-process reference all draw the same batches."""
+    """The samples of the model-parallel job's global step `step` (0-based): consecutive slices of each
+    epoch's shuffled order, the incomplete tail dropped. A function of its arguments only, so every
+    rank, a resumed run and a single-process reference all draw the same batches."""
     per_epoch = n // batch_size
     if per_epoch == 0:
         raise ConfigError(f"batch_size {batch_size}: larger than the dataset's {n} training samples")
     start = step % per_epoch * batch_size
-    return epoch_order(n, seed, step // per_epoch)[start:start + batch_size]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + step // per_epoch))
+    return order[start:start + batch_size]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -9,9 +10,11 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from rayhpc import cluster
 from rayhpc.collectives.config import CollectivesConfig
 from rayhpc.collectives.primitives import bandwidths, make_case
+from rayhpc.job import start_job
+
+log = logging.getLogger(__name__)
 
 RESULTS_FILE, PLOT_FILE = "collectives.parquet", "collectives_busbw.png"
 
@@ -44,24 +47,20 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_collectives(cfg: CollectivesConfig, verbose: bool = True) -> pd.DataFrame:
+def run_collectives(cfg: CollectivesConfig, explicit: set[str] = frozenset(), verbose: bool = True) -> pd.DataFrame:
     """The results table (also written as Parquet and a PNG plot under the job's folder)."""
-    from rayhpc.parallel.worker_group import WorkerGroup
+    from rayhpc.workers.group import WorkerGroup
 
-    address = cluster.resolve_address(cfg.address)
-    res = cluster.probe(address)
-    cpus = cfg.cpus_per_worker or min(1.0, res.node_cpus / cfg.num_workers)
-    cluster.check_workers(res, cfg.num_workers, cpus, cfg.gpu)
-    cluster.connect(address)
-    rows = []
-    with WorkerGroup(cfg.num_workers, cpus_per_worker=cpus, gpus_per_worker=float(cfg.gpu),
+    cfg = start_job(cfg, explicit, workers=lambda c: c.compute.num_workers).cfg
+    compute, rows = cfg.compute, []
+    with WorkerGroup(compute.num_workers, cpus_per_worker=compute.cpus_per_worker, gpus_per_worker=float(compute.gpu),
                      timeout_s=cfg.timeout_s) as group:
         for name in cfg.primitives:
             for size in cfg.sizes:
                 per_rank = group.run(measure, name, size, cfg.warmup, cfg.iters)
-                rows.append(_row(name, per_rank, cfg.num_workers, group.backend))
+                rows.append(_row(name, per_rank, compute.num_workers, group.backend))
                 if verbose:
-                    print(format_row(rows[-1]), flush=True)
+                    log.info(format_row(rows[-1]))
     table = pd.DataFrame(rows)
     cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
     table.to_parquet(cfg.experiment_dir / RESULTS_FILE, index=False)

@@ -8,7 +8,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 
 from rayhpc.collectives.primitives import PRIMITIVES
-from rayhpc.config import JobConfig
+from rayhpc.config import Compute, JobConfig
 
 UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -26,10 +26,7 @@ class CollectivesConfig(JobConfig):
 
     kind: ClassVar[str] = "collectives"
     name: str = Field("collectives", pattern=r"^[A-Za-z0-9_.=-]+$", description="results folder under storage_path")
-    num_workers: int = Field(2, ge=2, description="ranks (one per GPU with --gpu)")
-    gpu: bool = Field(False, description="one GPU per rank and NCCL (else CPU and gloo)")
-    cpus_per_worker: float | None = Field(None, gt=0, description="CPUs per rank; default 1, or an even share "
-                                          "of the biggest node where it has fewer CPUs than ranks")
+    compute: Compute = Compute()
     max_size: int = Field(4 * 2**20, description="largest message (bytes, or e.g. 16MiB); sizes from 1 KiB double")
     primitives: list[str] = Field(list(PRIMITIVES), description="primitives to run")
     iters: int = Field(20, ge=1, description="timed repetitions per size")
@@ -52,11 +49,13 @@ class CollectivesConfig(JobConfig):
             raise ValueError(f"{', '.join(unknown)}: expected some of {', '.join(PRIMITIVES)}")
         return v
 
+    @field_validator("compute")
+    @classmethod
+    def _ranks(cls, compute: Compute) -> Compute:
+        if compute.num_workers < 2:
+            raise ValueError(f"num_workers {compute.num_workers}: a collective needs at least 2 ranks")
+        return compute
+
     @property
     def sizes(self) -> list[int]:
         return [2**p for p in range(10, self.max_size.bit_length()) if 2**p <= self.max_size]
-
-
-FLAGS = {"--num-workers": "num_workers", "--gpu": "gpu", "--cpus-per-worker": "cpus_per_worker",
-         "--max-size": "max_size", "--primitives": "primitives", "--iters": "iters", "--warmup": "warmup",
-         "--name": "name", "--storage-path": "storage_path", "--address": "address"}

@@ -15,15 +15,19 @@ from dataclasses import dataclass
 
 # name -> (description, label names); the single list the Grafana dashboard test checks against
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "rayhpc_trial_val_loss": ("Validation loss of a trial at its latest epoch (MSE)", ("sweep", "trial_id", "node")),
-    "rayhpc_trial_best_val_loss": ("Best validation loss of a trial so far (MSE)", ("sweep", "trial_id", "node")),
+    "rayhpc_trial_val_loss": ("Validation loss of a trial at its latest epoch (the task's loss)", ("sweep", "trial_id", "node")),
+    "rayhpc_trial_best_val_loss": ("Best validation loss of a trial so far", ("sweep", "trial_id", "node")),
     "rayhpc_trial_iterations": ("Epochs a trial has finished", ("sweep", "trial_id", "node")),
+    "rayhpc_trial_val_metric": ("A task's validation metric of a trial at its latest epoch (e.g. accuracy)",
+                                ("sweep", "trial_id", "node", "metric")),
     "rayhpc_trials": ("Trials of a sweep by state (pending, running, finished, early-stopped, error)",
                       ("sweep", "state")),
-    "rayhpc_train_loss": ("Training loss over all ranks since the last report (MSE)", ("run", "rank", "node")),
+    "rayhpc_train_loss": ("Training loss over all ranks since the last report", ("run", "rank", "node")),
     "rayhpc_train_samples_per_second": ("Training samples this worker processed per second", ("run", "rank", "node")),
     "rayhpc_train_step_seconds": ("Mean time of one training step on this worker", ("run", "rank", "node")),
     "rayhpc_gpu_memory_allocated_bytes": ("GPU memory held by this worker's tensors", ("run", "rank", "node")),
+    "rayhpc_train_val_metric": ("A task's validation metric at the latest epoch (e.g. accuracy)",
+                                ("run", "rank", "node", "metric")),
 }
 TRIAL_STATES = ("pending", "running", "finished", "early-stopped", "error")
 
@@ -51,19 +55,22 @@ class SweepMetrics:
     def __init__(self, sweep: str):
         self.sweep = sweep
         self._gauges = _Gauges(("rayhpc_trial_val_loss", "rayhpc_trial_best_val_loss", "rayhpc_trial_iterations",
-                                "rayhpc_trials"))
+                                "rayhpc_trial_val_metric", "rayhpc_trials"))
 
     def record(self, table) -> None:
         """`table`: the sweep's results table (`rayhpc.tune.results.results_table`)."""
-        for row in table.itertuples(index=False):
-            if not row.node:  # not reported yet: no series until its node is known (labels never change)
+        metrics = [c for c in table.columns if c.startswith("val_") and c != "val_loss"]
+        for row in table.to_dict("records"):
+            if not row["node"]:  # not reported yet: no series until its node is known (labels never change)
                 continue
-            tags = {"sweep": self.sweep, "trial_id": str(row.trial_id), "node": str(row.node)}
-            for name, value in (("rayhpc_trial_val_loss", row.val_loss),
-                                ("rayhpc_trial_best_val_loss", row.best_val_loss),
-                                ("rayhpc_trial_iterations", row.iterations)):
+            tags = {"sweep": self.sweep, "trial_id": str(row["trial_id"]), "node": str(row["node"])}
+            values = [("rayhpc_trial_val_loss", row["val_loss"], tags),
+                      ("rayhpc_trial_best_val_loss", row["best_val_loss"], tags),
+                      ("rayhpc_trial_iterations", row["iterations"], tags)]
+            values += [("rayhpc_trial_val_metric", row[c], {**tags, "metric": c.removeprefix("val_")}) for c in metrics]
+            for name, value, labels in values:
                 if value == value:  # NaN: nothing reported yet
-                    self._gauges.set(name, value, tags)
+                    self._gauges.set(name, value, labels)
         counts = table["status"].value_counts() if len(table) else {}
         for state in TRIAL_STATES:
             self._gauges.set("rayhpc_trials", counts.get(state, 0), {"sweep": self.sweep, "state": state})
@@ -78,15 +85,19 @@ class WorkerMetrics:
 
     def __post_init__(self):
         self._gauges = _Gauges(("rayhpc_train_loss", "rayhpc_train_samples_per_second", "rayhpc_train_step_seconds",
-                                "rayhpc_gpu_memory_allocated_bytes"))
+                                "rayhpc_gpu_memory_allocated_bytes", "rayhpc_train_val_metric"))
         self._tags = {"run": self.run, "rank": str(self.rank), "node": socket.gethostname()}
 
-    def record(self, loss: float | None, samples_per_second: float, step_seconds: float, device=None) -> None:
-        """`loss`: None where this rank does not compute it (a pipeline stage before the last)."""
+    def record(self, loss: float | None, samples_per_second: float, step_seconds: float, device=None,
+               val_metrics: dict[str, float] | None = None) -> None:
+        """`loss`: None where this rank does not compute it (a pipeline stage before the last);
+        `val_metrics`: the task's validation metrics (`val_<name>`) when this report has them."""
         if loss is not None:
             self._gauges.set("rayhpc_train_loss", loss, self._tags)
         self._gauges.set("rayhpc_train_samples_per_second", samples_per_second, self._tags)
         self._gauges.set("rayhpc_train_step_seconds", step_seconds, self._tags)
+        for name, value in (val_metrics or {}).items():
+            self._gauges.set("rayhpc_train_val_metric", value, {**self._tags, "metric": name.removeprefix("val_")})
         if device is not None and device.type == "cuda":
             import torch
 

@@ -1,11 +1,10 @@
-"""Tensor, pipeline and data parallelism on the platform's own group of Ray actors.
+"""Tensor, pipeline and data parallelism on the platform's own group of Ray actors (`rayhpc.workers`).
 
-    from rayhpc.parallel import ParallelConfig, run_parallel, WorkerGroup
+    from rayhpc.parallel import ParallelConfig, run_parallel
 """
 
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.mesh import Degrees
-from rayhpc.parallel.worker_group import WorkerContext, WorkerGroup, WorkerGroupError
 
 
 def run_parallel(*args, **kwargs):
@@ -14,4 +13,4 @@ def run_parallel(*args, **kwargs):
     return run(*args, **kwargs)
 
 
-__all__ = ["Degrees", "ParallelConfig", "WorkerContext", "WorkerGroup", "WorkerGroupError", "run_parallel"]
+__all__ = ["Degrees", "ParallelConfig", "run_parallel"]

@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import ConfigError, JobConfig, StrictModel
+from rayhpc.config import Compute, ConfigError, JobConfig, StrictModel
 from rayhpc.data import DataConfig
 from rayhpc.parallel.mesh import Degrees
 
@@ -14,7 +14,8 @@ from rayhpc.parallel.mesh import Degrees
 class ModelSpec(StrictModel):
     """The MLP (Linear -> ReLU -> ... -> Linear, in/out widths from the data) or a transformer stack."""
 
-    kind: Literal["mlp", "transformer"] = Field("mlp", description="mlp, or transformer blocks")
+    kind: Literal["mlp", "transformer"] = Field("mlp", description="mlp, or transformer blocks",
+                                                json_schema_extra={"flag": "--model"})
     hidden: int = Field(32, ge=1, description="MLP width; transformer feed-forward width")
     depth: int = Field(4, ge=1, description="Linear layers (mlp) or blocks (transformer)")
     dim: int = Field(16, ge=1, description="transformer model width")
@@ -30,6 +31,10 @@ class ModelSpec(StrictModel):
         return Transformer(self.dim, self.heads, self.hidden, self.depth)
 
 
+class ParallelCompute(Compute):
+    num_workers: int | None = Field(None, ge=1, description="world size; must equal dp * pp * tp (the default)")
+
+
 class ParallelConfig(JobConfig):
     """Tensor- and pipeline-parallel (and data-parallel) training on the platform's worker group."""
 
@@ -38,15 +43,12 @@ class ParallelConfig(JobConfig):
     tp: int = Field(1, ge=1, description="tensor-parallel degree")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree (stages)")
     dp: int = Field(1, ge=1, description="data-parallel degree (FSDP2 replicas)")
-    num_workers: int | None = Field(None, ge=1, description="world size; must equal dp * pp * tp (default)")
+    compute: ParallelCompute = ParallelCompute()
     microbatches: int | None = Field(None, ge=1, description="pipeline microbatches per step (default: pp)")
     schedule: Literal["gpipe", "1f1b"] = Field("gpipe", description="pipeline schedule")
     steps: int = Field(20, ge=1, description="optimizer steps")
     batch_size: int = Field(32, ge=1, description="global batch: samples per step over all replicas")
     lr: float = Field(0.3, gt=0, description="SGD learning rate")
-    gpu: bool = Field(False, description="one GPU per rank and NCCL (else CPU and gloo)")
-    cpus_per_worker: float | None = Field(None, gt=0, description="CPUs reserved per rank (fractions allowed); "
-                                          "default 1, or an even share where the cluster has fewer CPUs than ranks")
     checkpoint_every: int | None = Field(None, ge=1, description="save a sharded checkpoint every K steps")
     timeout_s: float = Field(120.0, gt=0, description="longest wait for any rank before the run fails")
     seed: int = Field(0, description="seeds initialisation and the data order")
@@ -59,7 +61,7 @@ class ParallelConfig(JobConfig):
 
     @property
     def world_size(self) -> int:
-        return self.num_workers or self.degrees.world_size
+        return self.compute.num_workers or self.degrees.world_size
 
     @property
     def n_microbatches(self) -> int:
@@ -70,7 +72,7 @@ class ParallelConfig(JobConfig):
         try:
             self.degrees.check(self.world_size)
         except ConfigError as exc:
-            raise ConfigError(f"num_workers (--num-workers) {self.num_workers}: {exc}") from None
+            raise ConfigError(f"compute.num_workers (--num-workers) {self.compute.num_workers}: {exc}") from None
         if self.pp > self.model.depth:
             raise ConfigError(f"pp (--pp) {self.pp}: more pipeline stages than the model's {self.model.depth} layers")
         if self.batch_size % self.dp:
@@ -105,14 +107,3 @@ class ParallelConfig(JobConfig):
                 if widths[dim] % self.tp:
                     key = "model.hidden (--hidden)" if 0 < dim < len(widths) - 1 else "the data's target width"
                     raise ConfigError(f"{key} {widths[dim]}: not divisible by tp (--tp) {self.tp}")
-
-
-FLAGS = {
-    "--tp": "tp", "--pp": "pp", "--dp": "dp", "--num-workers": "num_workers", "--microbatches": "microbatches",
-    "--schedule": "schedule", "--steps": "steps", "--batch-size": "batch_size", "--lr": "lr", "--gpu": "gpu",
-    "--cpus-per-worker": "cpus_per_worker", "--checkpoint-every": "checkpoint_every", "--seed": "seed",
-    "--model": "model.kind", "--hidden": "model.hidden", "--depth": "model.depth", "--dim": "model.dim",
-    "--heads": "model.heads", "--name": "name",
-    "--storage-path": "storage_path", "--address": "address", "--resume": "resume", "--data": "data.path",
-    "--target": "data.target",
-}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from rayhpc.fsdp import apply_fsdp
 from rayhpc.parallel.mesh import Degrees
 from rayhpc.parallel.pp import split_stage, units
 from rayhpc.parallel.tp import apply_tp
@@ -20,21 +21,15 @@ def parallelize(model: nn.Module, mesh, degrees: Degrees, rank: int, model_kind:
     if degrees.tp > 1:
         apply_tp(stage, mesh["tp"], model_kind)
     if degrees.dp > 1:
-        apply_fsdp(stage, mesh["dp"])
+        apply_fsdp(stage, shard_units(stage), mesh=mesh["dp"])  # gradients averaged over the replicas
     return stage
 
 
-def apply_fsdp(stage: nn.Module, dp_mesh) -> nn.Module:
-    """FSDP2 over the dp dimension: each unit (a Linear with its ReLU, or a block) is sharded on
-    its own so only one unit's parameters are gathered at a time; TP-sharded parameters become
-    2-D (dp x tp) DTensors. Gradients are averaged over the replicas."""
-    from torch.distributed.fsdp import fully_shard
-
+def shard_units(stage: nn.Module) -> list[nn.Module]:
+    """FSDP2 units of a stage: each Linear (with its ReLU) or block, so only one unit's parameters are
+    gathered at a time; TP-sharded parameters become 2-D (dp x tp) DTensors."""
     children = dict(stage.layers.named_children())
-    for names in units(stage):
-        fully_shard(children[names[0]], mesh=dp_mesh)
-    fully_shard(stage, mesh=dp_mesh)
-    return stage
+    return [children[names[0]] for names in units(stage)]
 
 
 def full_state(module: nn.Module) -> dict:

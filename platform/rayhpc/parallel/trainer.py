@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 
 import torch
 
-from rayhpc import cluster
-from rayhpc.config import reconcile_resume
-from rayhpc.data import load_dataset, step_indices, synthetic_sequences
+from rayhpc.data import mlp_tensors, step_indices, synthetic_sequences
+from rayhpc.job import start_job
 from rayhpc.parallel import worker
 from rayhpc.parallel.config import ParallelConfig
-from rayhpc.parallel.worker_group import WorkerGroup
+from rayhpc.workers.group import WorkerGroup
+
+log = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"  # written into a checkpoint folder once every rank has saved
 
@@ -32,8 +34,7 @@ class ParallelResult:
 def training_tensors(cfg: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The training inputs and targets; every width and size is checked here, before Ray starts."""
     if cfg.model.kind == "mlp":
-        data = load_dataset(cfg.data)
-        x, y = data.x_train, data.y_train
+        x, y = mlp_tensors(cfg.data)
         cfg.check_mlp_widths(x.shape[1], y.shape[1])
     else:
         m, synthetic = cfg.model, cfg.data.synthetic
@@ -44,22 +45,18 @@ def training_tensors(cfg: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbose: bool = True) -> ParallelResult:
     """Train (or resume) the run `cfg` describes; input errors are raised before Ray starts."""
-    cfg = reconcile_resume(cfg, set(explicit))
-    x, y = training_tensors(cfg)
-    address = cluster.resolve_address(cfg.address)
-    cfg = fit_cpus(cfg, cluster.probe(address))
-    cluster.connect(address)
-    if not (cfg.resume and cfg.saved_file.exists()):
-        cfg.save()
+    job = start_job(cfg, explicit, workers=lambda c: c.world_size, check=lambda c, res: training_tensors(c))
+    cfg = job.cfg
     import ray
 
     start, losses, checkpoint = resume_point(cfg)
-    say = print if verbose else (lambda *a, **k: None)
+    say = log.info if verbose else (lambda *a, **k: None)
     started = time.perf_counter()
-    with WorkerGroup(cfg.world_size, cpus_per_worker=cfg.cpus_per_worker, gpus_per_worker=float(cfg.gpu),
+    compute = cfg.compute
+    with WorkerGroup(cfg.world_size, cpus_per_worker=compute.cpus_per_worker, gpus_per_worker=float(compute.gpu),
                      timeout_s=cfg.timeout_s) as group:
         group.describe_rank = cfg.degrees.describe
-        params = group.run(worker.setup, cfg.model_dump(mode="json"), ray.put((x, y)))
+        params = group.run(worker.setup, cfg, ray.put(training_tensors(cfg)))
         if checkpoint is not None:
             group.run(worker.load_checkpoint, str(checkpoint))
             say(f"resumed from {checkpoint} (step {start})")
@@ -78,19 +75,6 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
     return ParallelResult(cfg, losses, step_seconds, weights, start_seconds, checkpoint)
 
 
-def fit_cpus(cfg: ParallelConfig, res: cluster.Resources) -> ParallelConfig:
-    """Check that the ranks fit; without an explicit --cpus-per-worker, reserve 1 CPU per rank
-    or, where the cluster has fewer, the largest power-of-two fraction that places them all
-    (4 ranks on a 2-CPU laptop get 0.5 each: model-parallel ranks mostly wait on each other)."""
-    cpus = cfg.cpus_per_worker
-    if cpus is None:
-        cpus = 1.0
-        while cpus > 1 / 64 and res.placeable(cpus, float(cfg.gpu)) < cfg.world_size:
-            cpus /= 2
-    cluster.check_workers(res, cfg.world_size, cpus, cfg.gpu)
-    return cfg.model_copy(update={"cpus_per_worker": cpus})
-
-
 def step_loss(outcomes: list[dict]) -> tuple[float, float]:
     """The step's loss (mean over data-parallel replicas, from the last stage's first TP rank)
     and its time (the slowest rank's)."""
@@ -102,8 +86,9 @@ def describe_layout(cfg: ParallelConfig, params: list[tuple[int, int]], start_se
     per_replica = cfg.batch_size // cfg.dp
     pipeline = (f"; {cfg.schedule}, {cfg.n_microbatches} microbatches of {per_replica // cfg.n_microbatches} "
                 f"samples" if cfg.pp > 1 else "")
-    return (f"parallel: {cfg.world_size} ranks of {cfg.cpus_per_worker:g} CPU, mesh pp({cfg.pp}) x dp({cfg.dp}) x tp({cfg.tp}) on "
-            f"{'GPU (nccl)' if cfg.gpu else 'CPU (gloo)'}; {params[0][0]:,} parameters, "
+    return (f"parallel: {cfg.world_size} ranks of {cfg.compute.cpus_per_worker:g} CPU, mesh pp({cfg.pp}) x "
+            f"dp({cfg.dp}) x tp({cfg.tp}) on {'GPU (nccl)' if cfg.compute.gpu else 'CPU (gloo)'}; "
+            f"{params[0][0]:,} parameters, "
             f"{min(p[1] for p in params):,}-{max(p[1] for p in params):,} per rank; batch {cfg.batch_size}{pipeline}; "
             f"group ready in {start_seconds:.1f} s")
 

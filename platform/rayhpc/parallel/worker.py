@@ -21,7 +21,7 @@ from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.mesh import build_mesh
 from rayhpc.parallel.parallelize import full_state, parallelize
 from rayhpc.parallel.pp import build_schedule
-from rayhpc.parallel.worker_group import WorkerContext
+from rayhpc.workers.group import WorkerContext
 
 LOSS = nn.functional.mse_loss  # mean over a (micro)batch; the PP schedule averages over microbatches
 
@@ -45,11 +45,10 @@ class RankRun:
         return self.coords["pp"] == self.cfg.pp - 1
 
 
-def setup(ctx: WorkerContext, cfg_dump: dict, data) -> tuple[int, int]:
+def setup(ctx: WorkerContext, cfg: ParallelConfig, data) -> tuple[int, int]:
     """Build this rank's share of the model; returns (the model's parameters, this rank's share)."""
     import ray
 
-    cfg = ParallelConfig.model_validate(cfg_dump)
     quiet_warnings()
     x, y = ray.get(data) if isinstance(data, ray.ObjectRef) else data
     torch.manual_seed(cfg.seed)

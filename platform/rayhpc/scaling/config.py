@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from rayhpc.config import JobConfig
+from rayhpc.config import JobConfig, PerWorker
 from rayhpc.data import DataConfig
 
 
@@ -22,8 +22,7 @@ class ScalingConfig(JobConfig):
     epochs: int = Field(3, ge=2, description="epochs per run; the first is warm-up and not measured")
     hidden: int = Field(256, ge=1, description="MLP width (a wider model computes more per byte communicated)")
     depth: int = Field(3, ge=2, description="MLP Linear layers")
-    gpu: bool = Field(False, description="one GPU per worker and NCCL (else CPU and gloo)")
-    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker")
+    compute: PerWorker = PerWorker()
     data: DataConfig = DataConfig()
 
     @field_validator("workers")
@@ -32,9 +31,3 @@ class ScalingConfig(JobConfig):
         if not v or any(n < 1 for n in v):
             raise ValueError(f"{v}: worker counts must be at least 1")
         return sorted(set(v))
-
-
-FLAGS = {"--workers": "workers", "--modes": "modes", "--global-batch-size": "global_batch_size",
-         "--batch-size-per-worker": "batch_size_per_worker", "--epochs": "epochs", "--hidden": "hidden",
-         "--depth": "depth", "--gpu": "gpu", "--cpus-per-worker": "cpus_per_worker", "--name": "name",
-         "--storage-path": "storage_path", "--address": "address", "--data": "data.path"}

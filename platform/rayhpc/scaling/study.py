@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import pandas as pd
 
 from rayhpc import cluster
 from rayhpc.config import validate
+from rayhpc.job import start_job
 from rayhpc.scaling.config import ScalingConfig
 from rayhpc.train.config import TrainConfig
 
 RESULTS_FILE, PLOT_FILE = "scaling.parquet", "scaling.png"
+log = logging.getLogger(__name__)
 
 
 def nodes_spanned(res: cluster.Resources, workers: int, cpus: float, gpu: bool) -> int:
@@ -24,26 +28,26 @@ def nodes_spanned(res: cluster.Resources, workers: int, cpus: float, gpu: bool) 
 def train_config(cfg: ScalingConfig, mode: str, n: int) -> TrainConfig:
     batch = {"global_batch_size": cfg.global_batch_size} if mode == "strong" else \
         {"batch_size_per_worker": cfg.batch_size_per_worker}
+    name = f"{mode}-{n}"
+    done_before = (cfg.experiment_dir / name / f"{TrainConfig.kind}.yaml").exists()  # a resumed study keeps it
     return validate(TrainConfig, {
-        "name": f"{mode}-{n}", "storage_path": str(cfg.experiment_dir), "num_workers": n, "epochs": cfg.epochs,
-        "gpu": cfg.gpu, "cpus_per_worker": cfg.cpus_per_worker, "address": cfg.address,
-        "model": {"hidden": cfg.hidden, "depth": cfg.depth}, "data": cfg.data.model_dump(), **batch})
+        "name": name, "storage_path": str(cfg.experiment_dir), "epochs": cfg.epochs, "address": cfg.address,
+        "resume": cfg.resume and done_before, "compute": {**cfg.compute.model_dump(), "num_workers": n},
+        "hparams": {"hidden": cfg.hidden, "depth": cfg.depth}, "data": cfg.data.model_dump(), **batch})
 
 
-def run_scaling(cfg: ScalingConfig) -> pd.DataFrame:
+def run_scaling(cfg: ScalingConfig, explicit: set[str] = frozenset()) -> pd.DataFrame:
     """The study's table (also Parquet and a PNG plot under the study's folder)."""
     from rayhpc.train.trainer import run_training
 
-    runs = {(mode, n): train_config(cfg, mode, n) for mode in cfg.modes for n in cfg.workers}  # all checked first
-    address = cluster.resolve_address(cfg.address)
-    res = cluster.probe(address)
-    cluster.check_workers(res, max(cfg.workers), cfg.cpus_per_worker, cfg.gpu)
-    rows = []
-    for (mode, n), train_cfg in runs.items():
-        print(f"--- {mode} scaling, {n} worker(s)", flush=True)
+    job = start_job(cfg, explicit, check=_check)
+    cfg, res, rows = job.cfg, job.resources, []
+    for (mode, n), train_cfg in _runs(cfg).items():
+        log.info(f"--- {mode} scaling, {n} worker(s)")
         result = run_training(train_cfg)
+        cpus = result.cfg.compute.cpus_per_worker
         epochs = result.metrics[result.metrics["kind"] == "epoch"]
-        rows.append({"mode": mode, "workers": n, "nodes": nodes_spanned(res, n, cfg.cpus_per_worker, cfg.gpu),
+        rows.append({"mode": mode, "workers": n, "nodes": nodes_spanned(res, n, cpus, cfg.compute.gpu),
                      "global_batch": int(epochs["global_batch_size"].iloc[0]),
                      "samples_per_s": float(epochs["samples_per_s"].iloc[1:].median())})  # epoch 1 is warm-up
     table = add_speedup(pd.DataFrame(rows))
@@ -51,6 +55,18 @@ def run_scaling(cfg: ScalingConfig) -> pd.DataFrame:
     table.to_parquet(cfg.experiment_dir / RESULTS_FILE, index=False)
     plot(table, cfg.experiment_dir / PLOT_FILE)
     return table
+
+
+def _runs(cfg: ScalingConfig) -> dict[tuple[str, int], TrainConfig]:
+    return {(mode, n): train_config(cfg, mode, n) for mode in cfg.modes for n in cfg.workers}
+
+
+def _check(cfg: ScalingConfig, res: cluster.Resources) -> None:
+    """Every run's config is valid, and the largest run can be placed (before Ray starts)."""
+    _runs(cfg)
+    n = max(cfg.workers)
+    cpus = cfg.compute.cpus_per_worker or cluster.default_cpus_per_worker(res, n, cfg.compute.gpu)
+    cluster.check_workers(res, n, cpus, cfg.compute.gpu, key="workers (--workers)")
 
 
 def add_speedup(table: pd.DataFrame) -> pd.DataFrame:

@@ -1,5 +1,6 @@
 """The sbatch text for a cluster config and a command: `#SBATCH` lines from typed settings,
-the environment set-up, then the platform's startup script (cluster_configs/slurm/ray_cluster.sbatch)."""
+the environment set-up, then the platform's startup script (`ray_cluster.sbatch`, shipped inside the
+package, so an installed rayhpc finds it; `cluster_configs/slurm/ray_cluster.sbatch` links to it)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from rayhpc.slurm.config import ClusterConfig
 
-STARTUP = Path(__file__).resolve().parents[3] / "cluster_configs" / "slurm" / "ray_cluster.sbatch"
+STARTUP = Path(__file__).resolve().parent / "ray_cluster.sbatch"
 
 
 def sbatch_flags(cfg: ClusterConfig, nodes: int | None = None) -> list[str]:

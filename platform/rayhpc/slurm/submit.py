@@ -12,6 +12,15 @@ from rayhpc.slurm.config import ClusterConfig
 from rayhpc.slurm.render import render_sbatch
 
 
+def sbatch(args: list[str], *, script: str | None = None, env: dict | None = None) -> str:
+    """The one way the platform submits: `sbatch --parsable ARGS` (the script as a file in ARGS, on
+    stdin as `script`, or `--wrap`); returns the job id, or raises a one-line `ConfigError`."""
+    proc = subprocess.run(["sbatch", "--parsable", *args], input=script, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise ConfigError(f"sbatch {' '.join(args)}: {proc.stderr.strip() or 'failed'}".splitlines()[0])
+    return proc.stdout.strip().split(";")[0]
+
+
 def submit(cfg: ClusterConfig, command: list[str], *, nodes: int | None = None, dry_run: bool = False) -> str:
     """Submit `command` on a Ray cluster of `cfg`'s shape; returns the job id (or the script, dry)."""
     if not command:
@@ -22,10 +31,7 @@ def submit(cfg: ClusterConfig, command: list[str], *, nodes: int | None = None, 
     cfg.log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output folder
     script = cfg.log_dir / f"rayhpc-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
     script.write_text(text)
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
-    if proc.returncode:
-        raise ConfigError(f"sbatch {script}: {proc.stderr.strip() or 'failed'}")
-    return proc.stdout.strip().split(";")[0]
+    return sbatch([str(script)])
 
 
 def jobs() -> list[dict]:

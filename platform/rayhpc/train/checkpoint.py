@@ -30,6 +30,7 @@ class Progress:
     step_in_epoch: int = 0  # optimizer steps done in the epoch under way
     global_step: int = 0
     best_val_loss: float = math.inf
+    best_objective: float | None = None  # the best of the task's objective, when it is not val_loss
     train_seconds: float = 0.0
 
 

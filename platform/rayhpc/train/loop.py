@@ -1,45 +1,30 @@
-"""The per-worker training loop that Ray Train's TorchTrainer runs on every rank."""
+"""The per-worker training loop that Ray Train's TorchTrainer runs on every rank, for any task.
+
+Each rank loads the task's data itself (`data(hp)`, then the validation hold-out),
+builds the model from the run's seed (the same weights on every rank), wraps it for
+DDP or FSDP2, and trains on its `DistributedSampler` shard: the data order of a plain
+`torchrun` script with `DistributedSampler(shuffle=True, seed=seed)` and `set_epoch`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from rayhpc.data import Dataset
-from rayhpc.models import MLP
 from rayhpc.monitor.metrics import WorkerMetrics
+from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, evaluate, holdout
+from rayhpc.task.hparams import make_optimizer
+from rayhpc.task.load import LoadedTask
 from rayhpc.train import checkpoint
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.parallelize import parallelize
 
-
-def build_model(cfg: TrainConfig, dataset: Dataset) -> MLP:
-    """The same initial weights on every rank (and in a single-process reference run)."""
-    torch.manual_seed(cfg.seed)
-    return MLP(dataset.in_features, cfg.model.hidden, dataset.out_features, cfg.model.depth)
-
-
-def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.effective_lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.effective_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-
-
-def make_sampler(dataset: Dataset, cfg: TrainConfig, rank: int, world: int) -> DistributedSampler:
-    """Rank `rank`'s shard of a permutation drawn from (seed, epoch): reshuffled by `set_epoch`.
-
-    Built here rather than by `prepare_data_loader` so that `--seed` reaches it
-    (Ray's own sampler always uses seed 0); a single worker gets one too, so
-    its order is the same function of the epoch.
-    """
-    train = TensorDataset(dataset.x_train, dataset.y_train)
-    return DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+EVAL_BATCH = 256  # validation batches hold at least this many samples
 
 
 @dataclasses.dataclass
@@ -47,11 +32,12 @@ class Worker:
     """One rank's training state."""
 
     cfg: TrainConfig
+    task: LoadedTask
+    hp: dict
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    sampler: DistributedSampler
-    loader: DataLoader
-    val: tuple[torch.Tensor, torch.Tensor]
+    train: Batches
+    val: Batches | None
     device: torch.device
     rank: int
     world: int
@@ -61,19 +47,20 @@ class Worker:
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, batch) -> torch.Tensor:
         autocast = self.cfg.use_bf16 and self.cfg.strategy == "ddp" and self.device.type == "cuda"
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = self.model(x)
-        return F.mse_loss(out.float(), y)  # FSDP's bf16 policy returns bf16 outputs
+            return self.task.loss(self.model, batch)
 
-    @torch.no_grad()
-    def val_loss(self) -> float:
+    def validate(self) -> dict[str, float]:
         # every rank evaluates the whole split: FSDP's forward is collective anyway
-        return self.loss(*self.val).item()
+        if self.val is None:
+            return {}
+        return evaluate(self.task, self.model, self.val.all(max(self.cfg.per_worker_batch, EVAL_BATCH)))
 
     def report(self, metrics: dict, with_checkpoint: bool) -> None:
-        self.gauges.record(metrics["loss"], metrics["worker_samples_per_s"], metrics["step_ms"] / 1000, self.device)
+        self.gauges.record(metrics["loss"], metrics["worker_samples_per_s"], metrics["step_ms"] / 1000, self.device,
+                           {k: v for k, v in metrics.items() if k.startswith("val_") and k != "val_loss"})
         if with_checkpoint:
             checkpoint.report(metrics, strategy=self.cfg.strategy, model=self.model, optimizer=self.optimizer,
                               progress=self.progress, rank=self.rank)
@@ -84,28 +71,25 @@ class Worker:
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Entry point for `TorchTrainer(train_loop_per_worker, train_loop_config={"cfg": ..., "dataset": ...})`."""
-    import ray
+    """Entry point for `TorchTrainer(train_loop_per_worker, train_loop_config={"cfg", "task", "hp"})`:
+    the validated config, the task and its hyperparameters, from the driver."""
     import ray.train
-    from ray.train.torch import get_device, prepare_data_loader
+    from ray.train.torch import get_device
 
     _quiet_report_logs()
-    cfg = TrainConfig.model_validate(config["cfg"])
-    dataset: Dataset = config["dataset"] if isinstance(config["dataset"], Dataset) else ray.get(config["dataset"])
+    cfg, task, hp = config["cfg"], config["task"], config["hp"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
+    torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker)))
     device = get_device()
-    model = parallelize(build_model(cfg, dataset), cfg.strategy, device, cfg.use_bf16)
-    optimizer = make_optimizer(cfg, model.parameters())
+    fraction = cfg.data.val_fraction if cfg.data.val_fraction is not None else task.val_fraction
+    train, val = holdout(*task.data(hp), fraction, cfg.data.split_seed)  # before seeding: data() may draw
+    model = parallelize(task.initial_model(hp), cfg.strategy, device, cfg.use_bf16)
+    optimizer = make_optimizer(hp, model.parameters())
     progress = checkpoint.restore(ray.train.get_checkpoint(), strategy=cfg.strategy, model=model,
                                   optimizer=optimizer, device=device) or checkpoint.Progress()
-    sampler = make_sampler(dataset, cfg, rank, world)
-    loader = DataLoader(sampler.dataset, batch_size=cfg.per_worker_batch, sampler=sampler)
-    # keeps our DistributedSampler; moves each batch to the worker's device
-    loader = prepare_data_loader(loader)
-    val = (dataset.x_val.to(device), dataset.y_val.to(device))
-    worker = Worker(cfg, model, optimizer, sampler, loader, val, device, rank, world, progress)
+    worker = Worker(cfg, task, hp, model, optimizer, Batches(train, device),
+                    Batches(val, device) if val is not None else None, device, rank, world, progress)
     for epoch in range(progress.epoch, cfg.epochs):
         run_epoch(worker, epoch)
 
@@ -127,26 +111,26 @@ def _quiet_report_logs() -> None:
 
 def run_epoch(w: Worker, epoch: int) -> None:
     """Train one epoch (or its remainder after a restore) and report it with a checkpoint."""
-    cfg, p = w.cfg, w.progress
-    w.sampler.set_epoch(epoch)
+    cfg, p, batch = w.cfg, w.progress, w.cfg.per_worker_batch
+    indices = epoch_indices(len(w.train), w.hp["seed"], epoch, w.rank, w.world)
+    n_steps = math.ceil(len(indices) / batch)
     skip = p.step_in_epoch  # steps of this epoch done before a restore: same order, so skip them
     totals = torch.zeros(2, device=w.device)  # summed batch losses, samples
     steps, started = 0, time.perf_counter()
-    for i, (x, y) in enumerate(w.loader):
-        if i < skip:
-            continue
-        loss = w.loss(x, y)
+    for i, data in enumerate(w.train(indices[skip * batch:], batch), start=skip):
+        loss = w.loss(data)
         w.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         w.optimizer.step()
         if w.first_step_time is None:  # when training really began in this worker group (start-up benchmarks)
             w.first_step_time = time.time()
-        totals += torch.stack([loss.detach() * len(x), torch.tensor(float(len(x)), device=w.device)])
+        n = batch_size_of(data)
+        totals += torch.stack([loss.detach().float() * n, torch.tensor(float(n), device=w.device)])
         steps += 1
         p.step_in_epoch, p.global_step = i + 1, p.global_step + 1
         ckpt = cfg.checkpoint_every_steps and p.global_step % cfg.checkpoint_every_steps == 0
         rows = cfg.metrics_every_steps and p.global_step % cfg.metrics_every_steps == 0
-        if (ckpt or rows) and i + 1 < len(w.loader):
+        if (ckpt or rows) and i + 1 < n_steps:
             p.train_seconds += time.perf_counter() - started
             w.report({"kind": "step", **_rates(w, totals, steps, time.perf_counter() - started, epoch)}, bool(ckpt))
             started, totals, steps = time.perf_counter(), torch.zeros_like(totals), 0
@@ -155,10 +139,23 @@ def run_epoch(w: Worker, epoch: int) -> None:
     seconds = time.perf_counter() - started
     p.train_seconds += seconds
     metrics = _rates(w, totals, steps, seconds, epoch)
-    val = w.val_loss()
-    p.epoch, p.step_in_epoch, p.best_val_loss = epoch + 1, 0, min(p.best_val_loss, val)
-    w.report({"kind": "epoch", **metrics, "epoch": epoch + 1, "val_loss": val, "best_val_loss": p.best_val_loss},
-             with_checkpoint=True)
+    val = w.validate()
+    p.epoch, p.step_in_epoch = epoch + 1, 0
+    w.report({"kind": "epoch", **metrics, "epoch": epoch + 1, **val, **_best(w, val)}, with_checkpoint=True)
+
+
+def _best(w: Worker, val: dict) -> dict:
+    """The best validation loss so far, and the best of the task's objective when that is another value."""
+    p, (name, mode) = w.progress, w.task.objective
+    if "val_loss" not in val:
+        return {}
+    p.best_val_loss = min(p.best_val_loss, val["val_loss"])
+    best = {"best_val_loss": p.best_val_loss}
+    if name != "val_loss" and name in val:
+        better = min if mode == "min" else max
+        p.best_objective = val[name] if p.best_objective is None else better(p.best_objective, val[name])
+        best[f"best_{name}"] = p.best_objective
+    return best
 
 
 def _rates(w: Worker, totals: torch.Tensor, steps: int, seconds: float, epoch: int) -> dict:
@@ -179,8 +176,7 @@ def _rates(w: Worker, totals: torch.Tensor, steps: int, seconds: float, epoch: i
         "world_size": w.world,
         "global_batch_size": w.cfg.global_batch,
         "batch_size_per_worker": w.cfg.per_worker_batch,
-        "lr": w.cfg.effective_lr,
+        "lr": w.hp["lr"],
         "node": socket.gethostname(),
         "first_step_time": w.first_step_time,
     }
-

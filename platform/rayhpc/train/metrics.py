@@ -9,20 +9,25 @@ checkpoint, and their new rows replace the old ones.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 import pandas as pd
 from ray.train import UserCallback
 
+from rayhpc import log as rayhpc_log
+
+log = logging.getLogger(__name__)
+
 METRICS_FILE = "metrics.parquet"
 TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir <run_dir>/tensorboard`
-EVENT_SCALARS = ("loss", "val_loss", "best_val_loss", "samples_per_s", "step_ms", "lr")
+EVENT_SCALARS = ("loss", "best_val_loss", "samples_per_s", "step_ms", "lr")  # and every val_* value
 
 
 class MetricsRecorder(UserCallback):
     """Appends rank 0's metrics of every report to `metrics.parquet` and TensorBoard events, and
-    prints one line per epoch."""
+    logs one line per epoch (shown where `verbose`: it runs in Ray Train's controller process)."""
 
     def __init__(self, run_dir: Path, epochs: int, verbose: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
@@ -43,10 +48,13 @@ class MetricsRecorder(UserCallback):
         pd.DataFrame(self.rows).to_parquet(tmp, index=False)
         tmp.replace(self.path)
         self._write_events(row)
-        if kind == "epoch" and self.verbose:
-            print(f"epoch {row['epoch']}/{self.epochs}: loss {row['loss']:.4g}, val_loss {row['val_loss']:.4g}, "
-                  f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.2f} ms/step "
-                  f"({row['world_size']} workers x {row['batch_size_per_worker']} samples)", flush=True)
+        if kind == "epoch":
+            if self.verbose:
+                rayhpc_log.show()
+            values = "".join(f", {k} {v:.4g}" for k, v in row.items() if k.startswith("val_") and v is not None)
+            log.info(f"epoch {row['epoch']}/{self.epochs}: loss {row['loss']:.4g}{values}, "
+                     f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.2f} ms/step "
+                     f"({row['world_size']} workers x {row['batch_size_per_worker']} samples)")
 
     def _write_events(self, row: dict) -> None:
         """The report's scalars as TensorBoard events (tensorboardX ships with Ray Tune).
@@ -61,7 +69,7 @@ class MetricsRecorder(UserCallback):
         if self._writer is None:
             self.tensorboard.mkdir(parents=True, exist_ok=True)
             self._writer = EventsWriter(str(self.tensorboard / "events"))
-        for key in EVENT_SCALARS:
+        for key in (*EVENT_SCALARS, *(k for k in row if k.startswith("val_"))):
             if row.get(key) is not None:
                 self._writer.write_event(Event(wall_time=time.time(), step=row["global_step"],
                                                summary=scalar(f"{row['kind']}/{key}", row[key])))

@@ -1,17 +1,28 @@
-"""Data-parallel wrappers for the MLP, one small function per strategy (torchtitan style)."""
+"""Data-parallel wrappers for any task's model, one small function per strategy (torchtitan style)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from rayhpc.fsdp import apply_fsdp, default_units
+
 
 def parallelize(model: nn.Module, strategy: str, device: torch.device, bf16: bool) -> nn.Module:
     """Move `model` to `device` and wrap it for `strategy` ("ddp" or "fsdp")."""
     model.to(device)
     if strategy == "fsdp":
-        return apply_fsdp(model, bf16)
+        return apply_fsdp(model, default_units(model), mesh=world_mesh(device), bf16=bf16)
     return apply_ddp(model)
+
+
+def world_mesh(device: torch.device):
+    """A 1-D mesh of every rank on the worker's own device type: `fully_shard` without a mesh picks
+    the accelerator itself, which on a GPU node moves a CPU worker's parameters to cuda:0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
 def apply_ddp(model: nn.Module) -> nn.Module:
@@ -19,28 +30,6 @@ def apply_ddp(model: nn.Module) -> nn.Module:
     from ray.train.torch import prepare_model
 
     return prepare_model(model, move_to_device=False, parallel_strategy="ddp")
-
-
-def apply_fsdp(model: nn.Module, bf16: bool) -> nn.Module:
-    """FSDP2: shard every Linear layer as its own unit, then the root.
-
-    Per-layer units let FSDP all-gather one layer's parameters at a time and
-    free them after use. With bf16, compute runs in bf16 while gradients are
-    reduced in fp32, so the update matches fp32 training closely.
-    (`ray.train.torch.prepare_model(parallel_strategy="fsdp")` is FSDP1, which
-    refuses CPUs.)
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
-    linears = [layer for layer in model.modules() if isinstance(layer, nn.Linear)]
-    for i, layer in enumerate(linears):
-        # the last layer's backward runs right after its forward: freeing its
-        # gathered weights would only all-gather them again (torchtitan does the same)
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=i < len(linears) - 1)
-    fully_shard(model, mp_policy=policy)
-    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:

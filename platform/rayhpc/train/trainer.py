@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from rayhpc import cluster
-from rayhpc.config import reconcile_resume
-from rayhpc.data import load_dataset
-from rayhpc.train.config import TrainConfig
+from rayhpc.job import start_job
+from rayhpc.train.config import TrainConfig, bind_train, train_hparams
 from rayhpc.train.loop import train_loop_per_worker
 from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
 
@@ -37,45 +35,38 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
 
     `callbacks` are extra `ray.train.UserCallback`s (tests use one to kill a worker).
     """
-    cfg = reconcile_resume(cfg, set(explicit))
-    dataset = load_dataset(cfg.data)
-    address = cluster.resolve_address(cfg.address)
-    cluster.check_workers(cluster.probe(address), cfg.num_workers, cfg.cpus_per_worker, cfg.gpu)
-    t = time.perf_counter()
-    cluster.connect(address)
-    ray_seconds = time.perf_counter() - t
-    if not (cfg.resume and cfg.saved_file.exists()):
-        cfg.save()
-    import ray
-
-    trainer = make_trainer(cfg, {"cfg": cfg.model_dump(mode="json"), "dataset": ray.put(dataset)}, callbacks)
+    job = start_job(cfg, explicit, bind=bind_train, workers=lambda c: c.compute.num_workers)
+    cfg = job.cfg
+    trainer = make_trainer(cfg, job.task, train_hparams(cfg, job.task.hp_model), callbacks)
     fit_started, started = time.time(), time.perf_counter()
     result = trainer.fit()
     fit_seconds = time.perf_counter() - started
     metrics = pd.read_parquet(cfg.experiment_dir / METRICS_FILE)
     checkpoint = Path(result.checkpoint.path) if result.checkpoint is not None else None
-    return TrainResult(cfg, metrics, checkpoint, ray_seconds, fit_started, fit_seconds)
+    return TrainResult(cfg, metrics, checkpoint, job.ray_seconds, fit_started, fit_seconds)
 
 
-def make_trainer(cfg: TrainConfig, loop_config: dict, callbacks: tuple = (), verbose: bool = True):
-    """The TorchTrainer for `cfg`: NCCL on GPUs, gloo on CPUs, checkpoints under the run folder."""
+def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), verbose: bool = True):
+    """The TorchTrainer for `cfg` on `task` with hyperparameters `hp`: NCCL on GPUs, gloo on CPUs,
+    checkpoints under the run folder."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
     quiet_train_defaults()
-    resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1.0} if cfg.gpu else {})}
+    gpu = cfg.compute.gpu
+    resources = {"CPU": cfg.compute.cpus_per_worker, **({"GPU": 1.0} if gpu else {})}
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config,
-        torch_config=TorchConfig(backend="nccl" if cfg.gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpu,
+        train_loop_config={"cfg": cfg, "task": task, "hp": hp},
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.compute.num_workers, use_gpu=gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
             name=cfg.name, storage_path=str(cfg.storage_path.resolve()),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
             callbacks=[MetricsRecorder(cfg.experiment_dir, cfg.epochs, verbose), *callbacks],
-            # Ray Train logs every report at INFO; the recorder prints one line per epoch instead
+            # Ray Train logs every report at INFO; the recorder logs one line per epoch instead
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
@@ -97,12 +88,13 @@ def quiet_train_defaults() -> None:
 def format_summary(result: TrainResult) -> str:
     cfg, epochs = result.cfg, result.metrics[result.metrics["kind"] == "epoch"]
     last = epochs.iloc[-1]
-    return (f"trained {cfg.strategy} on {cfg.num_workers} worker(s) for {int(last['epoch'])} epochs "
+    val = (f", val_loss {last['val_loss']:.4g} (best {last['best_val_loss']:.4g})" if "val_loss" in epochs else "")
+    val += "".join(f", {c} {last[c]:.4g}" for c in epochs.columns if c.startswith("val_") and c != "val_loss")
+    return (f"trained {cfg.task} with {cfg.strategy} on {cfg.compute.num_workers} worker(s) for {int(last['epoch'])} epochs "
             f"({int(last['global_step'])} steps) in {result.fit_seconds:.1f} s from fit() to done\n"
             f"start-up: Ray {result.ray_seconds:.1f} s, fit() to first step {result.fit_to_first_step:.1f} s\n"
-            f"batch: {cfg.global_batch} global = {cfg.per_worker_batch} per worker x {cfg.num_workers} workers; "
+            f"batch: {cfg.global_batch} global = {cfg.per_worker_batch} per worker x {cfg.compute.num_workers} workers; "
             f"lr {cfg.effective_lr:g}{' (scaled by workers)' if cfg.scale_lr else ''}\n"
-            f"loss {epochs['loss'].iloc[0]:.4g} -> {last['loss']:.4g}, val_loss {last['val_loss']:.4g} "
-            f"(best {last['best_val_loss']:.4g}); {epochs['samples_per_s'].median():,.0f} samples/s "
+            f"loss {epochs['loss'].iloc[0]:.4g} -> {last['loss']:.4g}{val}; {epochs['samples_per_s'].median():,.0f} samples/s "
             f"(median epoch), {epochs['step_ms'].median():.2f} ms/step\n"
             f"checkpoint: {result.checkpoint_dir}\nmetrics: {cfg.experiment_dir / METRICS_FILE}")

@@ -1,4 +1,5 @@
-"""The sweep's config tree and its command-line flags (the CLI overrides `--config FILE`)."""
+"""The sweep's config tree, and how it binds to its task (the search space checked against the task's
+hyperparameters). Command-line flags are derived from the fields (`rayhpc.cli`)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rayhpc.config import ConfigError, JobConfig, StrictModel
-from rayhpc.data import DataConfig
-from rayhpc.tune.space import HParams, ParamSpec, Space, check_space, parse_space
+from rayhpc.config import ConfigError, StrictModel
+from rayhpc.task.config import TaskJobConfig
+from rayhpc.task.hparams import PlatformHParams, full_hparams
+from rayhpc.tune.space import ParamSpec, Space, check_space_form, check_space_values, parse_space, sample_configs
 
-DEFAULT_SPACE = {
-    "hidden": {"choice": [4, 8, 16, 32, 64]},
-    "lr": {"loguniform": [1e-3, 1e-1]},
-}
+# the search space of a task that declares none (the built-in mlp task also searches its width)
+DEFAULT_SPACE = {"lr": {"loguniform": [1e-3, 1e-1]}}
 
 
 class AshaConfig(StrictModel):
@@ -23,11 +23,10 @@ class AshaConfig(StrictModel):
     reduction_factor: float = Field(2.0, gt=1, description="at each rung keep the best 1/reduction_factor")
 
 
-class SweepConfig(JobConfig):
-    """A hyperparameter sweep of the two-layer MLP."""
+class SweepConfig(TaskJobConfig):
+    """A hyperparameter sweep of a task (the built-in MLP by default)."""
 
     kind: ClassVar[str] = "sweep"
-    name: str = Field("mlp-sweep", pattern=r"^[A-Za-z0-9_.=-]+$", description="sweep folder under storage_path")
     num_samples: int = Field(16, ge=1, description="trials (per grid point when the space has grid values); "
                              "unset: 16, or 1 with search=grid")
     max_concurrent: int | None = Field(None, ge=1, description="most trial processes at once: the array job's %K")
@@ -42,11 +41,8 @@ class SweepConfig(JobConfig):
     workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is a "
                                    "Ray Train TorchTrainer (DDP) and cpus/gpus_per_trial are per worker")
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")
-    seed: int = Field(0, description="seeds sampling, model initialisation and data order")
-    data: DataConfig = DataConfig()
     asha: AshaConfig = AshaConfig()
-    space: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_SPACE), validate_default=True,
-                                  description="search space")
+    space: dict[str, Any] | None = Field(None, description="search space; unset: the task's own, else lr")
 
     @model_validator(mode="before")
     @classmethod
@@ -57,41 +53,50 @@ class SweepConfig(JobConfig):
 
     @field_validator("space", mode="before")
     @classmethod
-    def _parse_space(cls, raw: Any) -> Space:
-        return parse_space(raw)
+    def _parse_space(cls, raw: Any) -> Space | None:
+        return None if raw is None else parse_space(raw)
 
     @model_validator(mode="after")
     def _check(self) -> "SweepConfig":
-        check_space(self.space, self.search)
+        if self.space is not None:
+            check_space_form(self.space, self.search)
         if self.pack is not None and self.pack > 1 and self.scheduler == "asha":
             raise ConfigError("pack: packed trials train to the end together; scheduler=asha needs pack 1 or unset")
         if self.pack is not None and self.pack > 1 and self.search == "optuna":
             raise ConfigError("pack: optuna proposes one trial at a time; search=optuna needs pack 1 or unset")
-        if self.workers_per_trial > 1:
-            self._check_distributed()
-        return self
-
-    def _check_distributed(self) -> None:
-        """With several workers per trial, batch_size is the global batch and must split evenly."""
-        if self.pack is not None and self.pack > 1:
+        if self.pack is not None and self.pack > 1 and self.workers_per_trial > 1:
             raise ConfigError(f"pack: trials with workers_per_trial={self.workers_per_trial} cannot be packed; "
                               "use pack 1 or unset")
-        spec = self.space.get("batch_size", HParams.model_fields["batch_size"].default)
-        if isinstance(spec, ParamSpec) and spec.kind == "randint":
-            raise ConfigError("space.batch_size: with workers_per_trial > 1 give batch sizes as choice or grid")
-        sizes = list(spec.args) if isinstance(spec, ParamSpec) else [spec]
-        bad = [b for b in sizes if int(b) % self.workers_per_trial]
-        if bad:
-            raise ConfigError(f"space.batch_size: {bad[0]} is not divisible by workers_per_trial "
-                              f"(--workers-per-trial) {self.workers_per_trial}")
+        return self
+
+    def defaults(self, hp_model) -> dict:
+        """Every hyperparameter's value where the space sets none (the sweep's seed for `seed`)."""
+        return full_hparams(hp_model, {"seed": self.seed})
+
+    def configs(self, hp_model) -> list[dict]:
+        """Every trial's hyperparameters, for a random or grid search."""
+        return sample_configs(self.space, self.num_samples, self.search, self.seed, hp_model, self.defaults(hp_model))
 
 
-# flag -> config key; unset flags leave the YAML value (see rayhpc.cli.config_from_args)
-FLAGS = {
-    "--name": "name", "--storage-path": "storage_path", "--num-samples": "num_samples",
-    "--max-concurrent": "max_concurrent", "--cpus-per-trial": "cpus_per_trial",
-    "--gpus-per-trial": "gpus_per_trial", "--epochs": "epochs", "--search": "search",
-    "--scheduler": "scheduler", "--pack": "pack", "--workers-per-trial": "workers_per_trial",
-    "--max-failures": "max_failures", "--seed": "seed",
-    "--address": "address", "--resume": "resume", "--data": "data.path", "--target": "data.target",
-}
+def bind_sweep(cfg: SweepConfig, task) -> tuple[SweepConfig, dict]:
+    """The sweep with its space resolved (the task's own when unset) and checked against the task's
+    hyperparameters; and one trial's hyperparameters to check the task with."""
+    space = cfg.space if cfg.space is not None else parse_space(task.default_space or DEFAULT_SPACE)
+    check_space_form(space, cfg.search)
+    check_space_values(space, task.hp_model)
+    cfg = cfg.model_copy(update={"space": space})
+    if cfg.workers_per_trial > 1:
+        check_distributed_batches(cfg)
+    return cfg, sample_configs(space, 1, "random", cfg.seed, task.hp_model, cfg.defaults(task.hp_model))[0]
+
+
+def check_distributed_batches(cfg: SweepConfig) -> None:
+    """With several workers per trial, batch_size is the global batch and must split evenly."""
+    spec = cfg.space.get("batch_size", PlatformHParams.model_fields["batch_size"].default)
+    if isinstance(spec, ParamSpec) and spec.kind == "randint":
+        raise ConfigError("space.batch_size: with workers_per_trial > 1 give batch sizes as choice or grid")
+    sizes = list(spec.args) if isinstance(spec, ParamSpec) else [spec]
+    bad = [b for b in sizes if int(b) % cfg.workers_per_trial]
+    if bad:
+        raise ConfigError(f"space.batch_size: {bad[0]} is not divisible by workers_per_trial "
+                          f"(--workers-per-trial) {cfg.workers_per_trial}")

@@ -9,31 +9,34 @@ again, and Ray Train continues it from its latest checkpoint.
 
 from __future__ import annotations
 
-from rayhpc.data import Dataset
-from rayhpc.train.config import ModelConfig, TrainConfig
+from rayhpc.config import Compute, Optim
+from rayhpc.task.hparams import PLATFORM_KEYS
+from rayhpc.task.load import LoadedTask
+from rayhpc.train.config import TrainConfig
 from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.trainable import members_of
 
 
 def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -> TrainConfig:
-    """The training run of one trial: its hyperparameters, the sweep's shape and data."""
+    """The training run of one trial: its hyperparameters, the sweep's task, shape and data."""
     return TrainConfig(
-        name=f"train-trial_id={trial_id}", storage_path=sweep.experiment_dir, strategy="ddp",
-        num_workers=sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial, gpu=gpu,
-        epochs=sweep.epochs, global_batch_size=hp["batch_size"], lr=hp["lr"], optimizer=hp["optimizer"],
-        momentum=hp["momentum"], weight_decay=hp["weight_decay"], seed=sweep.seed,
-        max_failures=sweep.max_failures, model=ModelConfig(hidden=hp["hidden"]), data=sweep.data,
+        name=f"train-trial_id={trial_id}", storage_path=sweep.experiment_dir, task=sweep.task, strategy="ddp",
+        compute=Compute(num_workers=sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial, gpu=gpu),
+        epochs=sweep.epochs, global_batch_size=hp["batch_size"], seed=hp["seed"],
+        optim=Optim(optimizer=hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"]),
+        max_failures=sweep.max_failures, data=sweep.data,
+        hparams={k: v for k, v in hp.items() if k not in PLATFORM_KEYS},
     )
 
 
-def train_distributed_trial(config: dict, *, dataset: Dataset, packs, sweep: SweepConfig, gpu: bool) -> None:
-    import ray
+def train_distributed_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfig, defaults: dict,
+                            gpu: bool) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from rayhpc.train.trainer import make_trainer
 
-    (hp,) = members_of(config, packs)
+    (member,) = members_of(config, packs)
+    hp = {**defaults, **member}
     cfg = trial_train_config(sweep, hp, tune.get_context().get_trial_id(), gpu)
-    loop_config = {"cfg": cfg.model_dump(mode="json"), "dataset": ray.put(dataset)}
-    make_trainer(cfg, loop_config, callbacks=(TuneReportCallback(),), verbose=False).fit()
+    make_trainer(cfg, task, hp, callbacks=(TuneReportCallback(),), verbose=False).fit()

@@ -1,4 +1,4 @@
-"""Optimizers for a `PackedMLP`: one hyperparameter value per member.
+"""Optimizers for a pack of trials: one hyperparameter value per member.
 
 `torch.optim` takes one learning rate per parameter group, but a pack's
 parameters are stacked tensors `[members, ...]` whose members were sampled
@@ -47,9 +47,13 @@ class PackedSGD(PackedOptimizer):
     def step(self) -> None:
         bufs = self.state.setdefault("momentum_buffer", [])
         for i, p in enumerate(self.params):
-            d_p = p.grad + self._h("weight_decay", p) * p
             if len(bufs) <= i:
-                bufs.append(d_p.clone())  # torch starts the buffer at the first gradient
+                bufs.append(None)
+            if p.grad is None:  # a frozen parameter: torch.optim skips it too
+                continue
+            d_p = p.grad + self._h("weight_decay", p) * p
+            if bufs[i] is None:
+                bufs[i] = d_p.clone()  # torch starts the buffer at the first gradient
             else:
                 bufs[i].mul_(self._h("momentum", p)).add_(d_p)
             # members with momentum 0 use the raw gradient, as torch does
@@ -76,6 +80,8 @@ class PackedAdam(PackedOptimizer):
         bias1 = 1 - beta1**self.steps
         bias2_sqrt = (1 - beta2**self.steps) ** 0.5
         for i, p in enumerate(self.params):
+            if p.grad is None:  # a frozen parameter: torch.optim skips it too
+                continue
             grad = p.grad + self._h("weight_decay", p) * p
             m[i].lerp_(grad, 1 - beta1)
             v[i].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

@@ -1,12 +1,13 @@
 """Which trials a sweep runs, and how they are packed into Ray Tune trials.
 
 For `random` and `grid` searches every trial's hyperparameters are known up
-front, so trials that share a batch size and optimizer can be trained
-together as one `PackedMLP`: one Tune trial (one process, one checkpoint per
-epoch) per pack. By default there are just enough packs to fill the cluster
-once, which removes nearly all per-trial process start-up and bookkeeping.
-The plan is saved beside the results, so `--resume` maps each Tune trial to
-the same members even on a cluster of another size.
+front, so trials that can step together (the same data order, optimiser kind
+and model structure: `rayhpc.tune.packing.pack_key`) are trained as one pack:
+one Tune trial (one process, one checkpoint per epoch) per pack. By default
+there are just enough packs to fill the cluster once, which removes nearly all
+per-trial process start-up and bookkeeping. The plan is saved beside the
+results, so `--resume` maps each Tune trial to the same members even on a
+cluster of another size.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 from rayhpc.tune.config import SweepConfig
-from rayhpc.tune.space import sample_configs
 
 MAX_PACK = 64
 PLAN_FILE = "trials.json"
@@ -28,23 +29,25 @@ def slots(cfg: SweepConfig, cpus: float) -> int:
     return min(fit, cfg.max_concurrent) if cfg.max_concurrent else fit
 
 
+def can_pack(cfg: SweepConfig) -> bool:
+    """Whether this sweep packs at all (ASHA stops Tune trials, a searcher proposes one at a time, and a
+    TorchTrainer trains one model)."""
+    return cfg.search != "optuna" and cfg.scheduler != "asha" and cfg.workers_per_trial == 1 and cfg.pack != 1
+
+
 def pack_size(cfg: SweepConfig, n_trials: int, n_slots: int) -> int:
     if cfg.pack is not None:
         return cfg.pack
-    if cfg.scheduler == "asha" or cfg.workers_per_trial > 1:
-        return 1  # ASHA stops Tune trials, and a TorchTrainer trains one model: one trial each
-    return max(1, min(MAX_PACK, math.ceil(n_trials / n_slots)))
+    return max(1, min(MAX_PACK, math.ceil(n_trials / n_slots))) if can_pack(cfg) else 1
 
 
-def make_plan(cfg: SweepConfig, n_slots: int) -> list[list[dict]] | None:
-    """Member hyperparameters of each Tune trial, or None when a searcher proposes trials (optuna)."""
-    if cfg.search == "optuna":
-        return None
-    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
-    size = pack_size(cfg, len(configs), n_slots)
+def make_plan(configs: list[dict], size: int, key: Callable[[dict], tuple] | None) -> list[list[dict]]:
+    """Packs of at most `size` trials that agree on `key` (None: one trial per pack)."""
+    if key is None:
+        return [[c] for c in configs]
     groups: dict[tuple, list[dict]] = {}
-    for c in configs:  # members of a pack step together: same batch size and optimizer
-        groups.setdefault((c["batch_size"], c["optimizer"]), []).append(c)
+    for c in configs:
+        groups.setdefault(key(c), []).append(c)
     packs = []
     for members in groups.values():
         n = math.ceil(len(members) / size)

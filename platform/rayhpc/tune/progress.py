@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import math
-import sys
 import time
 from collections import Counter
 
@@ -11,14 +11,15 @@ from ray.tune import Callback
 
 from rayhpc.tune.results import ResultsRecorder
 
+log = logging.getLogger(__name__)
+
 
 class ProgressPrinter(Callback):
     """Prints trial counts by state and the best trial so far, read from the results recorder."""
 
-    def __init__(self, recorder: ResultsRecorder, min_interval_s: float = 1.0, heartbeat_s: float = 15.0, stream=None):
+    def __init__(self, recorder: ResultsRecorder, min_interval_s: float = 1.0, heartbeat_s: float = 15.0):
         self.recorder = recorder
         self.min_interval_s, self.heartbeat_s = min_interval_s, heartbeat_s
-        self.stream = stream  # None: sys.stdout at print time (the callback is pickled with the sweep)
         self.started = time.monotonic()
         self._last_line, self._last_time = "", -math.inf
 
@@ -45,15 +46,17 @@ class ProgressPrinter(Callback):
         counts = Counter(table["status"])
         states = ", ".join(f"{counts[s]} {s}" for s in ("pending", "running", "finished", "early-stopped", "error"))
         line = f"{len(table)} trials: {states}"
-        done = table.dropna(subset=["best_val_loss"])
+        name, mode = self.recorder.objective
+        done = table.dropna(subset=[f"best_{name}"])
         if not done.empty:
-            best = done.loc[done["best_val_loss"].idxmin()]
+            column = done[f"best_{name}"]
+            best = done.loc[column.idxmin() if mode == "min" else column.idxmax()]
             params = ", ".join(f"{c.removeprefix('config.')}={_fmt(best[c])}" for c in table.columns if c.startswith("config."))
-            line += f" | best val_loss {best['best_val_loss']:.4g} ({params})"
+            line += f" | best {name} {best[f'best_{name}']:.4g} ({params})"
         return line
 
     def _print(self, line: str, now: float) -> None:
-        print(f"[{now - self.started:7.1f}s] {line}", file=self.stream or sys.stdout, flush=True)
+        log.info(f"[{now - self.started:7.1f}s] {line}")
         self._last_line, self._last_time = line, now
 
 

@@ -15,7 +15,14 @@ RESULTS_FILE = "results.parquet"
 _STATUS = {"TERMINATED": "finished", "ERROR": "error", "RUNNING": "running", "PENDING": "pending", "PAUSED": "pending"}
 
 
-def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: list[str]) -> list[dict]:
+def value_columns(metric_names: tuple[str, ...], objective: tuple[str, str]) -> list[str]:
+    """The reported values that become columns: losses, the task's metrics, the best objective."""
+    columns = ["val_loss", "best_val_loss", *(f"val_{m}" for m in metric_names)]
+    return columns + ([f"best_{objective[0]}"] if f"best_{objective[0]}" not in columns else [])
+
+
+def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: list[str],
+               columns: list[str]) -> list[dict]:
     """One row per member of a Tune trial (a pack of one is a plain trial)."""
     members = members_of(trial.config, packs)
     last = trial.last_result or {}
@@ -33,8 +40,7 @@ def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: lis
             "trial_id": trial.trial_id if len(members) == 1 else f"{trial.trial_id}-{j}",
             "status": status,
             **{f"config.{p}": hp[p] for p in searched},
-            "val_loss": m.get("val_loss", math.nan),
-            "best_val_loss": m.get("best_val_loss", math.nan),
+            **{c: m.get(c, math.nan) for c in columns},
             "iterations": iterations,
             "train_seconds": last.get("train_seconds", math.nan),
             "node": last.get("node"),
@@ -44,8 +50,8 @@ def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: lis
     return rows
 
 
-def results_table(trials, packs, epochs: int, searched: list[str]) -> pd.DataFrame:
-    rows = [row for t in trials for row in trial_rows(t, packs, epochs, searched)]
+def results_table(trials, packs, epochs: int, searched: list[str], columns: list[str]) -> pd.DataFrame:
+    rows = [row for t in trials for row in trial_rows(t, packs, epochs, searched, columns)]
     return pd.DataFrame(rows)
 
 
@@ -74,15 +80,18 @@ class ResultsRecorder(Callback):
     driver on Parquet; the final table is written once more at the end.
     """
 
-    def __init__(self, exp_dir: Path, packs, epochs: int, searched: list[str], min_interval_s: float = 5.0):
+    def __init__(self, exp_dir: Path, packs, epochs: int, searched: list[str], info, min_interval_s: float = 5.0):
+        """`info`: the task's `TaskInfo` (its metric names and objective make columns)."""
         self.exp_dir, self.packs, self.epochs, self.searched = exp_dir, packs, epochs, searched
+        self.objective = info.objective
+        self.columns = value_columns(info.metric_names, info.objective)
         self.min_interval_s = min_interval_s
         self.trials: list = []
         self._last_write = -math.inf
         self._dirty = False
 
     def table(self) -> pd.DataFrame:
-        return results_table(self.trials, self.packs, self.epochs, self.searched)
+        return results_table(self.trials, self.packs, self.epochs, self.searched, self.columns)
 
     def write(self) -> Path:
         self._dirty = False
@@ -105,13 +114,15 @@ class ResultsRecorder(Callback):
         self.write()
 
 
-def format_best(table: pd.DataFrame, k: int = 5) -> str:
-    """The `k` best trials by best validation loss, as a printable table."""
-    done = table.dropna(subset=["best_val_loss"]).sort_values("best_val_loss").head(k)
+def format_best(table: pd.DataFrame, objective: tuple[str, str] = ("val_loss", "min"), k: int = 5) -> str:
+    """The `k` best trials by their objective (name, "min" or "max"), as a printable table."""
+    column = f"best_{objective[0]}"
+    done = table.dropna(subset=[column]).sort_values(column, ascending=objective[1] == "min").head(k)
     if done.empty:
-        return "no trial reported a validation loss"
-    cols = ["trial_id", "status", *[c for c in table.columns if c.startswith("config.")],
-            "best_val_loss", "val_loss", "iterations", "train_seconds", "node"]
+        return f"no trial reported {column.removeprefix('best_')}"
+    values = [c for c in table.columns if c.startswith(("val_", "best_"))]
+    cols = ["trial_id", "status", *[c for c in table.columns if c.startswith("config.")], *values,
+            "iterations", "train_seconds", "node"]
     shown = done[cols].rename(columns=lambda c: c.removeprefix("config."))
-    return f"best {len(done)} of {len(table)} trials (val_loss: MSE on the held-out split):\n" + shown.to_string(
+    return f"best {len(done)} of {len(table)} trials by {column}:\n" + shown.to_string(
         index=False, float_format=lambda v: f"{v:.4g}")

@@ -1,8 +1,8 @@
 """One trial trained the plain PyTorch way: `nn.Module` + `torch.optim`, one process.
 
-This is what a Slurm array task does today, so it is the baseline of the
-sweep benchmark, and the reference that a packed trial must equal (a test
-checks each pack member against it with `assert_close`).
+This is what a Slurm array task does today, so it runs each task of `rayhpc submit
+--array` and is the baseline of the sweep benchmark. It takes the same data order
+and batches as every other path (`rayhpc.task.batches`).
 """
 
 from __future__ import annotations
@@ -16,68 +16,73 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from rayhpc.data import Dataset, epoch_order
-from rayhpc.tune.trainable import init_member
+from rayhpc.task.batches import Batches, epoch_indices, evaluate, holdout
+from rayhpc.task.hparams import make_optimizer
+from rayhpc.task.load import LoadedTask
 
-
-def make_optimizer(hp: dict, params) -> torch.optim.Optimizer:
-    if hp["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
-    return torch.optim.Adam(params, lr=hp["lr"], weight_decay=hp["weight_decay"])
+EVAL_BATCH = 256
 
 
-def train_single(hp: dict, dataset: Dataset, epochs: int, seed: int, on_epoch: Callable | None = None) -> dict:
-    """Train one trial for `epochs`; returns its final model and losses.
+def train_single(task: LoadedTask, hp: dict, epochs: int, val_fraction: float | None = None, split_seed: int = 0,
+                 on_epoch: Callable | None = None) -> dict:
+    """Train one trial for `epochs`; returns its final model, its last values (`train_loss`, `val_loss`,
+    `val_<metric>`), the best of each, and its time.
 
-    `on_epoch(epoch, val_loss, best_val_loss, model)` runs after each epoch
-    (the plain Ray Tune baseline reports and checkpoints there).
+    `on_epoch(epoch, values, model)` runs after each epoch (the plain Ray Tune baseline
+    reports and checkpoints there).
     """
     entered = time.perf_counter()
-    model = init_member(dataset.in_features, hp["hidden"], dataset.out_features, seed)
+    train, val = holdout(*task.data(hp), val_fraction, split_seed)
+    model = task.initial_model(hp)
     opt = make_optimizer(hp, model.parameters())
-    x, y = dataset.x_train, dataset.y_train
-    best = float("inf")
-    val = float("nan")
+    train_batches = Batches(train, torch.device("cpu"))
+    val_batches = Batches(val, torch.device("cpu")) if val is not None else None
+    values, best = {}, {}
+    modes = {"train_loss": "min", "val_loss": "min", task.objective[0]: task.objective[1]}  # what "best" means
     for epoch in range(epochs):
-        order = epoch_order(x.shape[0], seed, epoch)
-        for start in range(0, x.shape[0], hp["batch_size"]):
-            idx = order[start:start + hp["batch_size"]]
-            loss = F.mse_loss(model(x[idx]), y[idx])
+        losses = []
+        for batch in train_batches(epoch_indices(len(train), hp["seed"], epoch), hp["batch_size"]):
+            loss = task.loss(model, batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
-        with torch.no_grad():
-            val = F.mse_loss(model(dataset.x_val), dataset.y_val).item()
-        best = min(best, val)
+            losses.append(loss.item())
+        values = {"train_loss": sum(losses) / len(losses)}
+        if val_batches is not None:
+            values.update(evaluate(task, model, val_batches.all(max(hp["batch_size"], EVAL_BATCH))))
+        for name, mode in modes.items():
+            if name in values:
+                better = min if mode == "min" else max
+                best[f"best_{name}"] = better(best.get(f"best_{name}", values[name]), values[name])
         if on_epoch is not None:
-            on_epoch(epoch + 1, val, best, model)
-    return {"model": model, "val_loss": val, "best_val_loss": best, "iterations": epochs,
-            "train_seconds": time.perf_counter() - entered}
+            on_epoch(epoch + 1, values, model)
+    return {"model": model, **values, **best, "iterations": epochs, "train_seconds": time.perf_counter() - entered}
 
 
 def main(argv=None) -> int:
-    """`python -m rayhpc.tune.single --config SWEEP.yaml --index I --out DIR`: one array task."""
+    """`python -m rayhpc.tune.single --config SWEEP.yaml --index I --out DIR [--task SPEC]`: one array task."""
     from rayhpc.config import load_yaml, validate
-    from rayhpc.data import load_dataset
+    from rayhpc.task import task_for
     from rayhpc.tune.config import SweepConfig
-    from rayhpc.tune.space import sample_configs
+    from rayhpc.tune.plan import load_plan
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--config", required=True, help="sweep YAML (random or grid search)")
+    parser.add_argument("--config", required=True, help="the sweep's saved sweep.yaml (random or grid search)")
     parser.add_argument("--index", type=int, required=True, help="trial number, 0-based")
     parser.add_argument("--out", required=True, help="folder for the trial's JSON result")
+    parser.add_argument("--task", help="the task, where not the sweep's own (a copy shipped with the job)")
     args = parser.parse_args(argv)
     # one thread per CPU the task was given (Slurm's --cpus-per-task); more threads than
     # cores makes small torch ops many times slower when tasks share a node
     torch.set_num_threads(int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
     cfg = validate(SweepConfig, load_yaml(args.config))
-    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
-    hp = configs[args.index]
-    result = train_single(hp, load_dataset(cfg.data), cfg.epochs, cfg.seed)
+    task = task_for(args.task or cfg.task, cfg.data)
+    (hp,) = load_plan(Path(args.config).parent)[args.index]  # the trials the submission drew
+    fraction = cfg.data.val_fraction if cfg.data.val_fraction is not None else task.val_fraction
+    result = train_single(task, hp, cfg.epochs, fraction, cfg.data.split_seed)
     row = {"index": args.index, "config": hp, "node": socket.gethostname(),
-           **{k: result[k] for k in ("val_loss", "best_val_loss", "iterations", "train_seconds")}}
+           **{k: v for k, v in result.items() if k != "model"}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"trial_{args.index:05d}.json").write_text(json.dumps(row))

@@ -11,7 +11,8 @@ In YAML each parameter is either a fixed value or a one-key mapping:
 
 `random` and `grid` searches are sampled here, up front and reproducibly from
 the sweep seed, so the same sweep always means the same trials whether or not
-they are packed; `optuna` hands the space to Ray Tune's OptunaSearch.
+they are packed; `optuna` hands the space to Ray Tune's OptunaSearch. Parameters
+are the platform's hyperparameters and the task's own (`rayhpc.task.hparams`).
 """
 
 from __future__ import annotations
@@ -19,24 +20,15 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from typing import Any, Literal, Union
+import typing
+from typing import Any, Union
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rayhpc.config import ConfigError, StrictModel
+from rayhpc.task.hparams import check_value
 
 Scalar = Union[bool, int, float, str]
-
-
-class HParams(StrictModel):
-    """One trial's hyperparameters: what a search space may vary, and the defaults of the rest."""
-
-    hidden: int = Field(32, ge=1, description="hidden width of the two-layer MLP")
-    lr: float = Field(0.01, gt=0, description="learning rate")
-    batch_size: int = Field(32, ge=1, description="samples per optimizer step")
-    optimizer: Literal["sgd", "adam"] = Field("adam", description="torch.optim.SGD or Adam")
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (ignored by Adam)")
-    weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient")
 
 
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
@@ -102,24 +94,33 @@ def parse_space(raw: Any) -> Space:
     return space
 
 
-def check_space(space: Space, search: str) -> None:
-    """Reject unknown parameters, values of the wrong type, and spaces that search nothing."""
+def check_space_form(space: Space, search: str) -> None:
+    """Reject draws the search cannot make, and spaces that search nothing."""
     for name, spec in space.items():
-        if name not in HParams.model_fields:
-            raise ConfigError(f"space.{name}: unknown parameter; allowed: {', '.join(HParams.model_fields)}")
-        for value in _values_to_check(spec):
-            try:
-                HParams.model_validate({name: value})
-            except ValidationError as exc:
-                raise ConfigError(f"space.{name}: {exc.errors()[0]['msg']} (got {value!r})") from None
-        if isinstance(spec, ParamSpec) and spec.kind in ("uniform", "loguniform") and HParams.model_fields[name].annotation is int:
-            raise ConfigError(f"space.{name}: {spec.kind} draws floats but {name} is an integer; use randint, choice or grid")
         if search == "grid" and isinstance(spec, ParamSpec) and spec.kind not in ("grid", "choice"):
             raise ConfigError(f"space.{name}: search=grid needs grid or choice values, got {spec.kind}")
         if search == "optuna" and isinstance(spec, ParamSpec) and spec.kind == "grid":
             raise ConfigError(f"space.{name}: search=optuna samples values; use choice instead of grid")
     if not searched(space):
         raise ConfigError(f"space: empty search space; give at least one parameter as {', '.join(KINDS)}")
+
+
+def check_space_values(space: Space, hp_model: type[BaseModel]) -> None:
+    """Reject parameters the task does not take and values of the wrong type (the platform's and the
+    task's own hyperparameters, `hp_model`)."""
+    for name, spec in space.items():
+        for value in _values_to_check(spec):
+            check_value(hp_model, f"space.{name}", name, value)
+        annotation = hp_model.model_fields[name].annotation
+        if isinstance(spec, ParamSpec) and spec.kind in ("uniform", "loguniform") and int in _types(annotation):
+            raise ConfigError(f"space.{name}: {spec.kind} draws floats but {name} is an integer; use randint, choice or grid")
+
+
+def _types(annotation) -> set:
+    """The plain types an annotation stands for (through Annotated)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _types(typing.get_args(annotation)[0])
+    return {annotation}
 
 
 def _values_to_check(spec: ParamSpec | Scalar) -> list[Any]:
@@ -135,12 +136,13 @@ def searched(space: Space) -> list[str]:
     return [name for name, spec in space.items() if isinstance(spec, ParamSpec)]
 
 
-def sample_configs(space: Space, num_samples: int, search: str, seed: int) -> list[dict]:
-    """Every trial's full hyperparameters for a `random` or `grid` search, in trial order.
+def sample_configs(space: Space, num_samples: int, search: str, seed: int, hp_model: type[BaseModel],
+                   defaults: dict) -> list[dict]:
+    """Every trial's full hyperparameters (`defaults` where the space sets nothing), in trial order.
 
     As in Ray Tune, grid values form a cross product and `num_samples` draws of
     the other parameters are made for each grid point. With `search=grid`,
-    choice parameters count as grid parameters.
+    choice parameters count as grid parameters. `seed` seeds the draws.
     """
     rng = random.Random(seed)
     as_grid = {"grid"} | ({"choice"} if search == "grid" else set())
@@ -153,7 +155,7 @@ def sample_configs(space: Space, num_samples: int, search: str, seed: int) -> li
             for name, spec in space.items():
                 if name not in values:
                     values[name] = _draw(spec, rng)
-            configs.append(HParams(**values).model_dump())
+            configs.append(hp_model.model_validate({**defaults, **values}).model_dump())
     return configs
 
 

@@ -1,53 +1,68 @@
-"""Run a sweep: validate everything, then start (or join) Ray and let Ray Tune execute the plan."""
+"""Run a sweep: check everything, then start (or join) Ray and let Ray Tune execute the plan."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import pandas as pd
 
 from rayhpc import cluster
-from rayhpc.config import ConfigError, reconcile_resume
-from rayhpc.data import load_dataset
+from rayhpc.config import ConfigError
+from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
-from rayhpc.tune.config import SweepConfig
-from rayhpc.tune.plan import load_plan, make_plan, save_plan, slots
+from rayhpc.tune.config import SweepConfig, bind_sweep
+from rayhpc.tune.packing import pack_key, packing_problem
+from rayhpc.tune.plan import PLAN_FILE, can_pack, load_plan, make_plan, pack_size, save_plan, slots
 from rayhpc.tune.progress import ProgressPrinter
 from rayhpc.tune.results import RESULTS_FILE, ResultsRecorder
 from rayhpc.tune.space import searched, tune_domains
 from rayhpc.tune.trainable import TrialSettings, train_pack
 
-METRIC, MODE = "val_loss", "min"
+log = logging.getLogger(__name__)
 DRIVER_MEMORY = 256 * 2**20  # bytes reserved for a Tune-over-Train trial's driver process
 
 
 def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: tuple = ()) -> pd.DataFrame:
-    """Run (or resume) the sweep `cfg` and return its results table, one row per trial.
+    """Run (or resume) the sweep `cfg` and return its results table, one row per trial
+    (`table.attrs["objective"]`: the value it optimised and whether "min" or "max").
 
-    Everything that can be wrong with the input is checked before Ray starts:
-    the saved sweep on `--resume`, the data, and the resources asked of the cluster.
+    Everything that can be wrong with the input is checked before Ray starts (`rayhpc.job`).
     `callbacks` are extra Ray Tune callbacks (tests use one to kill a trial).
     """
-    cfg = reconcile_resume(cfg, set(explicit))
-    exp_dir = cfg.experiment_dir
-    dataset = load_dataset(cfg.data)
-    address = cluster.resolve_address(cfg.address)
-    resources = cluster.probe(address)
-    gpus = check_resources(cfg, resources)
-    resuming = cfg.resume and (exp_dir / "trials.json").exists()
-    packs = load_plan(exp_dir) if resuming else make_plan(cfg, slots(cfg, resources.cpus))
-    cluster.connect(address)
-    if not resuming:
-        save_plan(packs, exp_dir)
-        cfg.save()
-    _describe(cfg, packs, resources, gpus)
-    tuner = _tuner(cfg, dataset, packs, gpus, resources, callbacks)
-    tuner.fit()
-    return pd.read_parquet(exp_dir / RESULTS_FILE)
+    job = start_job(cfg, explicit, bind=bind_sweep, check=check_resources)
+    cfg = job.cfg
+    gpus = trial_gpus(cfg, job.resources)
+    packs = _plan(job)
+    _describe(cfg, packs, gpus)
+    _tuner(job, packs, gpus, callbacks).fit()
+    table = pd.read_parquet(cfg.experiment_dir / RESULTS_FILE)
+    table.attrs["objective"] = job.info.objective  # (reported name, "min" or "max"): what "best" means
+    return table
 
 
-def check_resources(cfg: SweepConfig, res: cluster.Resources) -> float:
-    """GPUs per trial process; rejects requests the cluster cannot place."""
+def _plan(job: Started[SweepConfig]) -> list[list[dict]] | None:
+    """The saved plan of a resumed sweep, else a new one (None: a searcher proposes the trials)."""
+    cfg, task = job.cfg, job.task
+    if cfg.resume and (cfg.experiment_dir / PLAN_FILE).exists():
+        return load_plan(cfg.experiment_dir)
+    packs = None
+    if cfg.search != "optuna":
+        configs = cfg.configs(task.hp_model)
+        key = functools.partial(pack_key, task, job.info) if can_pack(cfg) else None
+        if key is not None and len(set(map(key, configs))) < len(configs):  # some trials would share a pack
+            problem = packing_problem(task, configs[0], job.sample_batch)
+            if problem is not None:
+                log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
+                key = None
+        packs = make_plan(configs, pack_size(cfg, len(configs), slots(cfg, job.resources.cpus)), key)
+    save_plan(packs, cfg.experiment_dir)
+    return packs
+
+
+def check_resources(cfg: SweepConfig, res: cluster.Resources) -> None:
+    """Reject requests the cluster cannot place (before Ray starts)."""
     if cfg.cpus_per_trial > res.node_cpus:
         raise ConfigError(f"cpus_per_trial (--cpus-per-trial) {cfg.cpus_per_trial:g}: larger than the "
                           f"{res.node_cpus:g} CPUs of the cluster's biggest node ({res.describe()})")
@@ -58,19 +73,29 @@ def check_resources(cfg: SweepConfig, res: cluster.Resources) -> float:
         raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {cfg.gpus_per_trial:g}: larger than the "
                           f"{res.node_gpus:g} GPUs of the cluster's biggest node")
     if cfg.workers_per_trial > 1:
-        fits = res.placeable(cfg.cpus_per_trial, 1.0 if (cfg.gpus_per_trial or 0) > 0 else 0.0)
-        if cfg.workers_per_trial > fits:
-            raise ConfigError(f"workers_per_trial (--workers-per-trial) {cfg.workers_per_trial}: the cluster can "
-                              f"place {fits} worker(s) of {cfg.cpus_per_trial:g} CPU each ({res.describe()})")
+        cluster.check_workers(res, cfg.workers_per_trial, cfg.cpus_per_trial, (cfg.gpus_per_trial or 0) > 0,
+                              key="workers_per_trial (--workers-per-trial)")
+
+
+def trial_gpus(cfg: SweepConfig, res: cluster.Resources) -> float:
+    """GPUs per trial process: as given, else a share of the GPUs among the trials that fit by CPUs."""
     if cfg.gpus_per_trial is None:
-        # share the GPUs between the trials that fit by CPU count: fractional GPUs per trial
         return 0.0 if res.gpus == 0 else min(1.0, res.node_gpus / slots(cfg, res.node_cpus))
     return cfg.gpus_per_trial
 
 
-def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, resources: cluster.Resources, callbacks: tuple):
+def _settings(job: Started[SweepConfig]) -> TrialSettings:
+    cfg, task = job.cfg, job.task
+    fraction = cfg.data.val_fraction if cfg.data.val_fraction is not None else task.val_fraction
+    return TrialSettings(epochs=cfg.epochs, threads=max(1, int(cfg.cpus_per_trial)),
+                         defaults=cfg.defaults(task.hp_model), data_keys=tuple(sorted(job.info.data_reads)),
+                         val_fraction=fraction, split_seed=cfg.data.split_seed, objective=job.info.objective)
+
+
+def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
     from ray import tune
 
+    cfg, (metric, mode) = job.cfg, job.info.objective
     # Tune's newer output engine prints its own tables even at verbose=0; the legacy
     # one honours it, and ProgressPrinter shows what matters. Both are read at fit().
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
@@ -78,8 +103,8 @@ def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, resources: cluster.Res
     # state often (good for --resume) and warn about it every few seconds.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
 
-    trainable, max_concurrent = _trainable(cfg, dataset, packs, gpus, resources)
-    recorder = ResultsRecorder(cfg.experiment_dir, packs, cfg.epochs, searched(cfg.space))
+    trainable, max_concurrent = _trainable(job, packs, gpus)
+    recorder = ResultsRecorder(cfg.experiment_dir, packs, cfg.epochs, searched(cfg.space), job.info)
     if cfg.resume and tune.Tuner.can_restore(str(cfg.experiment_dir)):
         # the callbacks, schedulers and searcher come back from the saved tuner state
         return tune.Tuner.restore(str(cfg.experiment_dir), trainable, resume_unfinished=True, resume_errored=True)
@@ -97,7 +122,7 @@ def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, resources: cluster.Res
         trainable,
         param_space=param_space,
         tune_config=tune.TuneConfig(
-            metric=METRIC, mode=MODE, num_samples=num_samples, search_alg=search_alg,
+            metric=metric, mode=mode, num_samples=num_samples, search_alg=search_alg,
             scheduler=_scheduler(cfg), max_concurrent_trials=max_concurrent,
             # one process per slot for the whole sweep: torch is imported once, not once per trial
             reuse_actors=True,
@@ -113,21 +138,22 @@ def _tuner(cfg: SweepConfig, dataset, packs, gpus: float, resources: cluster.Res
     )
 
 
-def _trainable(cfg: SweepConfig, dataset, packs, gpus: float, resources: cluster.Resources):
+def _trainable(job: Started[SweepConfig], packs, gpus: float):
     """The Tune trainable with its resources, and the most trials to run at once."""
     from ray import tune
 
+    cfg, res = job.cfg, job.resources
     if cfg.workers_per_trial == 1:
-        settings = TrialSettings(epochs=cfg.epochs, seed=cfg.seed, threads=max(1, int(cfg.cpus_per_trial)))
-        trainable = tune.with_parameters(train_pack, dataset=dataset, packs=packs, settings=settings)
+        trainable = tune.with_parameters(train_pack, task=job.task, packs=packs, settings=_settings(job))
         return tune.with_resources(trainable, {"cpu": cfg.cpus_per_trial, "gpu": gpus}), cfg.max_concurrent
     from rayhpc.tune.distributed import train_distributed_trial
 
-    trainable = tune.with_parameters(train_distributed_trial, dataset=dataset, packs=packs, sweep=cfg, gpu=gpus > 0)
+    trainable = tune.with_parameters(train_distributed_trial, task=job.task, packs=packs, sweep=cfg,
+                                     defaults=cfg.defaults(job.task.hp_model), gpu=gpus > 0)
     # The trial process only drives a TorchTrainer whose workers hold the CPUs and GPUs, so it
     # reserves memory alone (Ray refuses an empty request). Start no more trials than their
     # worker groups fit, or the extra ones wait for workers until Ray Train gives up on them.
-    fit = max(1, resources.placeable(cfg.cpus_per_trial, 1.0 if gpus > 0 else 0.0) // cfg.workers_per_trial)
+    fit = max(1, res.placeable(cfg.cpus_per_trial, 1.0 if gpus > 0 else 0.0) // cfg.workers_per_trial)
     driver = {"cpu": 0, "memory": DRIVER_MEMORY}
     return tune.with_resources(trainable, driver), min(fit, cfg.max_concurrent or fit)
 
@@ -141,11 +167,11 @@ def _scheduler(cfg: SweepConfig):
     return FIFOScheduler()
 
 
-def _describe(cfg: SweepConfig, packs, res: cluster.Resources, gpus: float) -> None:
+def _describe(cfg: SweepConfig, packs, gpus: float) -> None:
     if packs is None:
         trials = f"{cfg.num_samples} trials proposed by {cfg.search}"
     else:
         n = sum(len(p) for p in packs)
         trials = f"{n} trials in {len(packs)} pack(s) of up to {max(len(p) for p in packs)}"
-    print(f"sweep {cfg.name}: {trials}, {cfg.epochs} epochs each, scheduler {cfg.scheduler}, "
-          f"{cfg.cpus_per_trial:g} CPU + {gpus:g} GPU per trial process -> {cfg.experiment_dir}", flush=True)
+    log.info(f"sweep {cfg.name}: {trials}, {cfg.epochs} epochs each, scheduler {cfg.scheduler}, "
+             f"{cfg.cpus_per_trial:g} CPU + {gpus:g} GPU per trial process -> {cfg.experiment_dir}")

@@ -1,14 +1,15 @@
-"""The Ray Tune function trainable: trains one pack of trials, checkpointing every epoch.
+"""The Ray Tune function trainable: trains one pack of trials of a task, checkpointing every epoch.
 
-A pack is one trial or several trials trained together as a `PackedMLP`
-(see `rayhpc.tune.plan`). Every member sees the same data order, drawn from
-the sweep seed and the epoch number, so a trial restarted from its checkpoint
-continues exactly as if it had never stopped.
+A pack is one trial or several trained together (see `rayhpc.tune.packing`). Every
+member takes the same batches, in `DistributedSampler` order from the trial's seed and
+the epoch, and the checkpoint holds torch's RNG state too, so a trial restarted from
+its checkpoint continues exactly as if it had never stopped.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import tempfile
 import time
@@ -17,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from rayhpc.data import Dataset, epoch_order
-from rayhpc.models import MLP, PackedMLP
-from rayhpc.tune.optim import packed_optimizer
-from rayhpc.tune.space import HParams
+from rayhpc.task.batches import Batches, epoch_indices, holdout, to_device
+from rayhpc.task.load import LoadedTask
+from rayhpc.tune.packing import make_pack
 
 STATE_FILE = "pack_state.pt"
+EVAL_BATCH = 256  # validation batches hold at least this many samples (no gradients are kept)
 
 
 @dataclass(frozen=True)
@@ -30,24 +31,34 @@ class TrialSettings:
     """What every trial of a sweep shares."""
 
     epochs: int
-    seed: int
-    threads: int
-
-
-def init_member(in_features: int, hidden: int, out_features: int, seed: int) -> MLP:
-    """A trial's initial model: every trial of a sweep starts from the same seed."""
-    torch.manual_seed(seed)
-    return MLP(in_features, hidden, out_features)
+    threads: int  # torch threads per trial process
+    defaults: dict  # every hyperparameter's value where the trial's config does not set it
+    data_keys: tuple[str, ...]  # hyperparameters data() reads: trials that agree on them share the data
+    val_fraction: float | None
+    split_seed: int
+    objective: tuple[str, str]  # (reported name, "min" or "max")
 
 
 def members_of(config: dict, packs: list[list[dict]] | None) -> list[dict]:
     """The trials a Tune config stands for: a planned pack, or one searcher-made config."""
     if "pack" in config and packs is not None:
         return packs[config["pack"]]
-    return [HParams(**config).model_dump()]
+    return [dict(config)]
 
 
-def train_pack(config: dict, *, dataset: Dataset, packs: list[list[dict]] | None, settings: TrialSettings) -> None:
+_DATA: dict = {}  # the last trial's datasets, kept for the next trial in this process (reuse_actors)
+
+
+def trial_data(task: LoadedTask, hp: dict, settings: TrialSettings):
+    """(train, val) of a trial; read once per process for every trial that agrees on data()'s inputs."""
+    key = (task.spec, tuple(repr(hp[k]) for k in settings.data_keys), settings.val_fraction, settings.split_seed)
+    if _DATA.get("key") != key:
+        _DATA.clear()
+        _DATA.update(key=key, value=holdout(*task.data(hp), settings.val_fraction, settings.split_seed))
+    return _DATA["value"]
+
+
+def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None, settings: TrialSettings) -> None:
     from ray import tune
 
     entered = time.perf_counter()
@@ -55,61 +66,77 @@ def train_pack(config: dict, *, dataset: Dataset, packs: list[list[dict]] | None
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     torch.set_num_threads(settings.threads)
     device = _device()
-    members = members_of(config, packs)
-    state = _restore(tune.get_checkpoint()) or _fresh(members, dataset, settings)
-    if state["epoch"] >= settings.epochs:
+    members = [{**settings.defaults, **m} for m in members_of(config, packs)]
+    hp = members[0]  # what every member shares: batch size, optimiser kind, seed, data
+    train, val = trial_data(task, hp, settings)
+    state = _restore(tune.get_checkpoint())
+    if state is not None and state["epoch"] >= settings.epochs:
         # restored from its final checkpoint (the driver died before recording the end):
         # report the final metrics again instead of training anything twice
         tune.report(state["metrics"])
         return
-    model = PackedMLP(dataset.in_features, [m["hidden"] for m in members], dataset.out_features)
-    model.load_state_dict(state["model"])
-    model.to(device)
-    opt = packed_optimizer(members[0]["optimizer"], list(model.parameters()), members)
-    if state["optim"] is not None:
-        opt.load_state_dict(_to(state["optim"], device))
-    data = [t.to(device) for t in (dataset.x_train, dataset.y_train, dataset.x_val, dataset.y_val)]
+    pack = make_pack(task, members, device)
+    opt = pack.optimizer(members)
+    if state is None:
+        state = _fresh(len(members), settings.objective)
+    else:
+        pack.load_state_dict(to_device(state["model"], device))
+        opt.load_state_dict(to_device(state["optim"], device))
+        torch.set_rng_state(state["rng"])
+    train_batches, val_batches = Batches(train, device), (Batches(val, device) if val is not None else None)
     resumed_from = state["epoch"]
     for epoch in range(state["epoch"], settings.epochs):
-        train_loss = train_epoch(model, opt, data[0], data[1], members[0]["batch_size"], settings.seed, epoch)
-        val_loss = evaluate(model, data[2], data[3])
+        values = {"train_loss": train_epoch(pack, opt, train_batches, hp["batch_size"], hp["seed"], epoch)}
+        if val_batches is not None:
+            values.update(pack.evaluate(val_batches.all(max(hp["batch_size"], EVAL_BATCH))))
+        _update_best(state["best"], values, settings.objective)
         state["epoch"] = epoch + 1
-        state["best"] = torch.minimum(state["best"], val_loss)
         seconds = state["seconds"] + time.perf_counter() - entered
-        metrics = _metrics(val_loss, state["best"], train_loss, epoch + 1, seconds, resumed_from)
+        metrics = _metrics(values, state["best"], settings.objective, epoch + 1, seconds, resumed_from)
         with tempfile.TemporaryDirectory() as tmp:
-            torch.save({**state, "seconds": seconds, "metrics": metrics, "model": model.state_dict(),
-                        "optim": opt.state_dict()}, Path(tmp) / STATE_FILE)
+            torch.save({**state, "seconds": seconds, "metrics": metrics, "model": pack.state_dict(),
+                        "optim": opt.state_dict(), "rng": torch.get_rng_state()}, Path(tmp) / STATE_FILE)
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
 
 
-def train_epoch(model: PackedMLP, opt, x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int, epoch: int) -> torch.Tensor:
+def train_epoch(pack, opt, batches: Batches, batch_size: int, seed: int, epoch: int) -> torch.Tensor:
     """One pass over the training data; returns each member's mean batch loss."""
-    order = epoch_order(x.shape[0], seed, epoch).to(x.device)
-    total = torch.zeros(model.w1.shape[0], device=x.device)
-    steps = 0
-    for start in range(0, x.shape[0], batch_size):
-        idx = order[start:start + batch_size]
-        # mean over batch and outputs = F.mse_loss per member; summing the members' losses
-        # gives each member exactly its own gradient
-        loss = ((model(x[idx]) - y[idx]) ** 2).mean(dim=(1, 2))
+    pack.train()
+    total, steps = torch.zeros(pack.size, device=batches.device), 0
+    for batch in batches(epoch_indices(len(batches), seed, epoch), batch_size):
+        losses = pack.losses(batch)
         opt.zero_grad()
-        loss.sum().backward()
+        losses.sum().backward()  # the sum's gradient is each member's own
         opt.step()
-        total += loss.detach()
+        total += losses.detach()
         steps += 1
     return (total / steps).cpu()
 
 
-@torch.no_grad()
-def evaluate(model: PackedMLP, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((model(x) - y) ** 2).mean(dim=(1, 2)).cpu()
+def _fresh(members: int, objective: tuple[str, str]) -> dict:
+    names = {"val_loss": "min", objective[0]: objective[1]}
+    best = {name: torch.full((members,), math.inf if mode == "min" else -math.inf) for name, mode in names.items()}
+    return {"epoch": 0, "best": best, "seconds": 0.0, "metrics": None}
 
 
-def _fresh(members: list[dict], dataset: Dataset, settings: TrialSettings) -> dict:
-    inits = [init_member(dataset.in_features, m["hidden"], dataset.out_features, settings.seed) for m in members]
-    return {"model": PackedMLP.from_members(inits).state_dict(), "optim": None, "epoch": 0,
-            "best": torch.full((len(members),), float("inf")), "seconds": 0.0, "metrics": None}
+def _update_best(best: dict, values: dict, objective: tuple[str, str]) -> None:
+    for name, so_far in best.items():
+        if name in values:
+            better = torch.minimum if name == "val_loss" or objective[1] == "min" else torch.maximum
+            best[name] = better(so_far, values[name].cpu())
+
+
+def _metrics(values: dict, best: dict, objective: tuple[str, str], epoch: int, seconds: float,
+             resumed_from: int) -> dict:
+    """Each member's values; the pack's best member (by the objective) also at the top level, which
+    drives Tune's own bookkeeping (a pack of one is a plain trial)."""
+    members = len(values["train_loss"])
+    reported = {**values, **{f"best_{name}": v for name, v in best.items() if name in values}}
+    per_member = {str(i): {k: float(v[i]) for k, v in reported.items()} for i in range(members)}
+    name, mode = objective
+    lead = (min if mode == "min" else max)(range(members), key=lambda i: per_member[str(i)][name])
+    return {**per_member[str(lead)], "epoch": epoch, "train_seconds": seconds, "resumed_from_epoch": resumed_from,
+            "node": socket.gethostname(), "pack_size": members, "members": per_member}
 
 
 def _restore(checkpoint) -> dict | None:
@@ -119,24 +146,6 @@ def _restore(checkpoint) -> dict | None:
         return torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=True)
 
 
-def _metrics(val: torch.Tensor, best: torch.Tensor, train: torch.Tensor, epoch: int, seconds: float, resumed_from: int) -> dict:
-    per_member = {
-        str(i): {"val_loss": float(val[i]), "best_val_loss": float(best[i]), "train_loss": float(train[i])}
-        for i in range(len(val))
-    }
-    return {
-        # the pack's best member drives Tune's own bookkeeping; a pack of one is a plain trial
-        "val_loss": float(val.min()),
-        "best_val_loss": float(best.min()),
-        "epoch": epoch,
-        "train_seconds": seconds,
-        "resumed_from_epoch": resumed_from,
-        "node": socket.gethostname(),
-        "pack_size": len(val),
-        "members": per_member,
-    }
-
-
 def _device() -> torch.device:
     import ray
 
@@ -144,13 +153,3 @@ def _device() -> torch.device:
     if ray.get_gpu_ids() and torch.cuda.is_available():
         return torch.device("cuda", 0)
     return torch.device("cpu")
-
-
-def _to(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to(v, device) for v in obj]
-    return obj

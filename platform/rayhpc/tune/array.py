@@ -1,7 +1,12 @@
 """A sweep as a Slurm array job: one trial per task, as researchers run them without Ray, writing
 the same results.parquet as the Ray Tune sweep, so the two ways compare on one cluster.
 
-    rayhpc submit --array --cluster cluster_configs/X.yaml -- --num-samples 16 --epochs 10
+    rayhpc submit --array --cluster cluster_configs/X.yaml -- --num-samples 16 --epochs 10 [--task F.py:T]
+
+The submission checks the sweep and its task like any job (no cluster is started), draws
+every trial's hyperparameters into the sweep folder (`trials.json`), and ships a file task
+with the job: the task file, and the modules beside it that it imports, are copied into
+the sweep folder, which every node reads anyway (the tasks write their results there).
 """
 
 from __future__ import annotations
@@ -9,24 +14,29 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from rayhpc.config import ConfigError, load_yaml, reconcile_resume, validate
+from rayhpc.config import ConfigError, reconcile_resume
+from rayhpc.job import bind_task
 from rayhpc.slurm.config import ClusterConfig
 from rayhpc.slurm.render import setup_lines
-from rayhpc.tune.config import SweepConfig
-from rayhpc.tune.results import write_results
-from rayhpc.tune.space import sample_configs, searched
+from rayhpc.slurm.submit import sbatch
+from rayhpc.tune.config import SweepConfig, bind_sweep
+from rayhpc.tune.plan import load_plan, save_plan
+from rayhpc.tune.results import value_columns, write_results
+from rayhpc.tune.space import searched
 
 ARRAY_DIR = "array"  # per-task JSON results under the sweep folder
+COLUMNS_FILE = "array.json"  # the results table's columns, for the collecting job
+TASK_DIR = "task"  # the shipped copy of a file task
 
 
-def check_array_sweep(cfg: SweepConfig, explicit: set[str]) -> tuple[SweepConfig, int]:
-    """The sweep and its number of trials; what an array job cannot do is refused."""
+def prepare_array(cfg: SweepConfig, explicit: set[str]):
+    """(the sweep, its task, every trial's hyperparameters, the columns); what an array job cannot do
+    is refused, and the task is checked in this process, before anything is submitted."""
     if cfg.search == "optuna":
         raise ConfigError("search (--search) optuna: an array job draws every config up front; use random or grid")
     if cfg.scheduler == "asha":
@@ -34,11 +44,12 @@ def check_array_sweep(cfg: SweepConfig, explicit: set[str]) -> tuple[SweepConfig
     if cfg.workers_per_trial > 1:
         raise ConfigError(f"workers_per_trial (--workers-per-trial) {cfg.workers_per_trial}: array tasks "
                           "train on one process; use the Ray sweep for distributed trials")
-    cfg = reconcile_resume(cfg, explicit)
-    return cfg, len(sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed))
+    cfg, task, info, _ = bind_task(reconcile_resume(cfg, explicit), bind_sweep)
+    columns = {"searched": searched(cfg.space), "values": value_columns(info.metric_names, info.objective)}
+    return cfg, task, cfg.configs(task.hp_model), columns
 
 
-def render_array(cluster: ClusterConfig, sweep: SweepConfig, n_trials: int) -> str:
+def render_array(cluster: ClusterConfig, sweep: SweepConfig, n_trials: int, task_spec: str | None = None) -> str:
     """The array job's script: `--array=0-(n-1)%K`, a `%A_%a` log per task, one trial per task."""
     s, q = cluster.slurm, shlex.quote
     limit = f"%{sweep.max_concurrent}" if sweep.max_concurrent else ""
@@ -50,49 +61,45 @@ def render_array(cluster: ClusterConfig, sweep: SweepConfig, n_trials: int) -> s
     lines = ["#!/bin/bash", f"# rendered by `rayhpc submit --array` from cluster config {cluster.name!r}"]
     lines += [f"#SBATCH {flag}" for flag in flags + s.extra]
     lines += ["", "set -e", *setup_lines(cluster)]
+    task = f" --task {q(task_spec)}" if task_spec else ""
     lines += [f"exec python -m rayhpc.tune.single --config {q(str(sweep.saved_file))} "
-              f"--index \"$SLURM_ARRAY_TASK_ID\" --out {q(str(sweep.experiment_dir / ARRAY_DIR))}", ""]
+              f"--index \"$SLURM_ARRAY_TASK_ID\" --out {q(str(sweep.experiment_dir / ARRAY_DIR))}{task}", ""]
     return "\n".join(lines)
 
 
-def submit_array(cluster: ClusterConfig, sweep: SweepConfig, n_trials: int, dry_run: bool = False) -> str:
+def submit_array(cluster: ClusterConfig, sweep: SweepConfig, task, configs: list[dict], columns: dict,
+                 dry_run: bool = False) -> str:
     """Submit the array and a job that collects its results once every task has ended."""
-    text = render_array(cluster, sweep, n_trials)
+    exp_dir = sweep.experiment_dir
+    text = render_array(cluster, sweep, len(configs), task.copied_spec(exp_dir / TASK_DIR))
     if dry_run:
         return text
     cluster.log_dir.mkdir(parents=True, exist_ok=True)
-    sweep.save()  # the tasks read the sweep from its folder
-    script = sweep.experiment_dir / "array.sbatch"
+    sweep.save()  # the tasks read the sweep and their trials from its folder
+    save_plan([[c] for c in configs], exp_dir)
+    (exp_dir / COLUMNS_FILE).write_text(json.dumps(columns))
+    task.copy_files(exp_dir / TASK_DIR)
+    script = exp_dir / "array.sbatch"
     script.write_text(text)
-    array_id = _sbatch(["--parsable", str(script)])
-    collect = f"{shlex.quote(sys.executable)} -m rayhpc.slurm.array {shlex.quote(str(sweep.experiment_dir))}"
-    _sbatch(["--parsable", f"--dependency=afterany:{array_id}", f"--job-name=rayhpc-{cluster.name}-collect",
-             f"--output={cluster.log_dir}/%x-%j.log", "--ntasks=1", f"--time={cluster.slurm.time}",
-             *([f"--partition={cluster.slurm.partition}"] if cluster.slurm.partition else []), f"--wrap={collect}"])
+    array_id = sbatch([str(script)])
+    collect = f"{shlex.quote(sys.executable)} -m rayhpc.tune.array {shlex.quote(str(exp_dir))}"
+    sbatch([f"--dependency=afterany:{array_id}", f"--job-name=rayhpc-{cluster.name}-collect",
+            f"--output={cluster.log_dir}/%x-%j.log", "--ntasks=1", f"--time={cluster.slurm.time}",
+            *([f"--partition={cluster.slurm.partition}"] if cluster.slurm.partition else []), f"--wrap={collect}"])
     return array_id
-
-
-def _sbatch(args: list[str]) -> str:
-    proc = subprocess.run(["sbatch", *args], capture_output=True, text=True)
-    if proc.returncode:
-        raise ConfigError(f"sbatch: {proc.stderr.strip() or 'failed'}")
-    return proc.stdout.strip().split(";")[0]
 
 
 def collect(exp_dir: Path) -> pd.DataFrame:
     """results.parquet from the tasks' JSON files, with the Ray sweep's columns; a task that left
     no result is an `error` row."""
-    cfg = validate(SweepConfig, load_yaml(exp_dir / "sweep.yaml"))
-    configs = sample_configs(cfg.space, cfg.num_samples, cfg.search, cfg.seed)
-    params = searched(cfg.space)
+    columns = json.loads((exp_dir / COLUMNS_FILE).read_text())
     rows = []
-    for i, hp in enumerate(configs):
+    for i, (hp,) in enumerate(load_plan(exp_dir)):
         path = exp_dir / ARRAY_DIR / f"trial_{i:05d}.json"
         done = json.loads(path.read_text()) if path.is_file() else {}
         rows.append({"trial_id": f"array_{i:05d}", "status": "finished" if done else "error",
-                     **{f"config.{p}": hp[p] for p in params},
-                     **{k: done.get(k, math.nan) for k in ("val_loss", "best_val_loss", "iterations",
-                                                           "train_seconds")},
+                     **{f"config.{p}": hp[p] for p in columns["searched"]},
+                     **{k: done.get(k, math.nan) for k in (*columns["values"], "iterations", "train_seconds")},
                      "node": done.get("node"), "pack_size": 1,
                      "error": None if done else f"task {i} wrote no result (see its %A_{i} log)"})
     table = pd.DataFrame(rows)

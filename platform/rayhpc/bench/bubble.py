@@ -12,7 +12,7 @@ from torch import nn
 
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.worker import RankRun, replica_batch
-from rayhpc.parallel.worker_group import WorkerContext, WorkerGroup
+from rayhpc.workers.group import WorkerContext, WorkerGroup
 
 
 def bubble_formula(stages: int, microbatches: int) -> float:
@@ -64,7 +64,7 @@ def measure_bubble(group: WorkerGroup, cfg: ParallelConfig, data, warmup: int = 
     """Idle fraction per stage (median over `cfg.steps` timed steps) of the layout `cfg`, on `group`."""
     from rayhpc.parallel import worker
 
-    group.run(worker.setup, cfg.model_dump(mode="json"), data)
+    group.run(worker.setup, cfg, data)
     group.run(install_clock)
     for step in range(warmup):
         group.run(timed_pipeline_step, step)

@@ -1,7 +1,7 @@
 """Plain PyTorch training, the baselines of `jobs/bench_train.py`: what users write by hand today.
 
-    torchrun --nproc_per_node 2 -m rayhpc.train.baseline --out result.json --launch-time T [options]
-    python -m rayhpc.train.baseline --out result.json --launch-time T --device cuda --bf16 [options]
+    torchrun --nproc_per_node 2 -m rayhpc.bench.train_baseline --out result.json --launch-time T [options]
+    python -m rayhpc.bench.train_baseline --out result.json --launch-time T --device cuda --bf16 [options]
 
 Same model, data, sampler and optimizer as the platform's loop. Under torchrun
 (RANK in the environment): DDP with `init_process_group` from torchrun's
@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from rayhpc.data import DataConfig, SyntheticTask, load_dataset
+from rayhpc.data import SyntheticTask, synthetic_tensors
 from rayhpc.models import MLP
+from rayhpc.task.batches import holdout
+from rayhpc.task.mlp import MLPTask
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,12 +52,12 @@ def main() -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = torch.device("cpu" if distributed else args.device)
     task = SyntheticTask(num_samples=args.samples, in_features=args.in_features, out_features=args.in_features)
-    ds = load_dataset(DataConfig(synthetic=task))
+    # the platform's mlp task: every row, then its 20% validation hold-out (split seed 0)
+    train, _ = holdout(TensorDataset(*synthetic_tensors(task)), None, MLPTask.val_fraction, 0)
     torch.manual_seed(0)
     model = MLP(args.in_features, args.hidden, args.in_features, args.depth).to(device)
     model = DistributedDataParallel(model) if distributed else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    train = TensorDataset(ds.x_train, ds.y_train)
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(train, batch_size=args.batch, sampler=sampler)
     first_step, per_epoch = None, []

@@ -1,0 +1,5 @@
+"""`python -m rayhpc ...`: the `rayhpc` command."""
+
+from rayhpc.cli import main
+
+main()

@@ -1,0 +1,31 @@
+"""FSDP2 for every job: `fully_shard` on each unit of a model, then on the root (torchtitan's recipe).
+
+Units are all-gathered one at a time in forward and backward and freed after use, so a
+rank holds one unit's whole parameters at a time. The last unit's backward runs right
+after its forward, so it keeps its gathered weights in between (freeing them would only
+all-gather them again; torchtitan does the same). With bf16, compute runs in bf16 while
+gradients are reduced in fp32, so the update matches fp32 training closely.
+(`ray.train.torch.prepare_model(parallel_strategy="fsdp")` is FSDP1, which refuses CPUs.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold parameters themselves (Linear, Conv2d, LayerNorm, ...), in order."""
+    return [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+
+
+def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh=None, bf16: bool = False) -> nn.Module:
+    """Shard each of `units`, then `model`, over `mesh` (a 1-D device mesh; None: the whole world)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for i, unit in enumerate(units):
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(units) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model

@@ -1,0 +1,136 @@
+"""A task's data on the platform: the validation hold-out, the data order, and batches.
+
+The order is `DistributedSampler(shuffle=True, seed=seed, drop_last=False)` with
+`set_epoch(epoch)`, exactly what the seed documents' listings and most users' scripts
+use, so a user can reproduce their own numbers; a single process is rank 0 of 1.
+Batches are what the default collate makes of the dataset's items. For in-memory
+tensor datasets (`TensorDataset`, and `Subset`s of one) whole batches are indexed out
+of tensors that already sit on the worker's device, which gives the same batch without
+a per-sample Python loop; any other dataset goes through a `DataLoader`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset, default_collate
+
+
+def holdout(train: Dataset, val: Dataset | None, fraction: float | None, seed: int) -> tuple[Dataset, Dataset | None]:
+    """`(train, val)` as given, or with a `fraction` of `train` held out when there is no `val`."""
+    if val is not None or not fraction:
+        return train, val
+    n = len(train)
+    n_val = min(n - 1, max(1, round(n * fraction)))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return Subset(train, order[n_val:]), Subset(train, order[:n_val])
+
+
+class _Sized:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def epoch_indices(n: int, seed: int, epoch: int, rank: int = 0, world: int = 1) -> list[int]:
+    """Rank `rank`'s sample indices of epoch `epoch`, in order (DistributedSampler's)."""
+    sampler = DistributedSampler(_Sized(n), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor in a batch (tensors, lists, tuples, dicts of them) moved to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def collate(dataset: Dataset, indices: Sequence[int]) -> Any:
+    """The batch the default collate makes of these items (for checks on one small batch)."""
+    return default_collate([dataset[i] for i in indices])
+
+
+def _tensor_rows(dataset: Dataset) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
+    """(tensors, row of each item or None for identity) when items are rows of in-memory tensors."""
+    if isinstance(dataset, TensorDataset):
+        return dataset.tensors, None
+    if isinstance(dataset, Subset):
+        inner = _tensor_rows(dataset.dataset)
+        if inner is not None:
+            tensors, rows = inner
+            sub = torch.as_tensor(dataset.indices, dtype=torch.long)
+            return tensors, sub if rows is None else rows[sub]
+    return None
+
+
+class Batches:
+    """Batches of one dataset on one device: `batches(indices, batch_size)` yields them in order."""
+
+    def __init__(self, dataset: Dataset, device: torch.device):
+        self.dataset, self.device = dataset, torch.device(device)
+        fast = _tensor_rows(dataset)
+        self.tensors = None
+        if fast is not None:  # the whole dataset on the device once; batches are index gathers there
+            tensors, rows = fast
+            self.tensors = [t.to(self.device) for t in tensors]
+            self.rows = None if rows is None else rows.to(self.device)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __call__(self, indices: Sequence[int], batch_size: int) -> Iterator[Any]:
+        if self.tensors is None:
+            loader = DataLoader(self.dataset, batch_size=batch_size, sampler=list(indices))
+            for batch in loader:
+                yield to_device(batch, self.device)
+            return
+        # Iterating a DataLoader draws its base seed from torch's global RNG; draw it here too, so
+        # dropout masks later in the step match a plain `for batch in DataLoader(...)` loop's
+        torch.empty((), dtype=torch.int64).random_()
+        index = torch.as_tensor(list(indices), dtype=torch.long, device=self.device)
+        for start in range(0, len(index), batch_size):
+            rows = index[start:start + batch_size]
+            if self.rows is not None:
+                rows = self.rows[rows]
+            # a list, as the default collate makes of tuple items
+            yield [t[rows] for t in self.tensors]
+
+    def all(self, batch_size: int) -> Iterator[Any]:
+        """Every item once, in dataset order (validation)."""
+        return self(range(len(self.dataset)), batch_size)
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the leading size of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return batch_size_of(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return batch_size_of(batch[0])
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")
+
+
+@torch.no_grad()
+def evaluate(task, model: torch.nn.Module, batches: Iterator[Any]) -> dict[str, float]:
+    """`val_loss` and `val_<metric>` of one model (in eval mode), averaged over the samples of `batches`."""
+    training = model.training
+    model.eval()
+    sums: dict[str, float] = {}
+    total = 0
+    for batch in batches:
+        n = batch_size_of(batch)
+        values = {"val_loss": task.loss(model, batch), **{f"val_{k}": v for k, v in task.metrics(model, batch).items()}}
+        for name, value in values.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * n
+        total += n
+    model.train(training)
+    return {name: s / total for name, s in sums.items()}

@@ -1,0 +1,263 @@
+"""Trial packing for any task: P trials of one model trained as one batched computation.
+
+Small models spend almost all of a step on per-operation overhead, so P members in one
+batched kernel cost little more than one. Members of a pack take the same batches (the
+same batch size, seed and data), and each has its own initialisation, learning rate,
+momentum and weight decay (`rayhpc.tune.optim` steps each as `torch.optim` would).
+
+- `FuncPack`, for any task: the members' parameters stacked with
+  `torch.func.stack_module_state`, the task's own loss run on each member with
+  `functional_call` under `vmap`. The members must be the same module apart from
+  parameter values, so they also share every hyperparameter that `model()` reads.
+  Dropout draws one mask for all members (`randomness="same"`): every trial of a sweep
+  starts from the same seed, so each member alone would have drawn that mask too.
+- `PaddedMLPPack`, for the built-in two-layer MLP: members of different hidden widths
+  in one `PackedMLP`, the narrower ones zero-padded and masked.
+- `SinglePack`, a pack of one: the plain model and `torch.optim`.
+
+A task that cannot run under `vmap` (data-dependent control flow, `.item()` in the loss,
+BatchNorm statistics that would mix members) is found by `packing_problem`, which trains
+two members one step packed and alone and compares them; such a sweep runs unpacked.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
+
+from rayhpc.models import MLP, PackedMLP
+from rayhpc.task.batches import batch_size_of, evaluate
+from rayhpc.task.check import TaskInfo
+from rayhpc.task.hparams import make_optimizer
+from rayhpc.task.load import LoadedTask, one_line
+from rayhpc.task.mlp import MLPTask
+from rayhpc.tune.optim import packed_optimizer
+
+PACK_KEYS = ("batch_size", "optimizer", "seed")  # members step together on one data order
+
+
+def padded_mlp(task: LoadedTask, hp: dict) -> bool:
+    return isinstance(task.obj, MLPTask) and hp["depth"] == 2
+
+
+def pack_key(task: LoadedTask, info: TaskInfo, hp: dict) -> tuple:
+    """What members of one pack must share: the data order, the optimiser kind, and every
+    hyperparameter that `model()` or `data()` reads (the padded MLP lets `hidden` differ)."""
+    shared = set(PACK_KEYS) | set(info.reads)
+    if padded_mlp(task, hp):
+        shared.discard("hidden")
+    return tuple(sorted((k, repr(hp[k])) for k in shared if k in hp))
+
+
+class _Apply(nn.Module):
+    """`fn(model, batch)` as a module holding `model`, so that `functional_call` can run the task's
+    own loss (which may use any attribute of the model) with one member's parameters."""
+
+    def __init__(self, model: nn.Module, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, batch):
+        return self.fn(self.model, batch)
+
+
+class SinglePack:
+    """One trial: the task's own model, loss and metrics and a `torch.optim` optimiser, no vmap (so any
+    task runs, packable or not)."""
+
+    size = 1
+
+    def __init__(self, task: LoadedTask, model: nn.Module):
+        self.task, self.model = task, model
+        self.has_metrics = task.has_metrics
+
+    def optimizer(self, members: list[dict]):
+        return make_optimizer(members[0], self.model.parameters())
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def losses(self, batch) -> torch.Tensor:
+        return self.task.loss(self.model, batch).reshape(1)
+
+    def evaluate(self, batches: Iterable) -> dict[str, torch.Tensor]:
+        return {k: torch.tensor([v]) for k, v in evaluate(self.task, self.model, batches).items()}
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+    def member(self, i: int) -> nn.Module:
+        return copy.deepcopy(self.model)
+
+
+class FuncPack:
+    """Members of one architecture as stacked parameters, run with `vmap(functional_call)`."""
+
+    def __init__(self, task: LoadedTask, models: list[nn.Module]):
+        self.size = len(models)
+        self.params, self.buffers = stack_module_state(models)
+        base = copy.deepcopy(models[0])  # structure only: functional_call supplies every tensor
+        self.loss_fn, self.metrics_fn = _Apply(base, task.loss), _Apply(base, task.metrics)
+        self.has_metrics = task.has_metrics
+        self._losses = vmap(self._member_loss, in_dims=(0, 0, None), randomness="same")
+        self._evals = vmap(self._member_eval, in_dims=(0, 0, None), randomness="same")
+
+    def _state(self, params: dict, buffers: dict) -> dict:
+        return {**{f"model.{k}": v for k, v in params.items()}, **{f"model.{k}": v for k, v in buffers.items()}}
+
+    def _member_loss(self, params, buffers, batch):
+        return functional_call(self.loss_fn, self._state(params, buffers), (batch,))
+
+    def _member_eval(self, params, buffers, batch):
+        state = self._state(params, buffers)
+        loss = functional_call(self.loss_fn, state, (batch,))
+        metrics = functional_call(self.metrics_fn, state, (batch,)) if self.has_metrics else {}
+        return loss, metrics
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.params.values())
+
+    def optimizer(self, members: list[dict]):
+        return packed_optimizer(members[0]["optimizer"], self.parameters(), members)
+
+    def train(self, mode: bool = True) -> None:
+        self.loss_fn.train(mode)
+
+    def losses(self, batch) -> torch.Tensor:
+        """Each member's loss on `batch`: [members]. Summed, their backward gives each its own gradient."""
+        return self._losses(self.params, self.buffers, batch)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable) -> dict[str, torch.Tensor]:
+        """`val_loss` and `val_<metric>` of each member (in eval mode), averaged over the samples of `batches`."""
+        training = self.loss_fn.training
+        self.train(False)
+        try:
+            return _weighted_means(self._evals(self.params, self.buffers, b) + (batch_size_of(b),) for b in batches)
+        finally:
+            self.train(training)
+
+    def state_dict(self) -> dict:
+        return {"params": {k: v.detach() for k, v in self.params.items()}, "buffers": dict(self.buffers)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for part in ("params", "buffers"):
+            for k, v in getattr(self, part).items():
+                v.copy_(state[part][k])
+
+    def member(self, i: int) -> nn.Module:
+        """Member `i` as a stand-alone module (a copy)."""
+        module = copy.deepcopy(self.loss_fn.model)
+        module.load_state_dict({k: v[i] for k, v in {**self.params, **self.buffers}.items()})
+        return module
+
+
+class PaddedMLPPack:
+    """The built-in task's two-layer MLPs of different widths in one `PackedMLP` (MSE loss, as the task's)."""
+
+    has_metrics = False
+
+    def __init__(self, models: list[MLP]):
+        self.size = len(models)
+        self.model = PackedMLP.from_members(models)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def optimizer(self, members: list[dict]):
+        return packed_optimizer(members[0]["optimizer"], self.parameters(), members)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def losses(self, batch) -> torch.Tensor:
+        x, y = batch
+        # mean over batch and outputs = F.mse_loss of each member
+        return ((self.model(x) - y) ** 2).mean(dim=(1, 2))
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable) -> dict[str, torch.Tensor]:
+        return _weighted_means((self.losses(b), {}, batch_size_of(b)) for b in batches)  # no dropout, no norm
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+    def member(self, i: int) -> MLP:
+        return self.model.member(i)
+
+    def to(self, device) -> "PaddedMLPPack":
+        self.model.to(device)
+        return self
+
+
+def _weighted_means(parts: Iterable[tuple[torch.Tensor, dict, int]]) -> dict[str, torch.Tensor]:
+    """Sample-weighted means over batches of (per-member loss, per-member metrics, batch size)."""
+    sums: dict[str, torch.Tensor] = {}
+    total = 0
+    for loss, metrics, n in parts:
+        for name, value in {"val_loss": loss, **{f"val_{k}": v for k, v in metrics.items()}}.items():
+            sums[name] = sums.get(name, 0) + value.detach().double() * n
+        total += n
+    return {name: (s / total).float() for name, s in sums.items()}
+
+
+def make_pack(task: LoadedTask, members: list[dict], device: torch.device):
+    """The members' initial models as one pack on `device` (a pack of one is the plain model)."""
+    models = [task.initial_model(hp) for hp in members]
+    if len(models) == 1:
+        return SinglePack(task, models[0].to(device))
+    if padded_mlp(task, members[0]):
+        return PaddedMLPPack(models).to(device)
+    return FuncPack(task, [m.to(device) for m in models])
+
+
+def packing_problem(task: LoadedTask, hp: dict, batch: Any) -> str | None:
+    """Why this task's trials cannot be packed, or None: two members with different initialisations,
+    one training step and one evaluation each, packed and alone, must agree."""
+    try:
+        models = [task.initial_model({**hp, "seed": hp["seed"] + i}) for i in range(2)]
+        alone = [_alone(task, copy.deepcopy(m), batch) for m in models]
+        pack = FuncPack(task, [copy.deepcopy(m) for m in models])
+        torch.manual_seed(0)
+        losses = pack.losses(batch)
+        losses.sum().backward()
+        evaluated = pack.evaluate([batch])
+    except Exception as exc:  # noqa: BLE001 - whatever vmap refuses in the user's code
+        return f"vmap: {one_line(exc)}"
+    for i, (loss, grads, buffers, metrics) in enumerate(alone):
+        packed = {"loss": losses[i], **{f"grad of {k}": _grad(p)[i] for k, p in pack.params.items() if p.requires_grad},
+                  **{f"buffer {k}": b[i] for k, b in pack.buffers.items()},
+                  **{f"metric {k}": v[i] for k, v in evaluated.items() if k != "val_loss"}}
+        for name, want in {"loss": loss, **grads, **buffers, **metrics}.items():
+            if not torch.allclose(packed[name].float(), want.float(), rtol=1e-4, atol=1e-5):
+                return f"member {i}'s {name} differs packed and alone (vmap mixes members, e.g. BatchNorm statistics)"
+    return None
+
+
+def _alone(task: LoadedTask, model: nn.Module, batch) -> tuple:
+    """(loss, grads, buffers after the step, metrics) of one member trained alone on `batch`."""
+    torch.manual_seed(0)  # the packed forward draws its dropout masks from the same state
+    loss = task.loss(model, batch)
+    trained = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    grads = torch.autograd.grad(loss, list(trained.values()), allow_unused=True)  # a branch may skip some
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(trained.values(), grads)]
+    buffers = {f"buffer {k}": b.detach().clone() for k, b in model.named_buffers()}
+    model.eval()
+    with torch.no_grad():
+        metrics = {f"metric val_{k}": torch.as_tensor(v) for k, v in task.metrics(model, batch).items()}
+    return loss.detach(), {f"grad of {k}": g for k, g in zip(trained, grads)}, buffers, metrics
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p) if p.grad is None else p.grad

@@ -104,3 +104,24 @@ def test_bad_configs_name_the_key_and_what_is_allowed(data, message):
 def test_hparams_defaults_are_a_valid_trial():
     assert PlatformHParams().model_dump()["optimizer"] == "adam"
     assert MLP.hp_model().model_dump() == {**PlatformHParams().model_dump(), "hidden": 4, "depth": 2}
+
+
+def test_flags_are_derived_from_the_config_fields():
+    from rayhpc.cli import derived_flags
+    from rayhpc.collectives.config import CollectivesConfig
+    from rayhpc.parallel.config import ParallelConfig
+    from rayhpc.scaling.config import ScalingConfig
+    from rayhpc.train.config import TrainConfig
+
+    train = derived_flags(TrainConfig)
+    assert {train[f] for f in ("--num-workers", "--cpus-per-worker", "--gpu", "--lr", "--optimizer", "--hp", "--task",
+                               "--data", "--target", "--val-fraction")} == {
+        "compute.num_workers", "compute.cpus_per_worker", "compute.gpu", "optim.lr", "optim.optimizer", "hparams",
+        "task", "data.path", "data.target", "data.val_fraction"}
+    sweep = derived_flags(SweepConfig)
+    assert sweep["--grace-period"] == "asha.grace_period" and "--space" not in sweep  # a dict key has no flag
+    assert not any(key.startswith("data.synthetic") for key in sweep.values())  # two sections down: YAML only
+    assert derived_flags(ParallelConfig)["--model"] == "model.kind"  # a field that names its own flag
+    for model in (CollectivesConfig, ScalingConfig):
+        flags = derived_flags(model)
+        assert flags["--cpus-per-worker"] == "compute.cpus_per_worker" and flags["--name"] == "name"

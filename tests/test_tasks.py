@@ -212,6 +212,23 @@ def test_a_task_file_travels_to_the_workers_by_value(ray_address, tmp_path):
     assert set(table["config.width"]) <= {4, 16} and table["best_val_loss"].min() < 1.0
 
 
+def readme_task() -> str:
+    """The task example in the README's section on tasks (the first Python block there)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Your own model, data and loss: tasks"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+
+
+def test_the_readme_task_example_sweeps_and_learns(ray_address, tmp_path):
+    (tmp_path / "my_task.py").write_text(readme_task())
+    cfg = validate(SweepConfig, {"task": f"{tmp_path / 'my_task.py'}:Regression", "storage_path": str(tmp_path),
+                                 "num_samples": 1, "epochs": 3, "space": {"width": {"grid": [16, 64]}, "lr": 0.01}})
+    table = run_sweep(cfg)
+    assert len(table) == 2 and set(table["status"]) == {"finished"} and table["pack_size"].max() == 1
+    # the target is a sum of 8 standard normals (variance 8): the best trial explains almost all of it
+    assert table["best_val_loss"].min() < 0.05 * 8, table
+
+
 UNPACKABLE = '''
 import torch
 import torch.nn.functional as F

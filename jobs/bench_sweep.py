@@ -27,11 +27,8 @@ from pathlib import Path
 import yaml
 
 from rayhpc.task import task_for
-from rayhpc.task.mlp import MLPTask
 from rayhpc.tune.config import SweepConfig, bind_sweep
 from rayhpc.tune.plan import save_plan
-
-VAL_FRACTION = MLPTask.val_fraction  # the mlp task's hold-out, as every run here uses it
 
 
 def reference_seconds(cfg: SweepConfig, configs: list[dict]) -> float:
@@ -42,8 +39,8 @@ def reference_seconds(cfg: SweepConfig, configs: list[dict]) -> float:
 
     torch.set_num_threads(1)
     task = task_for(cfg.task, cfg.data)
-    train_single(task, configs[0], 1, VAL_FRACTION)  # warm-up: first-call costs are not the trial's
-    return sum(train_single(task, hp, cfg.epochs, VAL_FRACTION)["train_seconds"] for hp in configs)
+    train_single(task, configs[0], 1, cfg.data)  # warm-up: first-call costs are not the trial's
+    return sum(train_single(task, hp, cfg.epochs, cfg.data)["train_seconds"] for hp in configs)
 
 
 def array_style(cfg_file: Path, n: int, cpus: int, out: Path) -> tuple[float, float]:
@@ -75,7 +72,7 @@ def plain_tune(cfg: SweepConfig, configs: list[dict], storage: Path) -> tuple[fl
                 tune.report({"val_loss": values["val_loss"], "epoch": epoch},
                             checkpoint=tune.Checkpoint.from_directory(d))
 
-        result = train_single(task, config["hp"], cfg.epochs, VAL_FRACTION, on_epoch=report)
+        result = train_single(task, config["hp"], cfg.epochs, cfg.data, on_epoch=report)
         tune.report({"val_loss": result["val_loss"], "train_seconds": result["train_seconds"]})
 
     tuner = tune.Tuner(trainable, param_space={"hp": tune.grid_search(configs)},

@@ -2,6 +2,7 @@
 environment outside the repository runs a sweep of a task file that lives outside the repository,
 finds its sbatch startup script as package data, and imports the example tasks by module path."""
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -12,28 +13,6 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT
-
-TASK = '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
-
-
-class Line:
-    hparams = {"width": 8}
-
-    def model(self, hp):
-        return nn.Sequential(nn.Linear(2, hp["width"]), nn.Tanh(), nn.Linear(hp["width"], 1))
-
-    def data(self, hp):
-        x = torch.randn(256, 2, generator=torch.Generator().manual_seed(0))
-        return TensorDataset(x, x @ torch.tensor([[1.5], [-0.5]])), None
-
-    def loss(self, model, batch):
-        x, y = batch
-        return F.mse_loss(model(x), y)
-'''
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +54,9 @@ def test_the_installed_package_is_not_the_checkout(installed, tmp_path):
 
 def test_an_installed_rayhpc_sweeps_a_task_file_from_outside_the_repository(installed, tmp_path):
     (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "line.py").write_text(TASK)
+    shutil.copy(ROOT / "tests" / "tasks" / "line.py", tmp_path / "mine" / "line.py")
     proc = in_venv(installed, "rayhpc", "tune", "--task", "mine/line.py:Line", "--num-samples", "2", "--epochs", "2",
-                   "--val-fraction", "0.25", "--config", str(_space(tmp_path)), cwd=tmp_path)
+                   "--config", str(_space(tmp_path)), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "started local Ray" in proc.stdout and "best 2 of 2 trials by best_val_loss" in proc.stdout, proc.stdout
     table = pd.read_parquet(tmp_path / "rayhpc_results" / "line-sweep" / "results.parquet")

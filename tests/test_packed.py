@@ -133,43 +133,7 @@ def test_cnn_members_with_dropout_equal_plain_trials(optimizer, lrs):
     assert history[-1]["val_accuracy"].max() > 0.5  # it learns (10 classes: chance is 0.1)
 
 
-ODD_TASKS = '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
-
-X = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
-
-class Base:
-    def data(self, hp):
-        return TensorDataset(X, X.sum(1, keepdim=True)), None
-    def loss(self, model, batch):
-        x, y = batch
-        return F.mse_loss(model(x), y)
-
-class Norm(Base):
-    def model(self, hp):
-        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-
-class Branchy(Base):
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 1), nn.Linear(4, 1)
-        def forward(self, x):
-            h = self.a(x)
-            return h if h.mean() > 0 else self.b(x)  # a branch on each member's own weights
-    def model(self, hp):
-        return self.Model()
-
-class ItemLoss(Base):
-    def model(self, hp):
-        return nn.Linear(4, 1)
-    def loss(self, model, batch):
-        x, y = batch
-        return F.mse_loss(model(x), y) * (2.0 if model.weight.sum().item() > 0 else 1.0)
-'''
+ODD = ROOT / "tests" / "tasks" / "odd.py"
 
 
 @pytest.mark.parametrize("name, problem", [
@@ -177,19 +141,17 @@ class ItemLoss(Base):
     ("Branchy", "vmap: RuntimeError: vmap: It looks like you're attempting to use a Tensor in some data-dependent"),
     ("ItemLoss", "vmap: RuntimeError: vmap: It looks like you're calling .item() on a Tensor"),
 ])
-def test_packing_problems_are_found_before_training(name, problem, tmp_path):
-    (tmp_path / "odd.py").write_text(ODD_TASKS)
-    task = task_for(f"{tmp_path / 'odd.py'}:{name}", DataConfig())
+def test_packing_problems_are_found_before_training(name, problem):
+    task = task_for(f"{ODD}:{name}", DataConfig())
     hp = full_hparams(task.hp_model, {})
-    _, batch = check_task(task, hp, None, 0)
+    _, batch = check_task(task, hp, DataConfig())
     found = packing_problem(task, hp, batch)
     assert found == problem if problem is None else found.startswith(problem), found
 
 
-def test_norm_statistics_stay_per_member(tmp_path):
+def test_norm_statistics_stay_per_member():
     """What the probe passed is really so: after a packed step each member's BatchNorm statistics are its own."""
-    (tmp_path / "odd.py").write_text(ODD_TASKS)
-    task = task_for(f"{tmp_path / 'odd.py'}:Norm", DataConfig())
+    task = task_for(f"{ODD}:Norm", DataConfig())
     members = [full_hparams(task.hp_model, {"seed": s}) for s in (0, 1)]
     train, _ = task.data(members[0])
     batch = [t[:16] for t in train.tensors]

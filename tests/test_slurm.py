@@ -246,32 +246,6 @@ def finished(results: Path) -> pd.DataFrame:
     return table[table["status"] == "finished"].set_index("trial_id")
 
 
-ARRAY_TASK = """
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
-
-
-class Line:
-    hparams = {"width": 8}
-    val_fraction = 0.25
-
-    def model(self, hp):
-        return nn.Sequential(nn.Linear(2, hp["width"]), nn.Tanh(), nn.Linear(hp["width"], 1))
-
-    def data(self, hp):
-        x = torch.randn(256, 2, generator=torch.Generator().manual_seed(0))
-        return TensorDataset(x, x @ torch.tensor([[1.5], [-0.5]])), None
-
-    def loss(self, model, batch):
-        x, y = batch
-        return F.mse_loss(model(x), y)
-
-    def metrics(self, model, batch):
-        x, y = batch
-        return {"abs_error": (model(x) - y).abs().mean()}
-"""
 # the Ray sweep's columns for this task: searched parameters, losses, the task's metric
 RAY_SWEEP_COLUMNS = ["trial_id", "status", "config.width", "config.lr", "val_loss", "best_val_loss", "val_abs_error",
                      "iterations", "train_seconds", "node", "pack_size", "error"]
@@ -281,7 +255,7 @@ def test_array_mode_runs_a_task_shipped_with_the_job_and_writes_the_ray_sweeps_t
     storage = Path(f"/tmp/rayhpc-slurm-results-{uuid.uuid4().hex[:8]}")
     private = tmp_path / "private"
     private.mkdir()
-    (private / "line.py").write_text(ARRAY_TASK)
+    shutil.copy(ROOT / "tests" / "tasks" / "line.py", private / "line.py")
     space = tmp_path / "space.yaml"
     space.write_text("space: {width: {choice: [4, 8]}, lr: {loguniform: [0.01, 0.1]}}\n")
     proc = subprocess.run([RAYHPC, "submit", "--array", "--cluster", CLUSTER, "--", "--task", f"{private}/line.py:Line",

@@ -64,7 +64,7 @@ def test_packs_group_trials_that_can_step_together():
                                       "lr": {"uniform": [0.01, 0.1]}, "hidden": {"choice": [4, 8]},
                                       "depth": {"grid": [2, 3]}})
     configs = sample_configs(cfg)
-    info, _ = check_task(MLP, configs[0], 0.2, 0)
+    info, _ = check_task(MLP, configs[0], DataConfig())
     assert info.model_reads == {"hidden", "depth"} and info.data_reads == frozenset()
     packs = make_plan(configs, 64, functools.partial(pack_key, MLP, info))
     assert sum(len(p) for p in packs) == 24

@@ -229,41 +229,11 @@ def test_the_readme_task_example_sweeps_and_learns(ray_address, tmp_path):
     assert table["best_val_loss"].min() < 0.05 * 8, table
 
 
-UNPACKABLE = '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
-
-X = torch.randn(128, 4, generator=torch.Generator().manual_seed(0))
-
-
-class Branchy:
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 1), nn.Linear(4, 1)
-
-        def forward(self, x):
-            h = self.a(x)
-            return h if h.mean() > 0 else self.b(x)  # a branch on each member's own weights
-
-    def model(self, hp):
-        return self.Model()
-
-    def data(self, hp):
-        return TensorDataset(X, X.sum(1, keepdim=True)), None
-
-    def loss(self, model, batch):
-        x, y = batch
-        return F.mse_loss(model(x), y)
-'''
 
 
 def test_a_task_that_cannot_be_vmapped_runs_unpacked_and_says_so(ray_address, tmp_path):
-    (tmp_path / "branchy.py").write_text(UNPACKABLE)
-    proc = run_job("tune_mlp.py", "--task", f"{tmp_path / 'branchy.py'}:Branchy", "--num-samples", "3", "--epochs",
-                   "2", "--storage-path", str(tmp_path), "--address", ray_address, "--val-fraction", "0.25")
+    proc = run_job("tune_mlp.py", "--task", f"{ROOT / 'tests' / 'tasks' / 'odd.py'}:Branchy", "--num-samples", "3",
+                   "--epochs", "2", "--name", "branchy-sweep", "--storage-path", str(tmp_path), "--address", ray_address)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     said = [line for line in proc.stdout.splitlines() if "cannot be packed" in line]
     assert len(said) == 1 and "data-dependent control flow" in said[0] and "run unpacked" in said[0], proc.stdout

@@ -70,8 +70,7 @@ def bind_task(cfg, bind):
 
     task = task_for(cfg.task, cfg.data)
     cfg, hp = bind(cfg, task)
-    fraction = cfg.data.val_fraction if cfg.data.val_fraction is not None else task.val_fraction
-    info, batch = check_task(task, hp, fraction, cfg.data.split_seed)
+    info, batch = check_task(task, hp, cfg.data)
     return cfg, task, info, batch
 
 

@@ -16,6 +16,13 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset, default_collate
 
+EVAL_BATCH = 256  # validation batches hold at least this many samples (no gradients are kept)
+
+
+def eval_batch(batch_size: int) -> int:
+    """Samples per validation batch for a run that trains with `batch_size`."""
+    return max(batch_size, EVAL_BATCH)
+
 
 def holdout(train: Dataset, val: Dataset | None, fraction: float | None, seed: int) -> tuple[Dataset, Dataset | None]:
     """`(train, val)` as given, or with a `fraction` of `train` held out when there is no `val`."""

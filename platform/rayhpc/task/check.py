@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from rayhpc.config import ConfigError
+from rayhpc.data import DataConfig
 from rayhpc.task.batches import collate, holdout
 from rayhpc.task.load import LoadedTask, one_line
 
@@ -76,11 +77,12 @@ class TaskInfo:
         return self.model_reads | self.data_reads
 
 
-def check_task(task: LoadedTask, hp: dict, val_fraction: float | None, split_seed: int) -> tuple[TaskInfo, Any]:
-    """(what was learnt, one small training batch) for `task` with hyperparameters `hp`."""
+def check_task(task: LoadedTask, hp: dict, data: DataConfig) -> tuple[TaskInfo, Any]:
+    """(what was learnt, one small training batch) for `task` with hyperparameters `hp` (`data`: the
+    job's `data:` section, for the validation hold-out)."""
     data_hp = RecordingDict(hp)
     train, val = check_data(task, _call(task, "data(hp)", task.data, data_hp))
-    train, val = holdout(train, val, val_fraction, split_seed)
+    train, val = holdout(train, val, task.val_share(data), data.split_seed)
     model_hp = RecordingDict(hp)
     torch.manual_seed(hp["seed"])
     model = _call(task, "model(hp)", task.model, model_hp)

@@ -76,6 +76,17 @@ class LoadedTask:
     def val_fraction(self) -> float | None:
         return getattr(self.obj, "val_fraction", None)
 
+    def val_share(self, data) -> float | None:
+        """The share of `train` held out when `data()` gives no validation set: the job's
+        `data.val_fraction` (`--val-fraction`), else the task's own `val_fraction`."""
+        return data.val_fraction if data.val_fraction is not None else self.val_fraction
+
+    def split_data(self, hp: dict, data) -> tuple:
+        """(train, val): `data(hp)`, with the job's validation hold-out (`data`: its `data:` section)."""
+        from rayhpc.task.batches import holdout
+
+        return holdout(*self.data(hp), self.val_share(data), data.split_seed)
+
     @property
     def default_space(self) -> dict | None:
         return getattr(self.obj, "space", None)

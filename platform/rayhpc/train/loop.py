@@ -17,14 +17,12 @@ import torch
 import torch.distributed as dist
 
 from rayhpc.monitor.metrics import WorkerMetrics
-from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, evaluate, holdout
+from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate
 from rayhpc.task.hparams import make_optimizer
 from rayhpc.task.load import LoadedTask
 from rayhpc.train import checkpoint
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.parallelize import parallelize
-
-EVAL_BATCH = 256  # validation batches hold at least this many samples
 
 
 @dataclasses.dataclass
@@ -56,7 +54,7 @@ class Worker:
         # every rank evaluates the whole split: FSDP's forward is collective anyway
         if self.val is None:
             return {}
-        return evaluate(self.task, self.model, self.val.all(max(self.cfg.per_worker_batch, EVAL_BATCH)))
+        return evaluate(self.task, self.model, self.val.all(eval_batch(self.cfg.per_worker_batch)))
 
     def report(self, metrics: dict, with_checkpoint: bool) -> None:
         self.gauges.record(metrics["loss"], metrics["worker_samples_per_s"], metrics["step_ms"] / 1000, self.device,
@@ -82,8 +80,7 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker)))
     device = get_device()
-    fraction = cfg.data.val_fraction if cfg.data.val_fraction is not None else task.val_fraction
-    train, val = holdout(*task.data(hp), fraction, cfg.data.split_seed)  # before seeding: data() may draw
+    train, val = task.split_data(hp, cfg.data)  # before seeding the model: data() may draw
     model = parallelize(task.initial_model(hp), cfg.strategy, device, cfg.use_bf16)
     optimizer = make_optimizer(hp, model.parameters())
     progress = checkpoint.restore(ray.train.get_checkpoint(), strategy=cfg.strategy, model=model,

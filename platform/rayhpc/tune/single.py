@@ -17,23 +17,22 @@ from typing import Callable
 
 import torch
 
-from rayhpc.task.batches import Batches, epoch_indices, evaluate, holdout
+from rayhpc.data import DataConfig
+from rayhpc.task.batches import Batches, epoch_indices, eval_batch, evaluate
 from rayhpc.task.hparams import make_optimizer
 from rayhpc.task.load import LoadedTask
 
-EVAL_BATCH = 256
 
-
-def train_single(task: LoadedTask, hp: dict, epochs: int, val_fraction: float | None = None, split_seed: int = 0,
+def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = DataConfig(),
                  on_epoch: Callable | None = None) -> dict:
     """Train one trial for `epochs`; returns its final model, its last values (`train_loss`, `val_loss`,
     `val_<metric>`), the best of each, and its time.
 
-    `on_epoch(epoch, values, model)` runs after each epoch (the plain Ray Tune baseline
-    reports and checkpoints there).
+    `data` is the sweep's `data:` section (the validation hold-out); `on_epoch(epoch, values,
+    model)` runs after each epoch (the plain Ray Tune baseline reports and checkpoints there).
     """
     entered = time.perf_counter()
-    train, val = holdout(*task.data(hp), val_fraction, split_seed)
+    train, val = task.split_data(hp, data)
     model = task.initial_model(hp)
     opt = make_optimizer(hp, model.parameters())
     train_batches = Batches(train, torch.device("cpu"))
@@ -50,7 +49,7 @@ def train_single(task: LoadedTask, hp: dict, epochs: int, val_fraction: float | 
             losses.append(loss.item())
         values = {"train_loss": sum(losses) / len(losses)}
         if val_batches is not None:
-            values.update(evaluate(task, model, val_batches.all(max(hp["batch_size"], EVAL_BATCH))))
+            values.update(evaluate(task, model, val_batches.all(eval_batch(hp["batch_size"]))))
         for name, mode in modes.items():
             if name in values:
                 better = min if mode == "min" else max
@@ -79,8 +78,7 @@ def main(argv=None) -> int:
     cfg = validate(SweepConfig, load_yaml(args.config))
     task = task_for(args.task or cfg.task, cfg.data)
     (hp,) = load_plan(Path(args.config).parent)[args.index]  # the trials the submission drew
-    fraction = cfg.data.val_fraction if cfg.data.val_fraction is not None else task.val_fraction
-    result = train_single(task, hp, cfg.epochs, fraction, cfg.data.split_seed)
+    result = train_single(task, hp, cfg.epochs, cfg.data)
     row = {"index": args.index, "config": hp, "node": socket.gethostname(),
            **{k: v for k, v in result.items() if k != "model"}}
     out = Path(args.out)

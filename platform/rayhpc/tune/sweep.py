@@ -86,10 +86,9 @@ def trial_gpus(cfg: SweepConfig, res: cluster.Resources) -> float:
 
 def _settings(job: Started[SweepConfig]) -> TrialSettings:
     cfg, task = job.cfg, job.task
-    fraction = cfg.data.val_fraction if cfg.data.val_fraction is not None else task.val_fraction
     return TrialSettings(epochs=cfg.epochs, threads=max(1, int(cfg.cpus_per_trial)),
                          defaults=cfg.defaults(task.hp_model), data_keys=tuple(sorted(job.info.data_reads)),
-                         val_fraction=fraction, split_seed=cfg.data.split_seed, objective=job.info.objective)
+                         data=cfg.data, objective=job.info.objective)
 
 
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from rayhpc.task.batches import Batches, epoch_indices, holdout, to_device
+from rayhpc.data import DataConfig
+from rayhpc.task.batches import Batches, epoch_indices, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
 from rayhpc.tune.packing import make_pack
 
 STATE_FILE = "pack_state.pt"
-EVAL_BATCH = 256  # validation batches hold at least this many samples (no gradients are kept)
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,7 @@ class TrialSettings:
     threads: int  # torch threads per trial process
     defaults: dict  # every hyperparameter's value where the trial's config does not set it
     data_keys: tuple[str, ...]  # hyperparameters data() reads: trials that agree on them share the data
-    val_fraction: float | None
-    split_seed: int
+    data: DataConfig  # the sweep's data section: the validation hold-out
     objective: tuple[str, str]  # (reported name, "min" or "max")
 
 
@@ -51,10 +50,10 @@ _DATA: dict = {}  # the last trial's datasets, kept for the next trial in this p
 
 def trial_data(task: LoadedTask, hp: dict, settings: TrialSettings):
     """(train, val) of a trial; read once per process for every trial that agrees on data()'s inputs."""
-    key = (task.spec, tuple(repr(hp[k]) for k in settings.data_keys), settings.val_fraction, settings.split_seed)
+    key = (task.spec, tuple(repr(hp[k]) for k in settings.data_keys), settings.data)
     if _DATA.get("key") != key:
         _DATA.clear()
-        _DATA.update(key=key, value=holdout(*task.data(hp), settings.val_fraction, settings.split_seed))
+        _DATA.update(key=key, value=task.split_data(hp, settings.data))
     return _DATA["value"]
 
 
@@ -88,7 +87,7 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     for epoch in range(state["epoch"], settings.epochs):
         values = {"train_loss": train_epoch(pack, opt, train_batches, hp["batch_size"], hp["seed"], epoch)}
         if val_batches is not None:
-            values.update(pack.evaluate(val_batches.all(max(hp["batch_size"], EVAL_BATCH))))
+            values.update(pack.evaluate(val_batches.all(eval_batch(hp["batch_size"]))))
         _update_best(state["best"], values, settings.objective)
         state["epoch"] = epoch + 1
         seconds = state["seconds"] + time.perf_counter() - entered

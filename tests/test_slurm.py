@@ -16,7 +16,8 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT
-from rayhpc.slurm.config import load_cluster
+from rayhpc.config import validate
+from rayhpc.slurm.config import ClusterConfig, load_cluster
 from rayhpc.slurm.render import render_sbatch
 
 RAYHPC = str(Path(sys.executable).with_name("rayhpc"))
@@ -52,9 +53,27 @@ def job_log(job: str) -> str:
     return (LOGS / f"rayhpc-local-slurm-{job}.log").read_text()
 
 
-def assert_nothing_left(job: str) -> None:
-    procs = subprocess.run(["pgrep", "-af", f"/tmp/[r]h-{job}-"], capture_output=True, text=True).stdout
-    assert procs == "", f"Ray processes of job {job} survived it:\n{procs}"
+def job_processes(job: str) -> list[str]:
+    """Every process of the Slurm job on this machine (both test nodes share its process table), found
+    by what Slurm put in their environment (Ray rewrites titles, not environments): 'pid cmdline'."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"SLURM_JOB_ID={job}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {command[:100]}")
+        except OSError:
+            continue
+    return found
+
+
+def assert_nothing_left(job: str, timeout_s: float = 30) -> None:
+    """None of the job's processes, temp folders or token is left (Slurm may still be killing its
+    steps for a few seconds after the job left the queue)."""
+    deadline = time.monotonic() + timeout_s
+    while (procs := job_processes(job)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert procs == [], f"processes of job {job} survived it:\n" + "\n".join(procs)
     assert glob.glob(f"/tmp/rh-{job}-*") == [], "the job's temp dirs were left behind"
     assert not (LOGS / job / "auth_token").exists(), "the job's token was left behind"
 
@@ -181,14 +200,35 @@ def test_a_client_without_the_token_is_refused(slurm, tmp_path):
     assert not (LOGS / "prometheus" / f"{job}.json").exists()  # Prometheus stops scraping the ended job
 
 
+def submit_held(cfg, command: list[str], tmp_path: Path) -> str:
+    """The job of `cfg` running `command`, submitted held (so a test can prepare the nodes first)."""
+    script = tmp_path / f"job-{uuid.uuid4().hex[:6]}.sbatch"
+    script.write_text(render_sbatch(cfg, command))
+    return subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True, cwd=ROOT,
+                          check=True).stdout.strip()
+
+
+def with_changes(**sections) -> ClusterConfig:
+    """local-slurm.yaml with some keys of some sections changed (`ray={"join_timeout_s": 8}`, `log_dir=...`)."""
+    data = load_cluster(CLUSTER).model_dump(mode="json")
+    for key, value in sections.items():
+        data[key] = {**(data[key] or {}), **value} if isinstance(value, dict) else str(value)
+    return validate(ClusterConfig, data)  # validated as a loaded config is
+
+
+def broken_ray_on_node2(tmp_path: Path) -> str:
+    """A PATH whose `ray` fails on node2 only (a node whose Ray cannot start)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ray").write_text(f'#!/bin/bash\n[ "$(hostname)" = node2 ] && {{ echo "ray: broken on node2" >&2; exit 1; }}\n'
+                                 f'exec {Path(sys.executable).parent}/ray "$@"\n')
+    (bin_dir / "ray").chmod(0o755)
+    return f"{bin_dir}:{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 def test_a_node_that_never_joins_is_named_within_the_timeout(slurm, tmp_path):
-    cfg = load_cluster(CLUSTER)
-    cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"join_timeout_s": 8.0})})
-    script = tmp_path / "job.sbatch"
-    script.write_text(render_sbatch(cfg, ["true"]))
-    job = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True, cwd=ROOT,
-                         check=True).stdout.strip()
-    Path(f"/tmp/rh-{job}-node2").write_text("a file where node2's Ray wants its temp dir: its ray start fails")
+    cfg = with_changes(ray={"join_timeout_s": 8.0}, setup={"env": {"PATH": broken_ray_on_node2(tmp_path)}})
+    job = submit_held(cfg, ["true"], tmp_path)
     subprocess.run(["scontrol", "release", job], check=True)
     info = wait_done(job)
     log = job_log(job)

@@ -1,6 +1,9 @@
 """The sbatch text `rayhpc submit` renders from each shipped cluster config, against golden files."""
 
 import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,16 +52,79 @@ def test_bad_cluster_configs_are_one_line_errors(data, expected):
 
 
 @pytest.mark.parametrize("ephemeral", [(32768, 60999), (20000, 65535), (1024, 65535)])
-def test_job_ports_stay_out_of_the_ephemeral_range_and_apart(ephemeral):
+def test_job_ports_stay_out_of_the_ephemeral_range_and_rays_defaults_and_apart(ephemeral):
     from rayhpc.slurm.layout import block_bases, ports
 
     n = len(block_bases(ephemeral))
     low, high = ephemeral
     for job in range(2 * n):
-        used = set(ports(job, ephemeral).values())
-        assert all(1024 <= p <= 65535 for p in used), (job, sorted(used))
-        if (low, high) != (1024, 65535):  # that range leaves no room: every block, collisions possible
+        used = set(ports(job, ephemeral=ephemeral).values())
+        assert all(20000 <= p <= 65535 for p in used), (job, sorted(used))  # Ray's defaults are below 20000
+        if (low, high) not in ((1024, 65535), (20000, 65535)):  # those leave no room: every block
             assert not any(low <= p <= high for p in used), (job, ephemeral, sorted(used))
-    first, second = ports(0, ephemeral), ports(1, ephemeral)
+    first, second = ports(0, ephemeral=ephemeral), ports(1, ephemeral=ephemeral)
     assert first["max_worker"] < second["gcs"], (first, second)  # neighbouring jobs never share a port
-    assert ports(n, ephemeral) == first  # ids n apart share a block (documented)
+
+
+def test_a_block_with_a_port_in_use_on_any_node_is_skipped():
+    from rayhpc.slurm.layout import block_bases, ports
+
+    bases = block_bases((32768, 60999))
+    free = ports(7, ephemeral=(32768, 60999))
+    assert free["gcs"] == bases[7]
+    moved = ports(7, busy={bases[7] + 150}, ephemeral=(32768, 60999))  # one worker port held elsewhere
+    assert moved["gcs"] == bases[8], moved
+    last = ports(len(bases) - 1, busy={bases[-1]}, ephemeral=(32768, 60999))
+    assert last["gcs"] == bases[0]  # wraps around
+    with pytest.raises(RuntimeError, match="no free block of 200 ports"):
+        ports(0, busy=set(range(20000, 65536)), ephemeral=(32768, 60999))
+
+
+RAYHPC = str(Path(sys.executable).with_name("rayhpc"))
+BASE = "name: x\nslurm: {partition: debug, time: '01:00:00'}\n"
+
+
+@pytest.mark.parametrize("yaml_text, expected", [
+    # an injected directive, a cut line, a split path: refused before anything is submitted
+    ('name: x\nslurm: {partition: "gpu\\n#SBATCH --uid=0"}\n', "error: slurm.partition: 'gpu\\n#SBATCH --uid=0' "
+     "contains a control character"),
+    ('name: x\nslurm: {account: "lab\\r#SBATCH --uid=0"}\n', "error: slurm.account: 'lab\\r#SBATCH --uid=0' contains"),
+    ('name: x\nslurm: {qos: "high low"}\n', "error: slurm.qos: 'high low' must be one word"),
+    ('name: x\nslurm: {extra: ["--constraint=h100\\n#SBATCH --uid=0"]}\n', "error: slurm.extra: '--constraint=h100"),
+    ('name: x\nlog_dir: "/tmp/my logs"\n', "error: log_dir: '/tmp/my logs': Slurm's --output cannot hold spaces"),
+    ('name: x\nlog_dir: "/tmp/a\\nb"\n', "error: log_dir: '/tmp/a\\nb': Slurm's --output cannot hold"),
+    ('name: x\nray: {head_ip: "10.0.0.1 --uid=0"}\n', "error: ray.head_ip: '10.0.0.1 --uid=0' is not an IPv4 address"),
+    ('name: x\nray: {dashboard_host: "$(id)"}\n', "error: ray.dashboard_host: '$(id)' is not an IPv4 address"),
+    ('name: x\ncontainer: {image: "a.sif\\n#SBATCH --uid=0"}\n', "error: container.image: 'a.sif\\n#SBATCH"),
+    # a warning that would arrive before the job starts (the default lead is 120 s)
+    ('name: x\nslurm: {time: "00:01:00"}\n', "error: requeue.signal_lead_s 120: must be smaller than slurm.time "
+     "'00:01:00' (60 s)"),
+    ('name: x\nslurm: {time: "5"}\nrequeue: {signal_lead_s: 300}\n', "error: requeue.signal_lead_s 300: must be "
+     "smaller than slurm.time '5' (300 s)"),
+])
+def test_dry_run_refuses_what_would_inject_or_break_sbatch_lines(yaml_text, expected, tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml_text)
+    proc = subprocess.run([RAYHPC, "submit", "--dry-run", "--cluster", str(cluster), "--", "true"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.startswith(expected) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_binary_cluster_config_is_one_error_line(tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_bytes(b"name: x\n\xff\xfe\x00binary")
+    proc = subprocess.run([RAYHPC, "submit", "--dry-run", "--cluster", str(cluster), "--", "true"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: --config {cluster}: not a text (UTF-8) file"), proc
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_container_path_is_quoted_once_and_tilde_is_expanded():
+    cfg = validate(ClusterConfig, {"name": "x", "container": {"image": "~/my images/r.sif", "binds": ["/a b:/c"]}})
+    text = render_sbatch(cfg, ["true"])
+    home = str(Path.home())
+    line = next(x for x in text.splitlines() if x.startswith("export RAYHPC_CONTAINER="))
+    # the variable holds shell words the startup reads into an array: the path is one of them
+    words = shlex.split(shlex.split(line.split("=", 1)[1])[0])
+    assert words == ["apptainer", "exec", "--bind", "/a b:/c", f"{home}/my images/r.sif"], words

@@ -124,9 +124,9 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     run continues from them. Ray Tune installs its own USR1 handler while a sweep runs.
     """
     signal.signal(signal.SIGUSR1, signal.default_int_handler)
-    cluster.use_token_if_present()
     rayhpc_log.show()  # the platform's progress lines, as plain lines on stdout
     try:
+        cluster.use_token_if_present()
         code = main(argv)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -270,13 +270,20 @@ def _submit_array(cluster_cfg, command: list[str], dry_run: bool) -> int:
 
 
 def status_main(argv: Sequence[str] | None = None) -> int:
-    """`rayhpc status`: the platform's Slurm jobs; with --address, what that Ray cluster is doing."""
+    """`rayhpc status [JOBID]`: the platform's Slurm jobs, one job as Slurm and Ray see it, or (--address) a Ray cluster."""
     import shutil
 
-    parser = ArgParser(prog="rayhpc status", description="rayhpc's Slurm jobs, or (--address) a Ray cluster's "
-                       "nodes, resources in use, running jobs and sweeps.")
+    parser = ArgParser(prog="rayhpc status", description="rayhpc's Slurm jobs; with JOBID, that job as Slurm sees "
+                       "it (state, time left, nodes) and as its Ray cluster does (nodes, resources in use, sweeps); "
+                       "with --address, a Ray cluster's nodes, resources in use, running jobs and sweeps.")
+    parser.add_argument("job", nargs="?", metavar="JOBID", help="a Slurm job id of a rayhpc job")
     parser.add_argument("--address", metavar="ADDR", help="a running Ray cluster (host:port); default $RAY_ADDRESS")
     args = parser.parse_args(argv)
+    if args.job is not None:
+        from rayhpc.slurm.control import job_status
+
+        print(job_status(_job_id(parser, args.job)))
+        return 0
     address = cluster.resolve_address(args.address)
     if address is None and shutil.which("squeue") is None:
         parser.error("no Ray cluster to ask: give --address HOST:PORT (or set RAY_ADDRESS); "
@@ -294,8 +301,48 @@ def status_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _job_id(parser: ArgParser, value: str) -> str:
+    if not value.isdigit():
+        parser.error(f"JOBID {value!r}: expected a Slurm job id (digits), e.g. 12345")
+    return value
+
+
+def stop_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc stop JOBID`: cancel a job and verify the clean-up on every node, reporting what was left."""
+    from rayhpc.slurm.control import stop
+
+    parser = ArgParser(prog="rayhpc stop", description="Cancel a rayhpc job and check, from each node's clean-up "
+                       "report, that none of its processes or temp folders were left.")
+    parser.add_argument("job", metavar="JOBID", help="the Slurm job id")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="S", help="longest wait for the job to end")
+    args = parser.parse_args(argv)
+    text, clean = stop(_job_id(parser, args.job), args.timeout)
+    print(text)
+    return 0 if clean else 1
+
+
+def doctor_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc doctor [--cluster FILE]`: a pre-flight on this node or allocation, one line per check."""
+    from pathlib import Path
+
+    from rayhpc.slurm.config import load_cluster
+    from rayhpc.slurm.doctor import doctor
+
+    parser = ArgParser(prog="rayhpc doctor", description="Pre-flight checks on this node (or, inside salloc/sbatch, "
+                       "this allocation): free ports, folder ownership, the address Ray would use, GPUs, storage, "
+                       "requeue settings, versions on every node. OK / PROBLEM / SKIP, one line each.")
+    parser.add_argument("--cluster", metavar="FILE", help="cluster config, e.g. cluster_configs/x.yaml")
+    parser.add_argument("--storage-path", metavar="PATH", help="the folder sweeps and training write to")
+    args = parser.parse_args(argv)
+    cfg = load_cluster(args.cluster) if args.cluster else None
+    text, ok = doctor(cfg, Path(args.storage_path).expanduser().resolve() if args.storage_path else None)
+    print(text)
+    return 0 if ok else 1
+
+
 COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main, "collectives": collectives_main,
-            "scaling": scaling_main, "submit": submit_main, "status": status_main}
+            "scaling": scaling_main, "submit": submit_main, "status": status_main, "stop": stop_main,
+            "doctor": doctor_main}
 
 
 def usage() -> str:

@@ -81,12 +81,43 @@ def use_token_if_present() -> None:
 
     Ray reads RAY_AUTH_MODE once, when it is imported; a client without it is refused by a
     token-protected cluster (such as the local one a sweep starts). Call before importing ray.
+    A token file that exists but cannot be read is a `ConfigError` (Ray would fail on every call).
     """
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        with open(path):
+            present = True
+    except FileNotFoundError:
+        present = False
+    except OSError as exc:
+        key = "RAY_AUTH_TOKEN_PATH" if "RAY_AUTH_TOKEN_PATH" in os.environ else "the Ray token"
+        raise ConfigError(f"{key} {path}: cannot read it ({exc.strerror}); it must be a file of yours, "
+                          f"mode 0600") from None
     if "RAY_AUTH_MODE" in os.environ:
         return
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
-    if os.environ.get("RAY_AUTH_TOKEN") or Path(path).is_file():
+    if os.environ.get("RAY_AUTH_TOKEN") or present:
         os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def private_local_token() -> None:
+    """The token a local `ray.init()` uses, ~/.ray/auth_token, readable by this user only: created here
+    (exclusively, 0600, in a 0700 folder) when missing, since Ray would write it world-readable, and
+    narrowed to 0600 when Ray already did."""
+    import secrets
+
+    from rayhpc.slurm.private import ensure_private_file
+
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        ensure_private_file(path)
+        return
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32))  # as Ray's own generate_new_authentication_token()
 
 
 def local_cpus() -> int:
@@ -137,6 +168,7 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     # switches it off.
     if address is None:  # on by default too, but only if ray[default] is there: say so when it is not
         init_kwargs.setdefault("include_dashboard", True)
+        private_local_token()
     try:
         ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
     except (OSError, RuntimeError, ValueError) as exc:  # OSError: also a too-long RAY_TMPDIR socket path

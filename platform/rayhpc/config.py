@@ -166,6 +166,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"--config {path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not a text (UTF-8) file: byte {exc.start} is {exc.object[exc.start]:#04x}") \
+            from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -3,15 +3,37 @@ container, Ray settings and requeue behaviour, validated with one-line errors.""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rayhpc.config import ConfigError, StrictModel, load_yaml, validate
 
 TIME = re.compile(r"^(\d+-)?\d+(:\d\d){0,2}$")  # Slurm's --time: minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def time_seconds(value: str) -> int:
+    """Slurm's --time in seconds: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    days, _, rest = value.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, sec = (parts + [0, 0])[:3]
+    else:  # M, M:S, H:M:S
+        h, m, sec = ([0] * (3 - len(parts)) + parts) if len(parts) == 3 else (0, *(parts + [0])[:2])
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + sec
+
+
+def plain(value: str) -> str:
+    """A value that becomes part of an `#SBATCH` line or a shell word: no newline, carriage return or
+    other control character (each would start a new directive or cut the line)."""
+    if CONTROL.search(value):
+        raise ValueError(f"{value!r} contains a control character (newline, carriage return, tab...): "
+                         f"it would inject or break #SBATCH lines")
+    return value
 
 
 class SlurmSettings(StrictModel):
@@ -27,6 +49,13 @@ class SlurmSettings(StrictModel):
     mem: str | None = Field(None, pattern=r"^\d+[KMGT]?$", description="--mem per node, e.g. 64G")
     extra: list[str] = Field([], description="further #SBATCH flags, verbatim, e.g. ['--constraint=h100']")
 
+    @field_validator("partition", "account", "qos")
+    @classmethod
+    def _word(cls, value: str | None) -> str | None:
+        if value is not None and (not plain(value) or " " in value):
+            raise ValueError(f"{value!r} must be one word (no spaces)")
+        return value
+
     @field_validator("time")
     @classmethod
     def _time(cls, value: str) -> str:
@@ -38,8 +67,9 @@ class SlurmSettings(StrictModel):
     @classmethod
     def _extra(cls, flags: list[str]) -> list[str]:
         for flag in flags:
-            if not flag.startswith("--") or "\n" in flag:
+            if not flag.startswith("--") or " " in flag.split("=", 1)[0]:
                 raise ValueError(f"{flag!r}: give each extra flag as '--name=value'")
+            plain(flag)
         return flags
 
 
@@ -54,10 +84,16 @@ class SetupSettings(StrictModel):
     @field_validator("env")
     @classmethod
     def _names(cls, env: dict[str, str]) -> dict[str, str]:
-        for name in env:
+        for name, value in env.items():
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
                 raise ValueError(f"{name!r} is not an environment variable name")
+            plain(value)
         return env
+
+    @field_validator("modules")
+    @classmethod
+    def _modules(cls, modules: list[str]) -> list[str]:
+        return [plain(m) for m in modules]
 
 
 class ContainerSettings(StrictModel):
@@ -67,6 +103,17 @@ class ContainerSettings(StrictModel):
     runtime: Literal["apptainer", "singularity"] = Field("apptainer", description="container runtime")
     binds: list[str] = Field([], description="--bind paths, e.g. /n/holyscratch01:/scratch")
     gpu: bool = Field(True, description="pass --nv where the node has GPUs")
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str) -> str:
+        # ~ is expanded here, once: quoted for the shell it would reach the runtime as a literal ~
+        return str(Path(plain(value)).expanduser()) if value.startswith("~") else plain(value)
+
+    @field_validator("binds")
+    @classmethod
+    def _binds(cls, binds: list[str]) -> list[str]:
+        return [plain(b) for b in binds]
 
 
 class RaySettings(StrictModel):
@@ -78,6 +125,17 @@ class RaySettings(StrictModel):
                                 "(reach it by the printed ssh tunnel) or e.g. 0.0.0.0; token-protected either way")
     head_ip: str | None = Field(None, description="head address other nodes reach; found automatically if unset")
     join_timeout_s: float = Field(120.0, gt=0, description="longest wait for every node to join")
+
+    @field_validator("dashboard_host", "head_ip")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            address = ipaddress.IPv4Address(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IPv4 address (e.g. 127.0.0.1, 0.0.0.0 or 10.1.2.3)") from None
+        return str(address)
 
 
 class RequeueSettings(StrictModel):
@@ -101,7 +159,19 @@ class ClusterConfig(StrictModel):
     @field_validator("log_dir")
     @classmethod
     def _absolute(cls, path: Path) -> Path:
+        # Slurm's --output takes no quoting: a space would cut the path, a newline inject a directive
+        if CONTROL.search(str(path)) or " " in str(path):
+            raise ValueError(f"{str(path)!r}: Slurm's --output cannot hold spaces or control characters; "
+                             f"choose a path without them")
         return path.expanduser().resolve()
+
+    @model_validator(mode="after")
+    def _signal_before_the_end(self) -> ClusterConfig:
+        limit = time_seconds(self.slurm.time)
+        if self.requeue.enabled and self.requeue.signal_lead_s >= limit:
+            raise ValueError(f"requeue.signal_lead_s {self.requeue.signal_lead_s}: must be smaller than slurm.time "
+                             f"{self.slurm.time!r} ({limit} s), or the warning arrives before the job starts")
+        return self
 
 
 def load_cluster(path: str | Path) -> ClusterConfig:

@@ -1,27 +1,36 @@
-"""Where one Slurm job's Ray cluster lives: its ports, temp dirs, log folder and head address.
+"""Where one Slurm job's Ray cluster lives: its ports, log folder, token and node addresses.
 
-Everything derives from the job id, so two jobs sharing a node never pick the same port
-or folder, and a requeued job (same id) gets the same layout back. Standard library only:
-the sbatch script runs `python -m rayhpc.slurm.layout` before anything else and `eval`s
-the `export` lines it prints.
+A job's ports form one block of 200. The block is chosen at start time: the first, from block
+`job id mod blocks` on, whose every port is unused on every node of the allocation (the startup
+asks each node which ports are in use, `python -m rayhpc.slurm.layout busy`), so two jobs sharing
+a node never collide, and a port someone else holds is never handed to Ray. Blocks start at
+20000, clear of Ray's defaults that plain Ray users on the node take from (GCS 6379, client server
+10001, workers 10002-19999, dashboard 8265), and stay outside the kernel's ephemeral range.
+Standard library only: the sbatch startup runs `python -m rayhpc.slurm.layout` before anything else
+and `eval`s the `export` lines it prints.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
 import shlex
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-PORT_BASE, PORT_MAX, BLOCK = 10000, 65535, 200  # a 200-port block per job, from 10000 up
+from rayhpc.slurm.private import UnsafePath, private_dir, write_private
+
+PORT_BASE, PORT_MAX, BLOCK = 20000, 65535, 200  # a 200-port block per job, from 20000 up
 EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
 
-# offsets inside a job's block; worker processes use the rest of the block
+# offsets inside a job's block; worker processes use the rest of the block. The two metrics ports
+# are fixed in Ray (44217, 44227) unless set by environment variable: the startup sets them.
 OFFSETS = {"gcs": 0, "node_manager": 1, "object_manager": 2, "dashboard": 3, "dashboard_agent_grpc": 4,
-           "dashboard_agent_listen": 5, "metrics_export": 6, "runtime_env_agent": 7, "client_server": 8}
+           "dashboard_agent_listen": 5, "metrics_export": 6, "runtime_env_agent": 7, "client_server": 8,
+           "autoscaler_metrics": 9, "dashboard_metrics": 10}
 FIRST_WORKER, LAST_WORKER = 20, BLOCK - 1
 
 
@@ -38,33 +47,46 @@ def block_bases(ephemeral: tuple[int, int] | None = None) -> list[int]:
     """First port of every block that lies wholly outside the ephemeral range: any outgoing
     connection on the node (srun's I/O, a client of another job) may hold a port in that range,
     and Ray's GCS then fails with "Address already in use" on its fixed port. Where the range
-    leaves no room, every block (a collision is then possible, as before)."""
+    leaves no room, every block (busy ports are still avoided at start time)."""
     low, high = ephemeral or ephemeral_range()
     blocks = range(PORT_BASE, PORT_MAX - BLOCK + 2, BLOCK)
     return [b for b in blocks if b + BLOCK <= low or b > high] or list(blocks)
 
 
-def ports(job_id: int, ephemeral: tuple[int, int] | None = None) -> dict[str, int]:
-    """Every port Ray opens for job `job_id`: block `job_id mod len(block_bases())` (135 blocks with
-    Linux's default ephemeral range; jobs whose ids differ by that share a block: don't run them on
-    one node at once)."""
-    bases = block_bases(ephemeral)
-    base = bases[job_id % len(bases)]
+def ports_at(base: int) -> dict[str, int]:
     out = {name: base + offset for name, offset in OFFSETS.items()}
     out.update(min_worker=base + FIRST_WORKER, max_worker=base + LAST_WORKER)
     return out
 
 
-def temp_dir(job_id: int, node: str) -> str:
-    """Ray's node-local temp dir: short, so its Unix socket paths stay far below 107 bytes
-    (`/tmp/rh-<job>-<node>/session_<date>_<pid>/sockets/plasma_store` is about 75), and named by
-    node too, for nodes that share /tmp."""
-    return f"/tmp/rh-{job_id}-{node}"
+def ports(job_id: int, busy: set[int] = frozenset(), ephemeral: tuple[int, int] | None = None) -> dict[str, int]:
+    """Every port Ray opens for job `job_id`: the first block from `job_id mod len(block_bases())` on
+    with no port in `busy` (the ports in use on any node of the job)."""
+    bases = block_bases(ephemeral)
+    first = job_id % len(bases)
+    for base in bases[first:] + bases[:first]:
+        if not busy.intersection(range(base, base + BLOCK)):
+            return ports_at(base)
+    raise RuntimeError(f"no free block of {BLOCK} ports between {PORT_BASE} and {PORT_MAX} outside the ephemeral "
+                       f"range {ephemeral or ephemeral_range()} on this job's nodes ({len(busy)} ports in use)")
 
 
-def head_ip(override: str | None = None) -> str:
-    """This (the head) node's address that other nodes reach: the override, else an address of
-    this host's name that is configured on one of its interfaces, else its first non-loopback one."""
+def busy_ports() -> set[int]:
+    """Local ports in use on this node (any state: listening, connected, bound), TCP and UDP, v4 and v6."""
+    used = set()
+    for name in ("tcp", "tcp6", "udp", "udp6"):
+        try:
+            lines = Path("/proc/net", name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        used.update(int(line.split()[1].rsplit(":", 1)[1], 16) for line in lines if line.strip())
+    return used
+
+
+def node_ip(override: str | None = None) -> str:
+    """This node's address that other nodes reach: the override, else an address of this host's name
+    that is configured on one of its interfaces, else its first non-loopback one. Never loopback:
+    resolving the name alone can give 127.0.0.1 (Debian's `127.0.1.1 <hostname>` line does)."""
     if override:
         return override
     local = [a for a in _interface_addresses() if not ipaddress.ip_address(a).is_loopback]
@@ -77,7 +99,8 @@ def head_ip(override: str | None = None) -> str:
             return address
     if local:
         return local[0]
-    raise RuntimeError(f"no non-loopback address on {socket.gethostname()}; set ray.head_ip in the cluster config")
+    raise RuntimeError(f"no non-loopback address on {socket.gethostname()}; set ray.head_ip in the cluster "
+                       "config")
 
 
 def _interface_addresses() -> list[str]:
@@ -94,21 +117,30 @@ def nodes_of(nodelist: str) -> list[str]:
     return out.stdout.split()
 
 
-def shell_exports(env: dict[str, str]) -> dict[str, str]:
-    """The layout of the current Slurm job, as RH_* shell variables."""
+def shell_exports(env: dict[str, str], busy: set[int]) -> dict[str, str]:
+    """The layout of the current Slurm job, as RH_* shell variables; creates the job's private folder
+    (`<log_dir>/<job>`, 0700) and a fresh token in it (0600, never printed)."""
     job = int(env["SLURM_JOB_ID"])
     nodes = nodes_of(env["SLURM_JOB_NODELIST"])
     log_dir = env.get("RAYHPC_LOG_DIR") or os.path.join(env.get("SLURM_SUBMIT_DIR", os.getcwd()), "rayhpc-logs")
-    out = {f"RH_{k.upper()}_PORT": str(v) for k, v in ports(job).items()}
+    job_dir = private_dir(Path(log_dir) / str(job))
+    token = write_private(job_dir / "auth_token", secrets.token_hex(32) + "\n")
+    out = {f"RH_{k.upper()}_PORT": str(v) for k, v in ports(job, busy).items()}
     out.update(RH_JOB=str(job), RH_NODES=" ".join(nodes), RH_HEAD=nodes[0], RH_NNODES=str(len(nodes)),
-               RH_HEAD_IP=head_ip(env.get("RAYHPC_HEAD_IP")), RH_JOB_DIR=os.path.join(log_dir, str(job)))
+               RH_HEAD_IP=node_ip(env.get("RAYHPC_HEAD_IP")), RH_JOB_DIR=str(job_dir), RH_TOKEN=str(token))
     return out
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """`busy`: this node's ports in use, one per line. No argument: the job's exports, reading every
+    node's busy ports from stdin."""
+    if argv[:1] == ["busy"]:
+        print("\n".join(map(str, sorted(busy_ports()))))
+        return 0
     try:
-        exports = shell_exports(dict(os.environ))
-    except (KeyError, RuntimeError, subprocess.CalledProcessError) as exc:
+        busy = {int(word) for word in sys.stdin.read().split()} if not sys.stdin.isatty() else busy_ports()
+        exports = shell_exports(dict(os.environ), busy)
+    except (KeyError, RuntimeError, OSError, UnsafePath, subprocess.CalledProcessError) as exc:
         print(f"error: rayhpc.slurm.layout: {exc}", file=sys.stderr)
         return 2
     print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in exports.items()))
@@ -116,4 +148,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rayhpc.config import ConfigError
 from rayhpc.slurm.config import ClusterConfig
+from rayhpc.slurm.private import UnsafePath, owned_dir
 from rayhpc.slurm.render import render_sbatch
 
 
@@ -21,6 +22,14 @@ def sbatch(args: list[str], *, script: str | None = None, env: dict | None = Non
     return proc.stdout.strip().split(";")[0]
 
 
+def log_dir(cfg: ClusterConfig) -> Path:
+    """The cluster's log folder, made if missing; one another user controls is a one-line error."""
+    try:
+        return owned_dir(cfg.log_dir)
+    except (UnsafePath, OSError) as exc:
+        raise ConfigError(f"log_dir {cfg.log_dir}: {exc}") from None
+
+
 def submit(cfg: ClusterConfig, command: list[str], *, nodes: int | None = None, dry_run: bool = False) -> str:
     """Submit `command` on a Ray cluster of `cfg`'s shape; returns the job id (or the script, dry)."""
     if not command:
@@ -28,7 +37,7 @@ def submit(cfg: ClusterConfig, command: list[str], *, nodes: int | None = None, 
     text = render_sbatch(cfg, command, nodes=nodes)
     if dry_run:
         return text
-    cfg.log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output folder
+    log_dir(cfg)  # Slurm does not create the --output folder
     script = cfg.log_dir / f"rayhpc-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
     script.write_text(text)
     return sbatch([str(script)])
@@ -36,10 +45,11 @@ def submit(cfg: ClusterConfig, command: list[str], *, nodes: int | None = None, 
 
 def jobs() -> list[dict]:
     """The platform's jobs in the queue (job names rayhpc-*), with head node and dashboard address."""
-    out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T|%N|%M"], capture_output=True, text=True, check=True).stdout
+    # the name last: it is the one field a user chooses, and may hold the separator
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%T|%N|%M|%j"], capture_output=True, text=True, check=True).stdout
     rows = []
     for line in out.splitlines():
-        job_id, name, state, nodelist, elapsed = line.split("|")
+        job_id, state, nodelist, elapsed, name = line.split("|", 4)
         if not name.startswith("rayhpc-"):
             continue
         info = cluster_info(job_id)
@@ -48,15 +58,32 @@ def jobs() -> list[dict]:
     return rows
 
 
-def cluster_info(job_id: str) -> dict:
-    """What the job's startup wrote to <log dir>/<job>/cluster.json once its cluster was ready."""
+def slurm_job(job_id: str) -> dict[str, str]:
+    """`scontrol show job` fields of `job_id`; empty once Slurm has forgotten it."""
     out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-    fields = dict(part.split("=", 1) for part in out.split() if "=" in part)
+    return dict(part.split("=", 1) for part in out.split() if "=" in part)
+
+
+def job_dir(job_id: str, fields: dict[str, str] | None = None) -> Path | None:
+    """The job's private folder `<log_dir>/<job>` (next to its Slurm log), if there is one."""
+    fields = slurm_job(job_id) if fields is None else fields
     for log_dir in (Path(fields.get("StdOut", "/nonexistent")).parent, Path(fields.get("WorkDir", "/")) / "rayhpc-logs"):
-        path = log_dir / job_id / "cluster.json"
-        if path.is_file():
-            return json.loads(path.read_text())
-    return {}
+        try:
+            if (log_dir / job_id).is_dir():
+                return log_dir / job_id
+        except OSError:  # another user's log folder
+            continue
+    return None
+
+
+def cluster_info(job_id: str, fields: dict[str, str] | None = None) -> dict:
+    """What the job's startup wrote to <log dir>/<job>/cluster.json once its cluster was ready; {} when
+    there is none or it is not ours to read (another user's job keeps its folder private)."""
+    folder = job_dir(job_id, fields)
+    try:
+        return json.loads((folder / "cluster.json").read_text()) if folder else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def format_jobs(rows: list[dict]) -> str:

@@ -1,48 +1,102 @@
 """Readiness checks for the sbatch startup: poll, never sleep a fixed time.
 
-    python -m rayhpc.slurm.wait port HOST:PORT TIMEOUT          # the head's GCS accepts connections
-    python -m rayhpc.slurm.wait nodes HOST:PORT TIMEOUT n1 n2   # every node has joined the cluster
+    python -m rayhpc.slurm.wait head PORT TIMEOUT JOB_DIR HEAD_STEP_PID   # this job's head listens on PORT
+    python -m rayhpc.slurm.wait nodes HOST:PORT TIMEOUT JOB_DIR n1 n2     # every node has joined, as this job's cluster
+
+An open port proves nothing on a shared node (anyone may hold it), so `head` waits until the port is
+held by a process of this job's head Ray (the kernel's socket table and the process's environment),
+and `nodes` connects with the job's token and checks that the cluster's head is the one this job
+started (its raylet socket lies in the job's private temp dir).
 """
 
 from __future__ import annotations
 
-import socket
+import json
+import os
 import sys
 import time
+from pathlib import Path
+
+from rayhpc.slurm.node import NODE_MARKER, marked_processes
 
 POLL_S = 0.1
 
 
-def wait_port(host: str, port: int, timeout_s: float) -> None:
+def listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on TCP `port` on this node (any address, v4 or v6)."""
+    out = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path("/proc/net", name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                out.add(fields[9])
+    return out
+
+
+def holders(inodes: set[str], pids: list[int]) -> list[int]:
+    """Which of `pids` hold one of the sockets `inodes`."""
+    found = []
+    for pid in pids:
+        try:
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        if any(f"socket:[{inode}]" in links for inode in inodes):
+            found.append(pid)
+    return found
+
+
+def wait_head(port: int, timeout_s: float, job_dir: Path, step_pid: int) -> None:
+    job, head = os.environ["SLURM_JOB_ID"], os.environ.get("RH_HEAD", "")
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            return
-        except OSError:
+        inodes = listening_inodes(port)
+        if inodes:
+            if holders(inodes, marked_processes([f"{NODE_MARKER}={job}:{head}"])):
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the Ray head at {host}:{port} did not open its port within {timeout_s:g} s") from None
-            time.sleep(POLL_S)
+                raise TimeoutError(f"port {port} on the head is held by a process that is not this job's Ray "
+                                   f"(another user's?); see {job_dir}/ray-{head}.log")
+        try:
+            os.kill(step_pid, 0)
+        except ProcessLookupError:
+            held = f" (port {port} is held by another process: another user's?)" if listening_inodes(port) else ""
+            raise TimeoutError(f"Ray on the head ({head}) exited before it listened on port {port}{held}: see "
+                               f"{job_dir}/ray-{head}.log") from None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the Ray head did not open its port {port} within {timeout_s:g} s")
+        time.sleep(POLL_S)
 
 
-def node_ip(host: str) -> str:
-    try:
-        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
-    except socket.gaierror:
-        return host
+def node_records(job_dir: Path, hosts: list[str]) -> dict[str, dict]:
+    """What each node's `rayhpc.slurm.node run` wrote when it started Ray (address, temp dir)."""
+    out = {}
+    for host in hosts:
+        path = job_dir / "nodes" / f"{host}.ray.json"
+        if path.is_file():
+            out[host] = json.loads(path.read_text())
+    return out
 
 
-def wait_nodes(address: str, hosts: list[str], timeout_s: float) -> float:
+def wait_nodes(address: str, job_dir: Path, hosts: list[str], timeout_s: float) -> float:
     """Seconds until a Ray node is alive at each host's address; names the missing hosts otherwise."""
     import ray
 
     started, deadline = time.monotonic(), time.monotonic() + timeout_s
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:
-        want = {host: node_ip(host) for host in hosts}
+        head_dir = node_records(job_dir, hosts[:1])[hosts[0]]["temp_dir"]
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        if not any(n.get("RayletSocketName", "").startswith(head_dir + "/") for n in nodes):
+            raise TimeoutError(f"the cluster at {address} is not this job's: no node's raylet lives in {head_dir}")
         while True:
+            records = node_records(job_dir, hosts)
             alive = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-            missing = [h for h, ip in want.items() if ip not in alive]
+            missing = [h for h in hosts if h not in records or records[h]["ip"] not in alive]
             if not missing:
                 return time.monotonic() - started
             if time.monotonic() > deadline:
@@ -55,14 +109,13 @@ def wait_nodes(address: str, hosts: list[str], timeout_s: float) -> float:
 
 
 def main(argv: list[str]) -> int:
-    what, address, timeout = argv[0], argv[1], float(argv[2])
-    host, port = address.rsplit(":", 1)
+    what, timeout, job_dir = argv[0], float(argv[2]), Path(argv[3])
     try:
-        if what == "port":
-            wait_port(host, int(port), timeout)
+        if what == "head":
+            wait_head(int(argv[1]), timeout, job_dir, int(argv[4]))
         else:
-            print(f"rayhpc: all {len(argv[3:])} node(s) joined in {wait_nodes(address, argv[3:], timeout):.1f} s",
-                  flush=True)
+            seconds = wait_nodes(argv[1], job_dir, argv[4:], timeout)
+            print(f"rayhpc: all {len(argv[4:])} node(s) joined in {seconds:.1f} s", flush=True)
     except TimeoutError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -23,7 +23,7 @@ from rayhpc.config import ConfigError, reconcile_resume
 from rayhpc.job import bind_task
 from rayhpc.slurm.config import ClusterConfig
 from rayhpc.slurm.render import setup_lines
-from rayhpc.slurm.submit import sbatch
+from rayhpc.slurm.submit import log_dir, sbatch
 from rayhpc.tune.config import SweepConfig, bind_sweep
 from rayhpc.tune.plan import load_plan, save_plan
 from rayhpc.tune.results import value_columns, write_results
@@ -74,7 +74,7 @@ def submit_array(cluster: ClusterConfig, sweep: SweepConfig, task, configs: list
     text = render_array(cluster, sweep, len(configs), task.copied_spec(exp_dir / TASK_DIR))
     if dry_run:
         return text
-    cluster.log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir(cluster)
     sweep.save()  # the tasks read the sweep and their trials from its folder
     save_plan([[c] for c in configs], exp_dir)
     (exp_dir / COLUMNS_FILE).write_text(json.dumps(columns))

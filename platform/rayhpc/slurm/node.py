@@ -1,0 +1,185 @@
+"""One Ray node of a Slurm job, and the clean-up that finds every process the job started.
+
+    python -m rayhpc.slurm.node run JOB_DIR -- [container...] ray start --block ...   # per node, under srun
+    python -m rayhpc.slurm.node reap JOB [JOB_DIR]                                  # per node, at the end
+
+Ray rewrites its processes' titles (`ray::IDLE`) and some of them outlive their parents, so neither
+command lines nor the process tree find them all. What Ray cannot rewrite is the environment a
+process was started with: `run` starts Ray with `RAYHPC_RAY_NODE=<job>:<node>` (the sbatch startup
+starts the user's command with `RAYHPC_COMMAND=<job>`), every process Ray forks inherits it, and
+`reap` kills this user's processes that carry it. `run` is also the child subreaper of what it
+starts, so processes that lose their parent stay in the Slurm step (where Slurm's own tracking
+finds them) rather than moving to init.
+
+Ray's temp dir (sockets, logs, object spilling) lives in a folder made by `mkdtemp` (0700, random
+name, created exclusively) in node-local /tmp: Ray makes its own folders 0777, and inside this one
+no other user can reach them. Standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rayhpc.slurm.layout import node_ip
+from rayhpc.slurm.private import write_private
+
+NODE_MARKER, COMMAND_MARKER = "RAYHPC_RAY_NODE", "RAYHPC_COMMAND"
+TEMP_PREFIX = "rh-{job}-"  # short: Ray's socket paths under it must stay below 107 bytes
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return pids
+
+
+def marked_processes(markers: list[str]) -> list[int]:
+    """This user's processes whose environment holds one of `markers` (`NAME=value` entries), except
+    this process and its ancestors (the clean-up step carries the job's environment too)."""
+    wanted = [m.encode() for m in markers]
+    skip, uid, found = _ancestors(), os.getuid(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in skip:
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            environ = Path(entry.path, "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if any(m in environ for m in wanted):
+            found.append(int(entry.name))
+    return found
+
+
+def reap(markers: list[str], timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL every marked process until none is left; the pids still there after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (pids := marked_processes(markers)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        _collect_zombies()
+        time.sleep(0.1)
+    return pids
+
+
+def _collect_zombies() -> None:
+    """As a subreaper, orphans that die are ours to wait for."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def remove_temp_roots(job: str, tmp: str = "/tmp") -> list[str]:
+    """Remove this user's Ray temp folders of `job` in `tmp` (never through a link); the ones left."""
+    left = []
+    for entry in Path(tmp).glob(TEMP_PREFIX.format(job=job) + "*"):
+        st = entry.lstat()
+        if st.st_uid != os.getuid() or not stat.S_ISDIR(st.st_mode):
+            continue  # someone else's, or a link: not ours to remove
+        shutil.rmtree(entry, ignore_errors=True)
+        if entry.exists():
+            left.append(str(entry))
+    return left
+
+
+def report(job_dir: Path | None, name: str, data: dict) -> None:
+    if job_dir is not None:
+        (job_dir / "nodes").mkdir(mode=0o700, exist_ok=True)
+        write_private(job_dir / "nodes" / f"{node_name()}.{name}.json", json.dumps(data) + "\n")
+
+
+def clean_up(job: str, job_dir: Path | None, root: str | None = None) -> dict:
+    """Reap this node's Ray processes of `job` and remove its temp folder `root`; at the job's end
+    (`root` None) also the command's processes and every temp folder of the job (where nodes share
+    /tmp, one node's Ray ending early must not take another's). Reports what was left."""
+    markers = [f"{NODE_MARKER}={job}:{node_name()}"] + ([f"{COMMAND_MARKER}={job}"] if root is None else [])
+    left = reap(markers)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+    dirs = ([root] if os.path.exists(root) else []) if root is not None else remove_temp_roots(job)
+    out = {"node": node_name(), "left_pids": left, "left_dirs": dirs, "time": time.time()}
+    report(job_dir, "cleanup", out)
+    return out
+
+
+class _Stop(Exception):
+    """Raised by the signal handler, to leave `wait()` at once."""
+
+
+def _stop(signum, _frame):
+    raise _Stop(signum)
+
+
+def run(job_dir: Path, command: list[str]) -> int:
+    """Run `command` (a `ray start --block ...`) as this node's Ray, with its temp dir, address, CPUs and
+    GPUs, and clean up after it, whether it ends by itself or by SIGTERM (scancel, the job's end)."""
+    job = os.environ["SLURM_JOB_ID"]
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    root = tempfile.mkdtemp(prefix=TEMP_PREFIX.format(job=job), dir=os.environ.get("RAYHPC_TMPDIR", "/tmp"))
+    head = "--head" in command
+    ip = node_ip(os.environ.get("RAYHPC_HEAD_IP") if head else None)
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE") or "1"
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
+    command = [*command, f"--node-ip-address={ip}", f"--temp-dir={root}/r", f"--num-cpus={cpus}", f"--num-gpus={gpus}"]
+    env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}"}
+    report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _stop)
+    child, code = None, 0
+    try:
+        child = subprocess.Popen(command, env=env)
+        code = child.wait()
+    except _Stop:
+        # the job is ending (Slurm gives KillWait, 10-30 s, before SIGKILL): no graceful drain, which
+        # `ray start` would spend up to 30 s on; the reaper below kills every process of this node's Ray
+        code = 0
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    clean_up(job, job_dir, root)
+    if head:  # the job's secrets and targets go with its head, even when the batch script died first
+        for path in (job_dir / "auth_token", job_dir.parent / "prometheus" / f"{job}.json"):
+            path.unlink(missing_ok=True)
+    return code
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["run"] and "--" in argv:
+        return run(Path(argv[1]), argv[argv.index("--") + 1:])
+    if argv[:1] == ["reap"] and len(argv) in (2, 3):
+        out = clean_up(argv[1], Path(argv[2]) if len(argv) == 3 else None)
+        print(f"{out['node']}: {len(out['left_pids'])} process(es) left {out['left_pids'] or ''}, "
+              f"{len(out['left_dirs'])} temp folder(s) left {out['left_dirs'] or ''}".rstrip(), flush=True)
+        return 1 if out["left_pids"] or out["left_dirs"] else 0
+    print("usage: python -m rayhpc.slurm.node run JOB_DIR -- COMMAND... | reap JOB [JOB_DIR]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,100 @@
+"""Folders and files only this user can reach, on nodes other users share.
+
+Other users may create paths before us (a predictable `<log_dir>/<job id>/`, anything in /tmp) and
+read whatever is world-readable. So a private folder is created exclusively with mode 0700, and one
+that already exists is used only if this user owns it, nobody else can write or enter it, and no
+folder above it lets another user swap it out (writable by others without the sticky bit, as
+/tmp has). Standard library only: the sbatch startup runs this before anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+class UnsafePath(Exception):
+    """A path another user controls or can read; the message names it and the fix."""
+
+
+def check_ancestors(path: Path) -> None:
+    """Every existing folder from / down to `path` is owned by root or this user, and one that others
+    may write to has the sticky bit (as /tmp), so no other user can rename or replace what is inside."""
+    uid = os.getuid()
+    for folder in [*reversed(path.parents), path]:
+        try:
+            st = os.stat(folder)
+        except FileNotFoundError:
+            return
+        if st.st_uid not in (0, uid):
+            raise UnsafePath(f"{folder} belongs to uid {st.st_uid}, not to you (uid {uid}) or root: another user "
+                             f"controls what is inside it; choose a folder of your own (log_dir)")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise UnsafePath(f"{folder} (mode {stat.S_IMODE(st.st_mode):04o}) can be written by other users and has no "
+                             f"sticky bit: they could replace what is inside; chmod go-w {folder}")
+
+
+def owned_dir(path: str | Path) -> Path:
+    """`path` as a folder of this user's that no other user can swap out (made 0700 where missing);
+    an existing one may be readable by others (a log folder), not writable."""
+    path = Path(path)
+    check_ancestors(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_ancestors(path)
+    return path
+
+
+def private_dir(path: str | Path, parents_mode: int = 0o700) -> Path:
+    """`path` as a folder only this user can enter: created here with mode 0700 (missing parents too), or
+    an existing one that passes the same checks. Raises `UnsafePath` otherwise (never chmods someone
+    else's folder into shape)."""
+    path = Path(path)
+    check_ancestors(path.parent)
+    for parent in reversed(path.parents):
+        if not parent.exists():
+            try:
+                os.mkdir(parent, parents_mode)
+            except FileExistsError:
+                pass
+    try:
+        os.mkdir(path, 0o700)  # exclusive: fails if anything (a folder, a link, a file) is there already
+        return path
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(f"{path} exists and is not a folder (a {'link' if stat.S_ISLNK(st.st_mode) else 'file'}): "
+                         f"another user may have put it there; remove it or choose another log_dir")
+    if st.st_uid != os.getuid():
+        raise UnsafePath(f"{path} exists and belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): another "
+                         f"user created it first; the job stops rather than put its token there")
+    if st.st_mode & 0o077:
+        raise UnsafePath(f"{path} exists with mode {stat.S_IMODE(st.st_mode):04o}; a private folder must be 0700 "
+                         f"(chmod 700 {path})")
+    check_ancestors(path.parent)
+    return path
+
+
+def write_private(path: str | Path, text: str) -> Path:
+    """Write `text` to a new file `path` with mode 0600, created exclusively and never through a link
+    (whatever was at `path` is removed first: inside a private folder only this user put it there)."""
+    path = Path(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    return path
+
+
+def ensure_private_file(path: str | Path) -> None:
+    """Narrow an existing file of this user's to 0600 (Ray writes ~/.ray/auth_token world-readable)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(path, 0o600)

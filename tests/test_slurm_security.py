@@ -1,0 +1,284 @@
+"""Shared nodes without trust, on the two-node test Slurm: another Unix user (created here, as an
+attacker would be) who pre-creates paths and holds ports; private folders, ports, clean-up, and the
+operator commands (`rayhpc status JOBID`, `rayhpc stop JOBID`, `rayhpc doctor`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from test_slurm import (CLUSTER, LOGS, RAYHPC, TWO_NODES, assert_nothing_left, job_log, job_processes,
+                        skip_requeue_delay, slurm, submit, submit_held, wait_cluster, wait_done,  # noqa: F401
+                        with_changes)
+
+ATTACKER = "rhattacker"
+
+
+@pytest.fixture(scope="module")
+def attacker() -> str:
+    """A second, unprivileged user on the nodes."""
+    if subprocess.run(["id", ATTACKER], capture_output=True).returncode:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", ATTACKER], check=True)
+    return ATTACKER
+
+
+def as_attacker(*command: str, **kwargs) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    return subprocess.run([runuser, "-u", ATTACKER, "--", *command], capture_output=True, text=True, env=env,
+                          cwd="/tmp", **kwargs)
+
+
+def shared_folder() -> Path:
+    """A folder every user may create entries in, as /tmp (mode 1777)."""
+    path = Path(f"/tmp/rayhpc-shared-{uuid.uuid4().hex[:8]}")
+    path.mkdir()
+    path.chmod(0o1777)
+    return path
+
+
+def test_a_job_folder_another_user_created_first_stops_the_job_and_the_token_never_reaches_it(slurm, attacker,
+                                                                                               tmp_path):
+    logs = shared_folder()
+    job = submit_held(with_changes(log_dir=logs), ["true"], tmp_path)
+    # the attack: the victim's next job folder, world-writable, with a world-writable token file in it
+    assert as_attacker("mkdir", "-m", "777", f"{logs}/{job}").returncode == 0
+    assert as_attacker("install", "-m", "666", "/dev/null", f"{logs}/{job}/auth_token").returncode == 0
+    subprocess.run(["scontrol", "release", job], check=True)
+    info = wait_done(job)
+    log = (logs / f"rayhpc-local-slurm-{job}.log").read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", log
+    assert f"error: rayhpc.slurm.layout: {logs}/{job} exists and belongs to uid" in log, log
+    assert (logs / job / "auth_token").read_text() == "", "the job wrote its token into the attacker's file"
+    assert "ray start" not in log and not list(logs.glob(f"{job}/ray-*.log")), "Ray started anyway"
+    assert job_processes(job) == []
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports process `pid` listens on, read in its own network namespace."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")}
+        lines = [line.split() for name in ("tcp", "tcp6") for line in
+                 Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]]
+    except OSError:
+        return set()
+    return {int(f[1].rsplit(":", 1)[1], 16) for f in lines if f[3] == "0A" and f[9] in inodes}
+
+
+def test_ray_lives_in_private_folders_listens_only_in_its_block_and_stop_leaves_nothing(slurm, attacker):
+    job = submit("python", "-c", "import time; time.sleep(600)")
+    info = wait_cluster(job)
+    # the connection file: routable addresses (never loopback), every port, the tunnel, the token
+    assert info["nodes"] == {"node1": "10.77.0.11", "node2": "10.77.0.12"} and info["head_ip"] == "10.77.0.11", info
+    assert info["token_path"] == str(LOGS / job / "auth_token") and info["tunnel"].startswith("ssh -N -L "), info
+    low = info["ports"]["gcs"]
+    assert info["ports"]["workers"] == f"{low + 20}-{low + 199}" and low >= 20000, info
+    # Ray's temp dirs: inside random 0700 folders of the job's user, out of other users' reach
+    for node in ("node1", "node2"):
+        temp = Path(json.loads((LOGS / job / "nodes" / f"{node}.ray.json").read_text())["temp_dir"])
+        folder = temp.parent.stat()
+        assert folder.st_mode & 0o777 == 0o700 and folder.st_uid == os.getuid(), (node, temp)
+        assert temp.parent.name.startswith(f"rh-{job}-") and temp.parent.name != f"rh-{job}-{node}"
+        assert as_attacker("ls", str(temp)).returncode != 0, "another user can reach Ray's sockets"
+    # every port any process of the job listens on, on either node, lies in the job's block; srun's own
+    # I/O ports (Slurm's, authenticated by Slurm) aside
+    deadline = time.monotonic() + 60
+    ours = [int(p.split()[0]) for p in job_processes(job) if p.split()[1] != "srun"]
+    while not {info["ports"]["autoscaler_metrics"], info["ports"]["dashboard_metrics"]} <= \
+            (ports := set().union(*map(listening_ports, ours))):
+        assert time.monotonic() < deadline, f"the metrics ports never opened: {sorted(ports)}"
+        time.sleep(1)
+    outside = sorted(p for p in ports if not low <= p < low + 200)
+    assert outside == [], f"job {job} listens outside its block {low}-{low + 199}: {outside}"
+    # rayhpc status JOBID: Slurm's view and Ray's together
+    status = subprocess.run([RAYHPC, "status", job], capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr
+    assert f"job {job} (rayhpc-local-slurm): RUNNING" in status.stdout and "nodes node[1-2]" in status.stdout
+    assert "2 node(s); in use: " in status.stdout and info["address"] in status.stdout, status.stdout
+    # rayhpc stop JOBID: cancelled, and each node's clean-up report says nothing was left
+    stop = subprocess.run([RAYHPC, "stop", job], capture_output=True, text=True, timeout=180)
+    assert stop.returncode == 0 and "node1: clean" in stop.stdout and "node2: clean" in stop.stdout, stop
+    assert_nothing_left(job)
+
+
+def test_a_port_block_someone_holds_on_one_node_is_skipped(slurm, tmp_path):
+    from rayhpc.slurm.layout import block_bases
+
+    job = submit_held(with_changes(), ["python", "-c", TWO_NODES], tmp_path)
+    low, high = map(int, subprocess.run(["nsenter", "--net=/var/run/netns/n1", "cat",
+                                         "/proc/sys/net/ipv4/ip_local_port_range"], capture_output=True, text=True,
+                                        check=True).stdout.split())
+    bases = block_bases((low, high))
+    taken = bases[int(job) % len(bases)] + 2  # the object manager port of the block the job id maps to
+    holder = subprocess.Popen(["nsenter", "--net=/var/run/netns/n2", sys.executable, "-c",
+                               f"import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {taken})); s.listen(); "
+                               f"print('held', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        subprocess.run(["scontrol", "release", job], check=True)
+        info = wait_done(job)
+    finally:
+        holder.kill()
+    assert info["JobState"] == "COMPLETED", job_log(job)
+    gcs = json.loads((LOGS / job / "cluster.json").read_text())["ports"]["gcs"]
+    assert gcs != taken - 2 and not gcs <= taken < gcs + 200, (gcs, taken)
+    assert f"ports {gcs}-{gcs + 199}" in job_log(job)
+    assert_nothing_left(job)
+
+
+def stub_runtime(tmp_path: Path) -> tuple[str, Path]:
+    """A stand-in `apptainer`: records its arguments (one per line), checks the image is one existing
+    file, and runs the command after it. Returns (PATH with it first, the folder of its records)."""
+    bin_dir, records = tmp_path / "bin", tmp_path / "records"
+    bin_dir.mkdir()
+    records.mkdir()
+    (bin_dir / "apptainer").write_text(f"""#!/bin/bash
+printf '%s\\n' "$@" > {records}/$$.args
+shift   # exec
+while [[ $1 == --* ]]; do [ "$1" = --bind ] && shift; shift; done
+[ -f "$1" ] || {{ echo "stub apptainer: no image file '$1'" >&2; exit 1; }}
+shift
+exec "$@"
+""")
+    (bin_dir / "apptainer").chmod(0o755)
+    return f"{bin_dir}:{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin", records
+
+
+def test_container_paths_with_spaces_reach_the_runtime_as_one_word_for_ray_and_the_command(slurm, tmp_path):
+    path, records = stub_runtime(tmp_path)
+    image = tmp_path / "my images" / "ray hpc.sif"
+    image.parent.mkdir()
+    image.write_text("")
+    cfg = with_changes(setup={"env": {"PATH": path}},
+                       container={"image": str(image), "binds": [f"{tmp_path}/a b:/scratch"]})
+    job = submit_held(cfg, ["python", "-c", "import sys; print('ARGS', sys.argv[1:])", "a b", "$HOME", "*"], tmp_path)
+    subprocess.run(["scontrol", "release", job], check=True)
+    info = wait_done(job)
+    log = job_log(job)
+    assert info["JobState"] == "COMPLETED", log
+    assert "ARGS ['a b', '$HOME', '*']" in log, log
+    runs = [p.read_text().splitlines() for p in records.glob("*.args")]
+    ray_runs = [r for r in runs if "ray" in r and "start" in r]
+    assert len(ray_runs) == 2 and len(runs) == 3, runs  # Ray on both nodes, and the command
+    for run in runs:
+        assert run[:4] == ["exec", "--bind", f"{tmp_path}/a b:/scratch", str(image)], run
+    assert_nothing_left(job)
+
+
+def test_usr1_during_start_up_requeues_without_running_the_command(slurm, tmp_path):
+    ran = tmp_path / "ran"
+    job = submit("python", "-c", f"open({str(ran)!r}, 'a').write('ran\\n')")
+    deadline = time.monotonic() + 120
+    while f"rayhpc: job {job} (restart 0)" not in (LOGS / f"rayhpc-local-slurm-{job}.log").read_text(
+            errors="replace") if (LOGS / f"rayhpc-local-slurm-{job}.log").exists() else True:
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    skip_requeue_delay(job)
+    info = wait_done(job)
+    log = job_log(job)
+    assert "USR1 received during start-up: the command will not start; requeueing" in log, log
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert ran.read_text() == "ran\n", "the command ran more than once"
+    assert_nothing_left(job)
+
+
+def test_usr1_after_the_command_ended_does_not_requeue(slurm):
+    # the command ends at once; a USR1 reaches the startup 0.3 s later, while it cleans up
+    job = submit("bash", "-c", "p=$PPID; (sleep 0.3; kill -USR1 $p) & exit 0")
+    info = wait_done(job)
+    log = job_log(job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", log
+    assert "USR1 received after the command ended: ignored" in log, log
+    assert_nothing_left(job)
+
+
+def netns_of(pid: str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def test_a_killed_head_leaves_nothing_on_either_node(slurm):
+    """The head's batch script and Ray die at once (SIGKILL, no trap runs): Slurm ends the job, and each
+    node's rayhpc.slurm.node, told by Slurm to stop, reaps the job's processes there."""
+    job = submit("python", "-c", "import time; time.sleep(600)")
+    wait_cluster(job)
+    head_ns = netns_of(str(subprocess.run(["ip", "netns", "pids", "n1"], capture_output=True, text=True,
+                                          check=True).stdout.split()[0]))
+    head = [p.split()[0] for p in job_processes(job) if netns_of(p.split()[0]) == head_ns]
+    ray_procs = [p for p in head if "rayhpc.slurm.node" not in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(ray_procs) > 3, head
+    for pid in ray_procs:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    info = wait_done(job)
+    assert info["JobState"] in ("FAILED", "CANCELLED"), info["JobState"]
+    assert_nothing_left(job, timeout_s=60)
+
+
+def test_doctor_in_a_two_node_allocation_checks_the_nodes_and_names_problems(slurm, attacker, tmp_path):
+    theirs = Path(f"/tmp/rayhpc-theirs-{uuid.uuid4().hex[:8]}")
+    assert as_attacker("mkdir", "-m", "755", str(theirs)).returncode == 0
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(Path(CLUSTER).read_text().replace("log_dir: /tmp/rayhpc-slurm-logs", f"log_dir: {theirs}"))
+    out = tmp_path / "doctor.log"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "NoDevFiles"}
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={out}",
+                          f"--wrap={RAYHPC} doctor --cluster {cluster} --storage-path {tmp_path}"],
+                         capture_output=True, text=True, env=env, check=True).stdout.strip()
+    info = wait_done(job)
+    lines = out.read_text().splitlines()
+    assert info["ExitCode"] == "1:0", lines  # problems found
+    want = {"OK      ports: a free block", "OK      address: Ray would use 10.77.0.11; 1 of 1 other node(s) reach it",
+            f"OK      storage {tmp_path}: seen by 2 of 2 node(s)", "OK      versions: ray, torch",
+            f"PROBLEM log_dir {theirs}: {theirs} belongs to uid", "PROBLEM GPUs: CUDA_VISIBLE_DEVICES='NoDevFiles'",
+            "OK      requeue: USR1 30 s before the 00:10:00 limit"}
+    missing = [w for w in want if not any(line.startswith(w) for line in lines)]
+    assert missing == [], "\n".join(lines)
+    assert next(line for line in lines if "versions" in line).endswith("on 2 node(s)")
+
+
+def rayhpc_as_attacker(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`rayhpc ARGS` as the other user. This interpreter may live where that user cannot read (a
+    pyenv under /root), so it starts as root, imports what the command needs, then drops to the
+    other user before running it."""
+    code = ("import os, pwd, shutil, sys, json, subprocess, pathlib\n"
+            "import rayhpc.cli, rayhpc.cluster, rayhpc.slurm.submit\n"
+            f"user = pwd.getpwnam({ATTACKER!r}); os.setgroups([]); os.setgid(user.pw_gid); os.setuid(user.pw_uid)\n"
+            f"rayhpc.cli.main({list(args)!r})")
+    env = {"PATH": os.environ["PATH"], "HOME": "/tmp", **(env or {})}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/tmp")
+
+
+def test_status_shows_other_users_private_jobs_and_odd_names_without_a_traceback(slurm, attacker):
+    mine = submit("python", "-c", "import time; time.sleep(600)")
+    odd = subprocess.run(["sbatch", "--parsable", "--job-name=rayhpc-a|b", "--output=/dev/null", "--wrap=sleep 600"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        wait_cluster(mine)
+        status = rayhpc_as_attacker("status")
+        assert status.returncode == 0 and status.stderr == "", status
+        rows = {line.split()[0]: line for line in status.stdout.splitlines()[1:]}
+        assert "rayhpc-a|b" in rows[odd] and "rayhpc-local-slurm" in rows[mine], status.stdout
+        # the other user cannot read the job's folder: no head or dashboard shown, and no error
+        assert rows[mine].split()[-2:] == ["-", "-"], rows[mine]
+        # a token file this user cannot read: one error line, not a traceback in every command
+        token = rayhpc_as_attacker("status", "--address", "127.0.0.1:1",
+                                   env={"RAY_AUTH_TOKEN_PATH": str(LOGS / mine / "auth_token")})
+        assert token.returncode == 2 and token.stderr.startswith("error: RAY_AUTH_TOKEN_PATH "), token.stderr
+        assert len(token.stderr.strip().splitlines()) == 1, token.stderr
+    finally:
+        subprocess.run(["scancel", mine, odd], check=True)
+    wait_done(mine)
+    assert_nothing_left(mine)

@@ -23,6 +23,25 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def slurm():
+    """Start (or find running) the two-node test Slurm (.ci/slurm-cluster: node1 and node2 in network
+    namespaces); it waits until both nodes are idle."""
+    subprocess.run(["bash", str(ROOT / ".ci" / "slurm-cluster"), "start"], check=True, capture_output=True, timeout=300)
+
+
+SUBMITTED: list[str] = []  # Slurm jobs the running test submitted
+
+
+@pytest.fixture(autouse=True)
+def cancel_submitted_jobs():
+    """A test that fails midway leaves no job of its own running, to hold the nodes for the next."""
+    yield
+    if SUBMITTED:
+        subprocess.run(["scancel", *SUBMITTED], capture_output=True)
+        SUBMITTED.clear()
+
+
 @pytest.fixture(scope="session")
 def ray_address(ray_cluster):
     """The shared local Ray cluster's address."""

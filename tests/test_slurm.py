@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, SUBMITTED
 from rayhpc.config import validate
 from rayhpc.slurm.config import ClusterConfig, load_cluster
 from rayhpc.slurm.render import render_sbatch
@@ -25,18 +25,13 @@ CLUSTER = str(ROOT / "cluster_configs" / "local-slurm.yaml")
 LOGS = Path("/tmp/rayhpc-slurm-logs")  # the log_dir of local-slurm.yaml
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    """Start (or find running) the two-node test cluster."""
-    subprocess.run(["bash", str(ROOT / ".ci" / "slurm-cluster"), "start"], check=True, capture_output=True, timeout=300)
-
-
 def submit(*command: str) -> str:
     """`rayhpc submit` on the test cluster; the job id."""
     proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, "--", *command], capture_output=True, text=True,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split()[2].rstrip(":")  # "submitted job N: log ..."
+    SUBMITTED.append(proc.stdout.split()[2].rstrip(":"))  # "submitted job N: log ..."
+    return SUBMITTED[-1]
 
 
 def wait_done(job: str, timeout_s: float = 400) -> dict:
@@ -204,8 +199,9 @@ def submit_held(cfg, command: list[str], tmp_path: Path) -> str:
     """The job of `cfg` running `command`, submitted held (so a test can prepare the nodes first)."""
     script = tmp_path / f"job-{uuid.uuid4().hex[:6]}.sbatch"
     script.write_text(render_sbatch(cfg, command))
-    return subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True, cwd=ROOT,
-                          check=True).stdout.strip()
+    SUBMITTED.append(subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True,
+                                    cwd=ROOT, check=True).stdout.strip())
+    return SUBMITTED[-1]
 
 
 def with_changes(**sections) -> ClusterConfig:

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
 from test_slurm import (CLUSTER, LOGS, RAYHPC, TWO_NODES, assert_nothing_left, job_log, job_processes,
-                        skip_requeue_delay, slurm, submit, submit_held, wait_cluster, wait_done,  # noqa: F401
-                        with_changes)
+                        skip_requeue_delay, submit, submit_held, wait_cluster, wait_done, with_changes)
 
 ATTACKER = "rhattacker"
 

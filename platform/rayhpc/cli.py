@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import types
@@ -295,6 +296,7 @@ def status_main(argv: Sequence[str] | None = None) -> int:
         return 0
     from rayhpc.monitor.status import cluster_status
 
+    os.environ["RAY_ADDRESS"] = address  # Ray's state API reads it; without, it stops at two clusters on the node
     with ray_session():
         cluster.connect(address, log_to_driver=False)
         print(cluster_status())

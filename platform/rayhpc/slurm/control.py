@@ -44,8 +44,9 @@ def job_status(job_id: str) -> str:
     lines.append(f"ray: {info['address']} (connection file {job_dir(job_id, fields)}/cluster.json)")
     if info.get("dashboard"):
         lines.append(f"dashboard: {info['dashboard']}; tunnel: {info['tunnel']}")
-    # the job's own token, read before ray is imported (Ray reads its auth settings then)
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info["token_path"])
+    # the job's own token, read before ray is imported (Ray reads its auth settings then); its address
+    # for Ray's state API too, which otherwise looks for clusters on this node and stops at two
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info["token_path"], RAY_ADDRESS=info["address"])
     import ray
 
     from rayhpc.monitor.status import cluster_status

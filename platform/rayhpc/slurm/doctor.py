@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rayhpc.slurm.config import ClusterConfig, time_seconds
 from rayhpc.slurm.layout import BLOCK, busy_ports, node_ip, nodes_of, ports
+from rayhpc.slurm.node import temp_base
 from rayhpc.slurm.private import UnsafePath, check_ancestors
 
 SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.glusterfs", "panfs", "wekafs",
@@ -59,7 +60,7 @@ def check_folder(label: str, path: Path) -> tuple[bool, str]:
 
 
 def check_tmp() -> tuple[bool, str]:
-    tmp = Path(os.environ.get("RAYHPC_TMPDIR", "/tmp"))
+    tmp = Path(temp_base())
     ok, text = check_folder("temp folder", tmp)
     if not ok:
         return ok, text

@@ -123,11 +123,12 @@ def shell_exports(env: dict[str, str], busy: set[int]) -> dict[str, str]:
     job = int(env["SLURM_JOB_ID"])
     nodes = nodes_of(env["SLURM_JOB_NODELIST"])
     log_dir = env.get("RAYHPC_LOG_DIR") or os.path.join(env.get("SLURM_SUBMIT_DIR", os.getcwd()), "rayhpc-logs")
-    job_dir = private_dir(Path(log_dir) / str(job))
-    token = write_private(job_dir / "auth_token", secrets.token_hex(32) + "\n")
     out = {f"RH_{k.upper()}_PORT": str(v) for k, v in ports(job, busy).items()}
+    ip = node_ip(env.get("RAYHPC_HEAD_IP"))
+    job_dir = private_dir(Path(log_dir) / str(job))  # last: nothing is left behind when a check above fails
+    token = write_private(job_dir / "auth_token", secrets.token_hex(32) + "\n")
     out.update(RH_JOB=str(job), RH_NODES=" ".join(nodes), RH_HEAD=nodes[0], RH_NNODES=str(len(nodes)),
-               RH_HEAD_IP=node_ip(env.get("RAYHPC_HEAD_IP")), RH_JOB_DIR=str(job_dir), RH_TOKEN=str(token))
+               RH_HEAD_IP=ip, RH_JOB_DIR=str(job_dir), RH_TOKEN=str(token))
     return out
 
 

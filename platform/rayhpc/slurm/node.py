@@ -96,10 +96,15 @@ def _collect_zombies() -> None:
         pass
 
 
-def remove_temp_roots(job: str, tmp: str = "/tmp") -> list[str]:
-    """Remove this user's Ray temp folders of `job` in `tmp` (never through a link); the ones left."""
+def temp_base() -> str:
+    """Where Ray's temp folders go: node-local /tmp, or RAYHPC_TMPDIR."""
+    return os.environ.get("RAYHPC_TMPDIR", "/tmp")
+
+
+def remove_temp_roots(job: str) -> list[str]:
+    """Remove this user's Ray temp folders of `job` (never through a link); the ones left."""
     left = []
-    for entry in Path(tmp).glob(TEMP_PREFIX.format(job=job) + "*"):
+    for entry in Path(temp_base()).glob(TEMP_PREFIX.format(job=job) + "*"):
         st = entry.lstat()
         if st.st_uid != os.getuid() or not stat.S_ISDIR(st.st_mode):
             continue  # someone else's, or a link: not ours to remove
@@ -142,7 +147,7 @@ def run(job_dir: Path, command: list[str]) -> int:
     GPUs, and clean up after it, whether it ends by itself or by SIGTERM (scancel, the job's end)."""
     job = os.environ["SLURM_JOB_ID"]
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    root = tempfile.mkdtemp(prefix=TEMP_PREFIX.format(job=job), dir=os.environ.get("RAYHPC_TMPDIR", "/tmp"))
+    root = tempfile.mkdtemp(prefix=TEMP_PREFIX.format(job=job), dir=temp_base())
     head = "--head" in command
     ip = node_ip(os.environ.get("RAYHPC_HEAD_IP") if head else None)
     cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE") or "1"

@@ -258,6 +258,7 @@ def test_requeue_mid_sweep_resumes_without_rerunning_finished_trials(how, slurm)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
     assert "(restart 0)" in log and "(restart 1)" in log, "the log was not appended to across the restart"
     assert log.rstrip().endswith("rayhpc: command exited with code 0")
+    assert json.loads((LOGS / job / "cluster.json").read_text())["restart"] == 1  # rewritten by the restart
     final = pd.read_parquet(results)
     assert len(final) == 6 and final["trial_id"].is_unique and set(final["status"]) == {"finished"}, final
     again = final.set_index("trial_id").loc[before.index]

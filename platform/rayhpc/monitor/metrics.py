@@ -49,6 +49,14 @@ class _Gauges:
         return {"_names": self._names, "_gauges": None}
 
 
+def reported_rows(table) -> list[dict]:
+    """The rows of trials that have reported, so their node is known: a trial gets no series before
+    that, as its labels must never change. A missing node is None or, in a pandas string column
+    (pandas 3), NaN, which is truthy: a check for falsy values let a "nan" series through, left
+    behind (Ray keeps a gauge's last value for a while) once the trial reported its real node."""
+    return [row for row in table.to_dict("records") if isinstance(row["node"], str) and row["node"]]
+
+
 class SweepMetrics:
     """Per-trial and per-state gauges of one sweep, set by the driver from its trial table."""
 
@@ -60,9 +68,7 @@ class SweepMetrics:
     def record(self, table) -> None:
         """`table`: the sweep's results table (`rayhpc.tune.results.results_table`)."""
         metrics = [c for c in table.columns if c.startswith("val_") and c != "val_loss"]
-        for row in table.to_dict("records"):
-            if not row["node"]:  # not reported yet: no series until its node is known (labels never change)
-                continue
+        for row in reported_rows(table):
             tags = {"sweep": self.sweep, "trial_id": str(row["trial_id"]), "node": str(row["node"])}
             values = [("rayhpc_trial_val_loss", row["val_loss"], tags),
                       ("rayhpc_trial_best_val_loss", row["best_val_loss"], tags),

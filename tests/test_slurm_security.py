@@ -37,17 +37,26 @@ def as_attacker(*command: str, **kwargs) -> subprocess.CompletedProcess:
                           cwd="/tmp", **kwargs)
 
 
-def shared_folder() -> Path:
-    """A folder every user may create entries in, as /tmp (mode 1777)."""
-    path = Path(f"/tmp/rayhpc-shared-{uuid.uuid4().hex[:8]}")
-    path.mkdir()
-    path.chmod(0o1777)
-    return path
+@pytest.fixture
+def world_tmp():
+    """Paths in /tmp that the other user can reach (tmp_path is private to us): `world_tmp(prefix)`
+    names a new one; each is removed after the test."""
+    made = []
+
+    def name(prefix: str) -> Path:
+        made.append(Path(f"/tmp/{prefix}-{uuid.uuid4().hex[:8]}"))
+        return made[-1]
+
+    yield name
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_job_folder_another_user_created_first_stops_the_job_and_the_token_never_reaches_it(slurm, attacker,
-                                                                                               tmp_path):
-    logs = shared_folder()
+                                                                                               tmp_path, world_tmp):
+    logs = world_tmp("rayhpc-shared")  # a folder every user may create entries in, as /tmp
+    logs.mkdir()
+    logs.chmod(0o1777)
     job = submit_held(with_changes(log_dir=logs), ["true"], tmp_path)
     # the attack: the victim's next job folder, world-writable, with a world-writable token file in it
     assert as_attacker("mkdir", "-m", "777", f"{logs}/{job}").returncode == 0
@@ -225,8 +234,8 @@ def test_a_killed_head_leaves_nothing_on_either_node(slurm):
     assert_nothing_left(job, timeout_s=60)
 
 
-def test_doctor_in_a_two_node_allocation_checks_the_nodes_and_names_problems(slurm, attacker, tmp_path):
-    theirs = Path(f"/tmp/rayhpc-theirs-{uuid.uuid4().hex[:8]}")
+def test_doctor_in_a_two_node_allocation_checks_the_nodes_and_names_problems(slurm, attacker, tmp_path, world_tmp):
+    theirs = world_tmp("rayhpc-theirs")
     assert as_attacker("mkdir", "-m", "755", str(theirs)).returncode == 0
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(Path(CLUSTER).read_text().replace("log_dir: /tmp/rayhpc-slurm-logs", f"log_dir: {theirs}"))

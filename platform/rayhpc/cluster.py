@@ -107,19 +107,16 @@ def private_local_token() -> None:
     narrowed to 0600 when Ray already did."""
     import secrets
 
-    from rayhpc.slurm.private import ensure_private_file
+    from rayhpc.slurm.private import ensure_private_file, write_private
 
     if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
         return
     path = Path.home() / ".ray" / "auth_token"
     path.parent.mkdir(mode=0o700, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:  # the token as Ray's own generate_new_authentication_token() makes it
+        write_private(path, secrets.token_hex(32), replace=False)
     except FileExistsError:
         ensure_private_file(path)
-        return
-    with os.fdopen(fd, "w") as out:
-        out.write(secrets.token_hex(32))  # as Ray's own generate_new_authentication_token()
 
 
 def local_cpus() -> int:

@@ -71,16 +71,23 @@ def ports(job_id: int, busy: set[int] = frozenset(), ephemeral: tuple[int, int] 
                        f"range {ephemeral or ephemeral_range()} on this job's nodes ({len(busy)} ports in use)")
 
 
-def busy_ports() -> set[int]:
-    """Local ports in use on this node (any state: listening, connected, bound), TCP and UDP, v4 and v6."""
-    used = set()
-    for name in ("tcp", "tcp6", "udp", "udp6"):
+def sockets(kinds: tuple[str, ...] = ("tcp", "tcp6", "udp", "udp6")) -> list[tuple[str, int, str, str]]:
+    """(kind, local port, state, inode) of every socket of `kinds` in this node's network namespace,
+    read from /proc/net (state 0A is a TCP listener)."""
+    rows = []
+    for kind in kinds:
         try:
-            lines = Path("/proc/net", name).read_text().splitlines()[1:]
+            lines = Path("/proc/net", kind).read_text().splitlines()[1:]
         except OSError:
             continue
-        used.update(int(line.split()[1].rsplit(":", 1)[1], 16) for line in lines if line.strip())
-    return used
+        for fields in (line.split() for line in lines if line.strip()):
+            rows.append((kind, int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]))
+    return rows
+
+
+def busy_ports() -> set[int]:
+    """Local ports in use on this node (any state: listening, connected, bound), TCP and UDP, v4 and v6."""
+    return {port for _, port, _, _ in sockets()}
 
 
 def node_ip(override: str | None = None) -> str:

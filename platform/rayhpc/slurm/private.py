@@ -36,27 +36,27 @@ def check_ancestors(path: Path) -> None:
 
 
 def owned_dir(path: str | Path) -> Path:
-    """`path` as a folder of this user's that no other user can swap out (made 0700 where missing);
-    an existing one may be readable by others (a log folder), not writable."""
+    """`path` as a folder of this user's that no other user can swap out (made 0700 where missing, its
+    missing parents too); an existing one may be readable by others (a log folder), not writable."""
     path = Path(path)
     check_ancestors(path)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for folder in [*reversed(path.parents), path]:
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+    if not path.is_dir():
+        raise UnsafePath(f"{path} exists and is not a folder")
     check_ancestors(path)
     return path
 
 
-def private_dir(path: str | Path, parents_mode: int = 0o700) -> Path:
+def private_dir(path: str | Path) -> Path:
     """`path` as a folder only this user can enter: created here with mode 0700 (missing parents too), or
     an existing one that passes the same checks. Raises `UnsafePath` otherwise (never chmods someone
     else's folder into shape)."""
     path = Path(path)
-    check_ancestors(path.parent)
-    for parent in reversed(path.parents):
-        if not parent.exists():
-            try:
-                os.mkdir(parent, parents_mode)
-            except FileExistsError:
-                pass
+    owned_dir(path.parent)
     try:
         os.mkdir(path, 0o700)  # exclusive: fails if anything (a folder, a link, a file) is there already
         return path
@@ -72,18 +72,19 @@ def private_dir(path: str | Path, parents_mode: int = 0o700) -> Path:
     if st.st_mode & 0o077:
         raise UnsafePath(f"{path} exists with mode {stat.S_IMODE(st.st_mode):04o}; a private folder must be 0700 "
                          f"(chmod 700 {path})")
-    check_ancestors(path.parent)
     return path
 
 
-def write_private(path: str | Path, text: str) -> Path:
-    """Write `text` to a new file `path` with mode 0600, created exclusively and never through a link
-    (whatever was at `path` is removed first: inside a private folder only this user put it there)."""
+def write_private(path: str | Path, text: str, replace: bool = True) -> Path:
+    """Write `text` to a new file `path` with mode 0600, created exclusively and never through a link.
+    `replace`: whatever was at `path` is removed first (inside a private folder only this user put it
+    there); otherwise an existing file stays and `FileExistsError` is raised."""
     path = Path(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    if replace:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(text)

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from rayhpc.slurm.layout import sockets
 from rayhpc.slurm.node import NODE_MARKER, marked_processes
 
 POLL_S = 0.1
@@ -24,17 +25,7 @@ POLL_S = 0.1
 
 def listening_inodes(port: int) -> set[str]:
     """Socket inodes listening on TCP `port` on this node (any address, v4 or v6)."""
-    out = set()
-    for name in ("tcp", "tcp6"):
-        try:
-            lines = Path("/proc/net", name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
-                out.add(fields[9])
-    return out
+    return {inode for _, p, state, inode in sockets(("tcp", "tcp6")) if p == port and state == "0A"}
 
 
 def holders(inodes: set[str], pids: list[int]) -> list[int]:

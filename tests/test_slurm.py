@@ -275,6 +275,9 @@ def skip_requeue_delay(job: str, timeout_s: float = 120) -> None:
             != "PENDING":
         assert time.monotonic() < deadline, f"job {job} was not requeued"
         time.sleep(0.5)
+    # slurmd refuses to launch a job whose credential is not newer than the revocation of the last run's
+    # ("Job credential revoked"), compared in whole seconds: a restart within the same second fails
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
 
 

@@ -12,13 +12,38 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _machine() -> tuple[int, int]:
+    from rayhpc.cluster import local_cpus, local_gpus
+
+    return local_cpus(), local_gpus()
+
+
+# What a job started by a test without --address sees (a local Ray is sized from this machine):
+# bad-input expectations are derived from it, so the suite passes on a laptop and a GPU node alike.
+CPUS, GPUS = _machine()
+
+
+def too_many_gpu_workers(flag: str, *extra: str) -> tuple[list[str], str]:
+    """Arguments asking for one more GPU worker than this machine holds (`flag` sets the worker count;
+    `extra` follow it, `{n}` standing for the count), and the error's start: "no GPUs" on a machine
+    without, else how many GPU workers fit."""
+    if GPUS == 0:
+        return ["--gpu"], "error: compute.gpu (--gpu): the cluster has no GPUs"
+    n = min(CPUS, GPUS) + 1
+    return (["--gpu", flag, str(n), "--cpus-per-worker", "1", *(e.format(n=n) for e in extra)],
+            f"error: compute.num_workers (--num-workers) {n}: the cluster can place {n - 1} worker(s) of "
+            "1 CPU + 1 GPU each")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """Start one local Ray cluster (2 CPUs, token auth, dashboard) shared by every test; yield
-    its `address_info` (gcs_address, webui_url, metrics_export_port, node_ip_address, ...)."""
+    """Start one local Ray cluster (2 CPUs, no GPUs, token auth, dashboard) shared by every test; yield
+    its `address_info` (gcs_address, webui_url, metrics_export_port, node_ip_address, ...).
+    No GPUs even on a GPU node: the tests that use it compare against CPU references, and a sweep
+    on it would otherwise take GPU shares (the GPU paths are `jobs/gpu_check.py`'s)."""
     import ray
 
-    ctx = ray.init(num_cpus=2, logging_level="WARNING", include_dashboard=True)
+    ctx = ray.init(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
     yield ctx.address_info
     ray.shutdown()
 

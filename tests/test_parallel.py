@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from conftest import run_job
+from conftest import CPUS, run_job, too_many_gpu_workers
 from rayhpc.bench.parallel_reference import reference_run
 from rayhpc.config import ConfigError, validate
 from rayhpc.parallel import ParallelConfig, run_parallel
@@ -135,9 +135,9 @@ def test_mesh_mismatch_names_every_factor():
      "error: model.dim (--dim) 16: not divisible by model.heads (--heads) 3"),
     (["--pp", "5"], "error: pp (--pp) 5: more pipeline stages than the model's 4 layers"),
     (["--pp", "2", "--microbatches", "5"], "error: microbatches (--microbatches) 5: do not divide the per-replica batch 32"),
-    (["--tp", "2", "--dp", "8", "--cpus-per-worker", "1"],
-     "error: compute.num_workers (--num-workers) 16: the cluster can place 2 worker(s) of 1 CPU each"),
-    (["--gpu"], "error: compute.gpu (--gpu): the cluster has no GPUs"),
+    (["--tp", "2", "--dp", str(CPUS), "--cpus-per-worker", "1", "--batch-size", str(4 * CPUS)],
+     f"error: compute.num_workers (--num-workers) {2 * CPUS}: the cluster can place {CPUS} worker(s) of 1 CPU each"),
+    too_many_gpu_workers("--dp", "--batch-size", "{n}"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
     proc = run_job("train_parallel.py", "--storage-path", str(tmp_path), *args,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ray.train import UserCallback
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import ROOT, run_job, tensorboard_scalars
+from conftest import CPUS, ROOT, run_job, tensorboard_scalars, too_many_gpu_workers
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.models import MLP
@@ -163,9 +163,9 @@ def test_shards_partition_the_data_and_reshuffle_every_epoch():
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--num-workers", "5", "--cpus-per-worker", "1"],
-     "error: compute.num_workers (--num-workers) 5: the cluster can place 2 worker(s) of 1 CPU each"),
-    (["--gpu"], "error: compute.gpu (--gpu): the cluster has no GPUs"),
+    (["--num-workers", str(CPUS + 1), "--cpus-per-worker", "1"],
+     f"error: compute.num_workers (--num-workers) {CPUS + 1}: the cluster can place {CPUS} worker(s) of 1 CPU each"),
+    too_many_gpu_workers("--num-workers"),
     (["--global-batch-size", "65"], "error: global_batch_size (--global-batch-size) 65: not divisible by "
                                     "compute.num_workers (--num-workers) 2"),
     (["--hp", "hidden=wide"], "error: hparams.hidden (--hp): Input should be a valid integer"),

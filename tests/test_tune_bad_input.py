@@ -6,7 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_job
+from conftest import CPUS, GPUS, run_job
+
+WORKERS = min(CPUS, GPUS) if GPUS else CPUS  # distributed-trial workers this machine places
 
 
 def write(path: Path, text: str) -> str:
@@ -32,10 +34,17 @@ CASES = {
                         "error: num_samples (--num-samples): Input should be greater than or equal to 1"),
     "unknown search": (lambda d: ["--search", "bayes"],
                        "error: search (--search): Input should be 'random', 'grid' or 'optuna' (got 'bayes')"),
-    "gpus without gpus": (lambda d: ["--gpus-per-trial", "0.5"],
-                          "error: gpus_per_trial (--gpus-per-trial) 0.5: the cluster has no GPUs"),
-    "cpus beyond cluster": (lambda d: ["--cpus-per-trial", "64"],
-                            "error: cpus_per_trial (--cpus-per-trial) 64: larger than the"),
+    "gpus without gpus" if GPUS == 0 else "gpu share below 1/8":
+        (lambda d: ["--gpus-per-trial", "0.05"],
+         "error: gpus_per_trial (--gpus-per-trial) 0.05: " + ("the cluster has no GPUs" if GPUS == 0 else
+                                                              "at most 8 trial processes share a GPU")),
+    "gpu fraction for distributed trials": (lambda d: ["--gpus-per-trial", "0.5", "--workers-per-trial", "2"],
+                                            "error: gpus_per_trial (--gpus-per-trial) 0.5: with workers_per_trial 2 "
+                                            "every worker is one NCCL rank on a whole GPU"),
+    "bf16 on CPUs": (lambda d: ["--precision", "bf16", "--gpus-per-trial", "0"],
+                     "error: precision (--precision) bf16: autocast is for GPUs"),
+    "cpus beyond cluster": (lambda d: ["--cpus-per-trial", str(CPUS + 1)],
+                            f"error: cpus_per_trial (--cpus-per-trial) {CPUS + 1}: larger than the"),
     "missing data file": (lambda d: ["--data", str(d / "nope.parquet")],
                           "error: data.path (--data) "),
     "data not parquet": (lambda d: ["--data", write(d / "x.parquet", "a,b\n1,2\n")],
@@ -45,8 +54,11 @@ CASES = {
     "data with text column": (lambda d: ["--data", parquet(d / "x.parquet", a=["u", "v"], target=[1.0, 2.0])],
                               "error: data "),
     "unknown flag": (lambda d: ["--num-trials", "3"], "error: unrecognized arguments: --num-trials 3"),
-    "workers beyond cluster": (lambda d: ["--workers-per-trial", "4"],
-                               "error: workers_per_trial (--workers-per-trial) 4: the cluster can place 2 worker(s)"),
+    # a sweep on a GPU machine gives each worker of a distributed trial a GPU
+    "workers beyond cluster": (lambda d: ["--workers-per-trial", str(WORKERS + 1), "--config", write(
+                                   d / "s.yaml", f"space: {{batch_size: {{choice: [{16 * (WORKERS + 1)}]}}}}\n")],
+                               f"error: workers_per_trial (--workers-per-trial) {WORKERS + 1}: the cluster can place "
+                               f"{WORKERS} worker(s)"),
     "batch not divisible by workers": (lambda d: ["--workers-per-trial", "2", "--config",
                                                   write(d / "s.yaml", "space: {batch_size: {choice: [32, 33]}}\n")],
                                        "error: space.batch_size: 33 is not divisible by workers_per_trial"),

@@ -31,8 +31,11 @@ class SweepConfig(TaskJobConfig):
                              "unset: 16, or 1 with search=grid")
     max_concurrent: int | None = Field(None, ge=1, description="most trial processes at once: the array job's %K")
     cpus_per_trial: float = Field(1.0, gt=0, description="CPUs reserved per trial process (torch threads)")
-    gpus_per_trial: float | None = Field(None, ge=0, description="GPUs per trial process, fractional allowed; "
-                                         "unset: 0 without GPUs, else a share of the GPUs")
+    gpus_per_trial: float | None = Field(None, ge=0, le=1, description="GPUs per trial process (per worker with "
+                                         "workers_per_trial > 1): 1, or 1/k to put k packs on each GPU (k <= 8); "
+                                         "unset: 0 without GPUs, else 1")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32, or bf16 autocast on GPUs (every trial, "
+                                               "packed or distributed)")
     epochs: int = Field(10, ge=1, description="training epochs per trial (one report and checkpoint each)")
     search: Literal["random", "grid", "optuna"] = Field("random", description="how configs are drawn")
     scheduler: Literal["fifo", "asha"] = Field("fifo", description="run trials to the end, or stop bad ones early")
@@ -64,6 +67,9 @@ class SweepConfig(TaskJobConfig):
             raise ConfigError("pack: packed trials train to the end together; scheduler=asha needs pack 1 or unset")
         if self.pack is not None and self.pack > 1 and self.search == "optuna":
             raise ConfigError("pack: optuna proposes one trial at a time; search=optuna needs pack 1 or unset")
+        if self.gpus_per_trial and self.workers_per_trial > 1 and self.gpus_per_trial != 1:
+            raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {self.gpus_per_trial:g}: with workers_per_trial "
+                              f"{self.workers_per_trial} every worker is one NCCL rank on a whole GPU; use 1 or 0")
         if self.pack is not None and self.pack > 1 and self.workers_per_trial > 1:
             raise ConfigError(f"pack: trials with workers_per_trial={self.workers_per_trial} cannot be packed; "
                               "use pack 1 or unset")

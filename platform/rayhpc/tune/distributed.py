@@ -24,7 +24,7 @@ def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -
         compute=Compute(num_workers=sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial, gpu=gpu),
         epochs=sweep.epochs, global_batch_size=hp["batch_size"], seed=hp["seed"],
         optim=Optim(optimizer=hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"]),
-        max_failures=sweep.max_failures, data=sweep.data,
+        max_failures=sweep.max_failures, data=sweep.data, precision=sweep.precision,
         hparams={k: v for k, v in hp.items() if k not in PLATFORM_KEYS},
     )
 

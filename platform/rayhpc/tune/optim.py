@@ -17,14 +17,15 @@ class PackedOptimizer:
 
     def __init__(self, params: list[torch.nn.Parameter], **per_member: list[float]):
         self.params = list(params)
-        self.hyper = {k: torch.tensor(v, dtype=torch.float32) for k, v in per_member.items()}
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        # on the parameters' device once: a host-to-device copy per parameter per step would stall a GPU
+        self.hyper = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in per_member.items()}
         self.state: dict[str, list[torch.Tensor]] = {}
         self.steps = 0
 
     def _h(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Hyperparameter `name` shaped to broadcast over a `[members, ...]` tensor."""
-        value = self.hyper[name].to(like.device)
-        return value.view(-1, *([1] * (like.dim() - 1)))
+        """Hyperparameter `name` shaped to broadcast over a `[members, ...]` tensor (a view: no copy)."""
+        return self.hyper[name].view(-1, *([1] * (like.dim() - 1)))
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -34,7 +35,8 @@ class PackedOptimizer:
         return {"steps": self.steps, "state": self.state, "hyper": self.hyper}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.steps, self.state, self.hyper = sd["steps"], sd["state"], sd["hyper"]
+        self.steps, self.state = sd["steps"], sd["state"]
+        self.hyper = {k: v.to(self.device) for k, v in sd["hyper"].items()}
 
 
 class PackedSGD(PackedOptimizer):

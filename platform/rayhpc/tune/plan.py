@@ -17,15 +17,17 @@ import math
 from pathlib import Path
 from typing import Callable
 
+from rayhpc.cluster import Resources
 from rayhpc.tune.config import SweepConfig
 
 MAX_PACK = 64
 PLAN_FILE = "trials.json"
 
 
-def slots(cfg: SweepConfig, cpus: float) -> int:
-    """How many trials the cluster runs at once."""
-    fit = max(1, math.floor(cpus / (cfg.cpus_per_trial * cfg.workers_per_trial) + 1e-9))
+def slots(cfg: SweepConfig, res: Resources, gpus: float = 0.0) -> int:
+    """How many trials the cluster runs at once, each trial process holding `cfg.cpus_per_trial` CPUs
+    and `gpus` GPUs (per worker), each on one node."""
+    fit = max(1, res.placeable(cfg.cpus_per_trial, gpus) // cfg.workers_per_trial)
     return min(fit, cfg.max_concurrent) if cfg.max_concurrent else fit
 
 

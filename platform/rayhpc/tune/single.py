@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -18,13 +19,13 @@ from typing import Callable
 import torch
 
 from rayhpc.data import DataConfig
-from rayhpc.task.batches import Batches, epoch_indices, eval_batch, evaluate
+from rayhpc.task.batches import Batches, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.hparams import make_optimizer
 from rayhpc.task.load import LoadedTask
 
 
 def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = DataConfig(),
-                 on_epoch: Callable | None = None) -> dict:
+                 on_epoch: Callable | None = None, device: torch.device = torch.device("cpu")) -> dict:
     """Train one trial for `epochs`; returns its final model, its last values (`train_loss`, `val_loss`,
     `val_<metric>`), the best of each, and its time.
 
@@ -33,21 +34,23 @@ def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = Dat
     """
     entered = time.perf_counter()
     train, val = task.split_data(hp, data)
-    model = task.initial_model(hp)
+    model = task.initial_model(hp).to(device)
     opt = make_optimizer(hp, model.parameters())
-    train_batches = Batches(train, torch.device("cpu"))
-    val_batches = Batches(val, torch.device("cpu")) if val is not None else None
+    workers = loader_workers(device, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
+    train_batches = Batches(train, device, workers)
+    val_batches = Batches(val, device, workers) if val is not None else None
     values, best = {}, {}
     modes = {"train_loss": "min", "val_loss": "min", task.objective[0]: task.objective[1]}  # what "best" means
     for epoch in range(epochs):
-        losses = []
+        total, steps = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
         for batch in train_batches(epoch_indices(len(train), hp["seed"], epoch), hp["batch_size"]):
             loss = task.loss(model, batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(loss.item())
-        values = {"train_loss": sum(losses) / len(losses)}
+            total += loss.detach().float()
+            steps += 1
+        values = {"train_loss": float(total) / steps}
         if val_batches is not None:
             values.update(evaluate(task, model, val_batches.all(eval_batch(hp["batch_size"]))))
         for name, mode in modes.items():
@@ -57,6 +60,19 @@ def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = Dat
         if on_epoch is not None:
             on_epoch(epoch + 1, values, model)
     return {"model": model, **values, **best, "iterations": epochs, "train_seconds": time.perf_counter() - entered}
+
+
+def task_device(gpus: float | None) -> torch.device:
+    """The array task's device: the GPU Slurm gave it (`--gpus-per-task`, so it is index 0 of
+    CUDA_VISIBLE_DEVICES) where the sweep asks for GPUs, else the CPU."""
+    if not gpus:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        print(f"error: gpus_per_trial {gpus:g}: no GPU visible to this array task "
+              f"(CUDA_VISIBLE_DEVICES={visible!r}, torch {torch.__version__})", file=sys.stderr)
+        raise SystemExit(2)
+    return torch.device("cuda", 0)
 
 
 def main(argv=None) -> int:
@@ -78,7 +94,7 @@ def main(argv=None) -> int:
     cfg = validate(SweepConfig, load_yaml(args.config))
     task = task_for(args.task or cfg.task, cfg.data)
     (hp,) = load_plan(Path(args.config).parent)[args.index]  # the trials the submission drew
-    result = train_single(task, hp, cfg.epochs, cfg.data)
+    result = train_single(task, hp, cfg.epochs, cfg.data, device=task_device(cfg.gpus_per_trial))
     row = {"index": args.index, "config": hp, "node": socket.gethostname(),
            **{k: v for k, v in result.items() if k != "model"}}
     out = Path(args.out)

@@ -56,9 +56,13 @@ def _plan(job: Started[SweepConfig]) -> list[list[dict]] | None:
             if problem is not None:
                 log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
                 key = None
-        packs = make_plan(configs, pack_size(cfg, len(configs), slots(cfg, job.resources.cpus)), key)
+        n_slots = slots(cfg, job.resources, trial_gpus(cfg, job.resources))
+        packs = make_plan(configs, pack_size(cfg, len(configs), n_slots), key)
     save_plan(packs, cfg.experiment_dir)
     return packs
+
+
+MAX_CONTEXTS_PER_GPU = 8  # trial processes sharing a GPU: each holds a CUDA context (~0.5 GiB) and its own memory
 
 
 def check_resources(cfg: SweepConfig, res: cluster.Resources) -> None:
@@ -66,21 +70,26 @@ def check_resources(cfg: SweepConfig, res: cluster.Resources) -> None:
     if cfg.cpus_per_trial > res.node_cpus:
         raise ConfigError(f"cpus_per_trial (--cpus-per-trial) {cfg.cpus_per_trial:g}: larger than the "
                           f"{res.node_cpus:g} CPUs of the cluster's biggest node ({res.describe()})")
-    if cfg.gpus_per_trial is not None and cfg.gpus_per_trial > 0 and res.gpus == 0:
+    if cfg.gpus_per_trial and res.gpus == 0:
         raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {cfg.gpus_per_trial:g}: the cluster has no GPUs "
                           f"({res.describe()}); use 0")
-    if cfg.gpus_per_trial is not None and cfg.gpus_per_trial > res.node_gpus:
-        raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {cfg.gpus_per_trial:g}: larger than the "
-                          f"{res.node_gpus:g} GPUs of the cluster's biggest node")
+    if cfg.gpus_per_trial and cfg.gpus_per_trial < 1 / MAX_CONTEXTS_PER_GPU:
+        raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {cfg.gpus_per_trial:g}: at most "
+                          f"{MAX_CONTEXTS_PER_GPU} trial processes share a GPU (each holds a CUDA context); "
+                          f"use at least {1 / MAX_CONTEXTS_PER_GPU:g} and larger packs (--pack)")
+    if cfg.precision == "bf16" and trial_gpus(cfg, res) == 0:
+        raise ConfigError(f"precision (--precision) bf16: autocast is for GPUs, and this sweep trains on CPUs "
+                          f"({res.describe()}); use fp32")
     if cfg.workers_per_trial > 1:
-        cluster.check_workers(res, cfg.workers_per_trial, cfg.cpus_per_trial, (cfg.gpus_per_trial or 0) > 0,
+        cluster.check_workers(res, cfg.workers_per_trial, cfg.cpus_per_trial, trial_gpus(cfg, res) > 0,
                               key="workers_per_trial (--workers-per-trial)")
 
 
 def trial_gpus(cfg: SweepConfig, res: cluster.Resources) -> float:
-    """GPUs per trial process: as given, else a share of the GPUs among the trials that fit by CPUs."""
+    """GPUs per trial process (per worker of a distributed trial): as given, else one where the cluster has
+    GPUs: a pack per GPU, one CUDA context each."""
     if cfg.gpus_per_trial is None:
-        return 0.0 if res.gpus == 0 else min(1.0, res.node_gpus / slots(cfg, res.node_cpus))
+        return 1.0 if res.gpus > 0 else 0.0
     return cfg.gpus_per_trial
 
 
@@ -88,7 +97,7 @@ def _settings(job: Started[SweepConfig]) -> TrialSettings:
     cfg, task = job.cfg, job.task
     return TrialSettings(epochs=cfg.epochs, threads=max(1, int(cfg.cpus_per_trial)),
                          defaults=cfg.defaults(task.hp_model), data_keys=tuple(sorted(job.info.data_reads)),
-                         data=cfg.data, objective=job.info.objective)
+                         data=cfg.data, objective=job.info.objective, bf16=cfg.precision == "bf16")
 
 
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
@@ -150,11 +159,10 @@ def _trainable(job: Started[SweepConfig], packs, gpus: float):
     trainable = tune.with_parameters(train_distributed_trial, task=job.task, packs=packs, sweep=cfg,
                                      defaults=cfg.defaults(job.task.hp_model), gpu=gpus > 0)
     # The trial process only drives a TorchTrainer whose workers hold the CPUs and GPUs, so it
-    # reserves memory alone (Ray refuses an empty request). Start no more trials than their
-    # worker groups fit, or the extra ones wait for workers until Ray Train gives up on them.
-    fit = max(1, res.placeable(cfg.cpus_per_trial, 1.0 if gpus > 0 else 0.0) // cfg.workers_per_trial)
+    # reserves memory alone (Ray refuses an empty request). No more trials at once than their
+    # worker groups fit (`slots`), or the extra ones wait for workers until Ray Train gives up.
     driver = {"cpu": 0, "memory": DRIVER_MEMORY}
-    return tune.with_resources(trainable, driver), min(fit, cfg.max_concurrent or fit)
+    return tune.with_resources(trainable, driver), slots(cfg, res, gpus)
 
 
 def _scheduler(cfg: SweepConfig):
@@ -172,5 +180,7 @@ def _describe(cfg: SweepConfig, packs, gpus: float) -> None:
     else:
         n = sum(len(p) for p in packs)
         trials = f"{n} trials in {len(packs)} pack(s) of up to {max(len(p) for p in packs)}"
-    log.info(f"sweep {cfg.name}: {trials}, {cfg.epochs} epochs each, scheduler {cfg.scheduler}, "
-             f"{cfg.cpus_per_trial:g} CPU + {gpus:g} GPU per trial process -> {cfg.experiment_dir}")
+    each = "worker" if cfg.workers_per_trial > 1 else "trial process"
+    where = f", {1 / gpus:g} per GPU" if 0 < gpus and cfg.workers_per_trial == 1 else ""
+    log.info(f"sweep {cfg.name}: {trials}, {cfg.epochs} epochs each, {cfg.precision}, scheduler {cfg.scheduler}, "
+             f"{cfg.cpus_per_trial:g} CPU + {gpus:g} GPU per {each}{where} -> {cfg.experiment_dir}")

@@ -36,6 +36,7 @@ class TrialSettings:
     data_keys: tuple[str, ...]  # hyperparameters data() reads: trials that agree on them share the data
     data: DataConfig  # the sweep's data section: the validation hold-out
     objective: tuple[str, str]  # (reported name, "min" or "max")
+    bf16: bool = False  # bf16 autocast (GPUs)
 
 
 def members_of(config: dict, packs: list[list[dict]] | None) -> list[dict]:
@@ -85,9 +86,11 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     train_batches, val_batches = Batches(train, device), (Batches(val, device) if val is not None else None)
     resumed_from = state["epoch"]
     for epoch in range(state["epoch"], settings.epochs):
-        values = {"train_loss": train_epoch(pack, opt, train_batches, hp["batch_size"], hp["seed"], epoch)}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+            values = {"train_loss": train_epoch(pack, opt, train_batches, hp["batch_size"], hp["seed"], epoch)}
         if val_batches is not None:
-            values.update(pack.evaluate(val_batches.all(eval_batch(hp["batch_size"]))))
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+                values.update(pack.evaluate(val_batches.all(eval_batch(hp["batch_size"]))))
         _update_best(state["best"], values, settings.objective)
         state["epoch"] = epoch + 1
         seconds = state["seconds"] + time.perf_counter() - entered

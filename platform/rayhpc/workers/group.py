@@ -49,6 +49,15 @@ class WorkerContext:
     state: dict = dataclasses.field(default_factory=dict)
 
 
+def gpu_key(gpu_id: str) -> tuple:
+    """Sort key of a GPU id as Ray reports it: by number ("2" before "10"), else by name (UUIDs)."""
+    return (0, int(gpu_id), "") if gpu_id.isdigit() else (1, 0, gpu_id)
+
+
+def gpu_order(gpu_ids: list[str]) -> list[tuple]:
+    return [gpu_key(g) for g in gpu_ids]
+
+
 class RankWorker:
     """The actor behind one rank (created by `WorkerGroup`; not used directly)."""
 
@@ -152,7 +161,7 @@ class WorkerGroup:
         ).remote(max(1, int(self.cpus_per_worker))) for i in range(self.num_workers)]
         infos = self._wait([a.info.remote() for a in actors], "start", list(range(len(actors))))
         # ranks by (node, first GPU id), creation order breaking ties: stable across restarts
-        order = sorted(range(len(actors)), key=lambda i: (infos[i]["node_ip"], infos[i]["gpu_ids"], i))
+        order = sorted(range(len(actors)), key=lambda i: (infos[i]["node_ip"], gpu_order(infos[i]["gpu_ids"]), i))
         self.actors = [actors[i] for i in order]
         self.infos = [infos[i] for i in order]
 
@@ -164,7 +173,8 @@ class WorkerGroup:
         calls = []
         for rank, (actor, info) in enumerate(zip(self.actors, self.infos)):
             local_rank = nodes[:rank].count(info["node_id"])
-            node_gpus = sorted({g for i in self.infos if i["node_id"] == info["node_id"] for g in i["gpu_ids"]})
+            node_gpus = sorted({g for i in self.infos if i["node_id"] == info["node_id"] for g in i["gpu_ids"]},
+                               key=gpu_key)
             visible = ",".join(node_gpus) if info["gpu_ids"] else None
             index = node_gpus.index(info["gpu_ids"][0]) if info["gpu_ids"] else None
             calls.append(actor.init.remote(rank, local_rank, self.num_workers, master_addr, port, self.backend,

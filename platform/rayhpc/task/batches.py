@@ -6,7 +6,8 @@ use, so a user can reproduce their own numbers; a single process is rank 0 of 1.
 Batches are what the default collate makes of the dataset's items. For in-memory
 tensor datasets (`TensorDataset`, and `Subset`s of one) whole batches are indexed out
 of tensors that already sit on the worker's device, which gives the same batch without
-a per-sample Python loop; any other dataset goes through a `DataLoader`.
+a per-sample Python loop; any other dataset goes through a `DataLoader` (worker processes,
+prefetch, and pinned memory on GPUs, as Ray Train users set it up).
 """
 
 from __future__ import annotations
@@ -78,11 +79,19 @@ def _tensor_rows(dataset: Dataset) -> tuple[tuple[torch.Tensor, ...], torch.Tens
     return None
 
 
-class Batches:
-    """Batches of one dataset on one device: `batches(indices, batch_size)` yields them in order."""
+def loader_workers(device: torch.device, cpus: float) -> int:
+    """DataLoader worker processes for a dataset that is not in-memory tensors: on a GPU, enough to keep
+    it fed (collating on the training process would stall it); on CPUs none, since every worker
+    process would take cores from the training step itself."""
+    return max(2, min(8, int(cpus) - 1)) if torch.device(device).type == "cuda" else 0
 
-    def __init__(self, dataset: Dataset, device: torch.device):
-        self.dataset, self.device = dataset, torch.device(device)
+
+class Batches:
+    """Batches of one dataset on one device: `batches(indices, batch_size)` yields them in order.
+    `workers`: DataLoader processes for datasets that are not in-memory tensors."""
+
+    def __init__(self, dataset: Dataset, device: torch.device, workers: int = 0):
+        self.dataset, self.device, self.workers = dataset, torch.device(device), workers
         fast = _tensor_rows(dataset)
         self.tensors = None
         if fast is not None:  # the whole dataset on the device once; batches are index gathers there
@@ -95,7 +104,11 @@ class Batches:
 
     def __call__(self, indices: Sequence[int], batch_size: int) -> Iterator[Any]:
         if self.tensors is None:
-            loader = DataLoader(self.dataset, batch_size=batch_size, sampler=list(indices))
+            cuda = self.device.type == "cuda"
+            # pinned host batches copy to the GPU asynchronously (`non_blocking` in to_device)
+            loader = DataLoader(self.dataset, batch_size=batch_size, sampler=list(indices), pin_memory=cuda,
+                                num_workers=self.workers, prefetch_factor=4 if self.workers else None,
+                                persistent_workers=False)
             for batch in loader:
                 yield to_device(batch, self.device)
             return

@@ -16,8 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
-from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate
+from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.hparams import make_optimizer
 from rayhpc.task.load import LoadedTask
 from rayhpc.train import checkpoint
@@ -41,9 +42,11 @@ class Worker:
     world: int
     progress: checkpoint.Progress
     first_step_time: float | None = None  # unix time
+    first_batch: int = 0  # samples of the first step (the one whose FLOPs were counted)
 
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
+        self.flops = StepFlops()
 
     def loss(self, batch) -> torch.Tensor:
         autocast = self.cfg.use_bf16 and self.cfg.strategy == "ddp" and self.device.type == "cuda"
@@ -85,8 +88,9 @@ def train_loop_per_worker(config: dict) -> None:
     optimizer = make_optimizer(hp, model.parameters())
     progress = checkpoint.restore(ray.train.get_checkpoint(), strategy=cfg.strategy, model=model,
                                   optimizer=optimizer, device=device) or checkpoint.Progress()
-    worker = Worker(cfg, task, hp, model, optimizer, Batches(train, device),
-                    Batches(val, device) if val is not None else None, device, rank, world, progress)
+    workers = loader_workers(device, cfg.compute.cpus_per_worker)
+    worker = Worker(cfg, task, hp, model, optimizer, Batches(train, device, workers),
+                    Batches(val, device, workers) if val is not None else None, device, rank, world, progress)
     for epoch in range(progress.epoch, cfg.epochs):
         run_epoch(worker, epoch)
 
@@ -106,36 +110,59 @@ def _quiet_report_logs() -> None:
     logging.getLogger(path).setLevel(logging.WARNING)
 
 
+@dataclasses.dataclass
+class Window:
+    """What one rank did since its last report. The loss sum stays on the device: reading it (or making
+    a tensor from a Python number) every step would make the host wait for the GPU every step."""
+
+    loss_sum: torch.Tensor  # summed batch loss x samples, on the device
+    samples: int = 0
+    steps: int = 0
+    data_seconds: float = 0.0  # host time spent waiting for the next batch
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        self.loss_sum += loss.detach().float() * n
+        self.samples += n
+        self.steps += 1
+
+    def timed(self, batches):
+        """`batches`, adding the time each one takes to arrive to `data_seconds`."""
+        it = iter(batches)
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.data_seconds += time.perf_counter() - asked
+            yield batch
+
+
 def run_epoch(w: Worker, epoch: int) -> None:
     """Train one epoch (or its remainder after a restore) and report it with a checkpoint."""
     cfg, p, batch = w.cfg, w.progress, w.cfg.per_worker_batch
     indices = epoch_indices(len(w.train), w.hp["seed"], epoch, w.rank, w.world)
     n_steps = math.ceil(len(indices) / batch)
     skip = p.step_in_epoch  # steps of this epoch done before a restore: same order, so skip them
-    totals = torch.zeros(2, device=w.device)  # summed batch losses, samples
-    steps, started = 0, time.perf_counter()
-    for i, data in enumerate(w.train(indices[skip * batch:], batch), start=skip):
-        loss = w.loss(data)
-        w.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+    win = Window(torch.zeros((), device=w.device))
+    for i, data in enumerate(win.timed(w.train(indices[skip * batch:], batch)), start=skip):
+        with w.flops.once():  # the model FLOPs of one step, counted on the first (for MFU)
+            loss = w.loss(data)
+            w.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         w.optimizer.step()
         if w.first_step_time is None:  # when training really began in this worker group (start-up benchmarks)
             w.first_step_time = time.time()
-        n = batch_size_of(data)
-        totals += torch.stack([loss.detach().float() * n, torch.tensor(float(n), device=w.device)])
-        steps += 1
+            w.first_batch = batch_size_of(data)
+        win.add(loss, batch_size_of(data))
         p.step_in_epoch, p.global_step = i + 1, p.global_step + 1
         ckpt = cfg.checkpoint_every_steps and p.global_step % cfg.checkpoint_every_steps == 0
         rows = cfg.metrics_every_steps and p.global_step % cfg.metrics_every_steps == 0
         if (ckpt or rows) and i + 1 < n_steps:
-            p.train_seconds += time.perf_counter() - started
-            w.report({"kind": "step", **_rates(w, totals, steps, time.perf_counter() - started, epoch)}, bool(ckpt))
-            started, totals, steps = time.perf_counter(), torch.zeros_like(totals), 0
-    if w.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
-    p.train_seconds += seconds
-    metrics = _rates(w, totals, steps, seconds, epoch)
+            w.report({"kind": "step", **_rates(w, win, epoch)}, bool(ckpt))
+            win = Window(torch.zeros_like(win.loss_sum))
+    metrics = _rates(w, win, epoch)
     val = w.validate()
     p.epoch, p.step_in_epoch = epoch + 1, 0
     w.report({"kind": "epoch", **metrics, "epoch": epoch + 1, **val, **_best(w, val)}, with_checkpoint=True)
@@ -155,20 +182,26 @@ def _best(w: Worker, val: dict) -> dict:
     return best
 
 
-def _rates(w: Worker, totals: torch.Tensor, steps: int, seconds: float, epoch: int) -> dict:
-    """Loss and throughput over all ranks since the last report."""
-    own_samples = float(totals[1])
+def _rates(w: Worker, win: Window, epoch: int) -> dict:
+    """Loss and throughput over all ranks since the last report (the one host-device sync of the window)."""
+    if w.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - win.started
+    w.progress.train_seconds += seconds
+    totals = torch.stack([win.loss_sum, torch.tensor(float(win.samples), device=w.device)])
     if dist.is_initialized() and w.world > 1:
-        totals = totals.clone()
         dist.all_reduce(totals)
     loss_sum, samples = totals.tolist()
+    per_s = win.samples / seconds if seconds > 0 else 0.0  # this rank's
     return {
         "epoch": epoch + 1,  # the (1-based) epoch this row belongs to
         "global_step": w.progress.global_step,
         "loss": loss_sum / max(samples, 1),
         "samples_per_s": samples / seconds if seconds > 0 else 0.0,
-        "worker_samples_per_s": own_samples / seconds if seconds > 0 else 0.0,  # this rank's
-        "step_ms": 1000 * seconds / max(steps, 1),
+        "worker_samples_per_s": per_s,
+        "step_ms": 1000 * seconds / max(win.steps, 1),
+        "data_wait_share": win.data_seconds / seconds if seconds > 0 else 0.0,  # of the time, waiting for batches
+        **_utilisation(w, per_s),
         "train_seconds": w.progress.train_seconds,
         "world_size": w.world,
         "global_batch_size": w.cfg.global_batch,
@@ -177,3 +210,12 @@ def _rates(w: Worker, totals: torch.Tensor, steps: int, seconds: float, epoch: i
         "node": socket.gethostname(),
         "first_step_time": w.first_step_time,
     }
+
+
+def _utilisation(w: Worker, samples_per_s: float) -> dict:
+    """This rank's model TFLOP/s and, on a GPU of known peak, its MFU."""
+    if not w.flops.flops:
+        return {}
+    flops_per_s = samples_per_s * w.flops.flops / w.first_batch
+    share = mfu(flops_per_s, w.device, w.cfg.use_bf16)
+    return {"worker_tflops": flops_per_s / 1e12, **({"mfu": share} if share is not None else {})}

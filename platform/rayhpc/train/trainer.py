@@ -85,6 +85,14 @@ def quiet_train_defaults() -> None:
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
+def _utilisation(epochs: pd.DataFrame) -> str:
+    """Model TFLOP/s per worker and MFU (GPUs of known peak), medians over epochs."""
+    if "worker_tflops" not in epochs:
+        return ""
+    mfu = f", MFU {epochs['mfu'].median():.1%}" if "mfu" in epochs else ""
+    return f", {epochs['worker_tflops'].median():.3g} model TFLOP/s per worker{mfu}"
+
+
 def format_summary(result: TrainResult) -> str:
     cfg, epochs = result.cfg, result.metrics[result.metrics["kind"] == "epoch"]
     last = epochs.iloc[-1]
@@ -96,5 +104,5 @@ def format_summary(result: TrainResult) -> str:
             f"batch: {cfg.global_batch} global = {cfg.per_worker_batch} per worker x {cfg.compute.num_workers} workers; "
             f"lr {cfg.effective_lr:g}{' (scaled by workers)' if cfg.scale_lr else ''}\n"
             f"loss {epochs['loss'].iloc[0]:.4g} -> {last['loss']:.4g}{val}; {epochs['samples_per_s'].median():,.0f} samples/s "
-            f"(median epoch), {epochs['step_ms'].median():.2f} ms/step\n"
+            f"(median epoch), {epochs['step_ms'].median():.2f} ms/step{_utilisation(epochs)}\n"
             f"checkpoint: {result.checkpoint_dir}\nmetrics: {cfg.experiment_dir / METRICS_FILE}")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from rayhpc.parallel.config import ParallelConfig
-from rayhpc.parallel.worker import RankRun, replica_batch
+from rayhpc.parallel.worker import RankRun, autocast, replica_batch
 from rayhpc.workers.group import WorkerContext, WorkerGroup
 
 
@@ -20,24 +20,48 @@ def bubble_formula(stages: int, microbatches: int) -> float:
 
 
 class BusyClock:
-    """Seconds a stage module spends in forward and backward, from module hooks."""
+    """Seconds a stage module spends in forward and backward, from module hooks.
 
-    def __init__(self, module: nn.Module):
-        self.busy, self._started = 0.0, 0.0
+    On a GPU the hooks record CUDA events, so the time is the device's: the host only queues
+    kernels and returns at once (host clocks would read a busy GPU stage as idle). An event
+    recorded at a forward's start fires when the stream reaches it, after the wait for the
+    activations received from the previous stage, so waiting is not counted as busy.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.reset()
         module.register_forward_pre_hook(self._start)
         module.register_forward_hook(self._stop)
         module.register_full_backward_pre_hook(self._start)
         module.register_full_backward_hook(self._stop)
 
+    def reset(self) -> None:
+        self.spans: list[list] = []  # [start, end] marks: perf_counter seconds, or CUDA events
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def _start(self, *_) -> None:
-        self._started = time.perf_counter()
+        self.spans.append([self._mark()])
 
     def _stop(self, *_) -> None:
-        self.busy += time.perf_counter() - self._started
+        self.spans[-1].append(self._mark())
+
+    def busy(self) -> float:
+        """Busy seconds since `reset` (waits for the device)."""
+        if not self.cuda:
+            return sum(end - start for start, end in self.spans)
+        torch.cuda.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.spans) / 1000
 
 
 def install_clock(ctx: WorkerContext) -> None:
-    ctx.state["clock"] = BusyClock(ctx.state["run"].module)
+    ctx.state["clock"] = BusyClock(ctx.state["run"].module, ctx.device)
 
 
 def timed_pipeline_step(ctx: WorkerContext, step: int) -> tuple[int, float, float]:
@@ -50,14 +74,17 @@ def timed_pipeline_step(ctx: WorkerContext, step: int) -> tuple[int, float, floa
     # an input that needs its gradient makes the first stage's backward hook fire when its
     # backward ends (without one it fires at the start, and the stage would look idle)
     x = x.clone().requires_grad_(True)
-    dist.barrier()
-    clock.busy, started = 0.0, time.perf_counter()
-    run.optimizer.zero_grad()
-    run.schedule.step(*((x,) if run.first_stage else ()), target=y if run.last_stage else None,
-                      losses=[] if run.last_stage else None)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-    return run.coords["pp"], clock.busy, time.perf_counter() - started
+    dist.barrier()
+    clock.reset()
+    started = time.perf_counter()
+    run.optimizer.zero_grad()
+    with autocast(run.cfg, ctx.device):
+        run.schedule.step(*((x,) if run.first_stage else ()), target=y if run.last_stage else None,
+                          losses=[] if run.last_stage else None)
+    busy = clock.busy()  # synchronises on a GPU: the step's wall ends when its kernels do
+    return run.coords["pp"], busy, time.perf_counter() - started
 
 
 def measure_bubble(group: WorkerGroup, cfg: ParallelConfig, data, warmup: int = 1) -> dict:

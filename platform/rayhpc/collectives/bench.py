@@ -31,20 +31,33 @@ def measure(ctx, name: str, size_bytes: int, warmup: int, iters: int) -> dict:
     dist.all_reduce(flag)  # every rank must agree on whether to go on to the timed loop
     if flag.item() > 0:
         return {"seconds": math.nan, "size_bytes": case.size_bytes, "error": wrong or "wrong on another rank"}
-    for _ in range(warmup):
-        case.run()
-    _sync(ctx.device)
+    _timed_runs(case, warmup, ctx.device)
     dist.barrier()
-    started = time.perf_counter()
-    for _ in range(iters):
-        case.run()
-    _sync(ctx.device)
-    return {"seconds": (time.perf_counter() - started) / iters, "size_bytes": case.size_bytes, "error": None}
+    return {"seconds": _timed_runs(case, iters, ctx.device), "size_bytes": case.size_bytes, "error": None}
 
 
-def _sync(device) -> None:
+def _timed_runs(case, iters: int, device: torch.device) -> float:
+    """Mean seconds of `case.run()` over `iters` runs, its inputs refilled before each run outside the
+    timing. On a GPU, CUDA events around each run: they time the collective on the device, not the
+    host's launch (the host returns long before a large NCCL transfer is done)."""
+    if iters == 0:
+        return math.nan
     if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            case.refill()
+            start.record()
+            case.run()
+            end.record()
         torch.cuda.synchronize(device)
+        return sum(start.elapsed_time(end) for start, end in events) / 1000 / iters
+    seconds = 0.0
+    for _ in range(iters):
+        case.refill()
+        started = time.perf_counter()
+        case.run()
+        seconds += time.perf_counter() - started
+    return seconds / iters
 
 
 def run_collectives(cfg: CollectivesConfig, explicit: set[str] = frozenset(), verbose: bool = True) -> pd.DataFrame:

@@ -51,6 +51,7 @@ class Case:
     run: Callable[[], None]
     check: Callable[[], str | None]
     size_bytes: int  # the nccl-tests size actually moved (chunked sizes are rounded down to n chunks)
+    refill: Callable[[], None] = lambda: None  # restore inputs `run` overwrites: before each run, never timed
 
 
 def make_case(name: str, size_bytes: int, rank: int, n: int, device) -> Case:
@@ -59,7 +60,16 @@ def make_case(name: str, size_bytes: int, rank: int, n: int, device) -> Case:
         raise ValueError(f"primitive {name!r}: expected one of {', '.join(PRIMITIVES)}")
     k = max(1, size_bytes // 4 // (n if name in CHUNKED else 1))  # elements per rank (per chunk if chunked)
     moved = 4 * k * (n if name in CHUNKED else 1)
-    return Case(*_BUILDERS[name](rank, n, k, device), size_bytes=moved)
+    run, check, *refill = _BUILDERS[name](rank, n, k, device)
+    return Case(run, check, moved, *refill)
+
+
+def _refilled(t: torch.Tensor, rank: int, k: int, device, reduce: Callable[[], None]):
+    """(run, refill) of a reduction that overwrites its input `t` with the result."""
+    source = value(rank, k, device=device)
+    refill = lambda: t.copy_(source)  # noqa: E731
+    refill()
+    return reduce, refill
 
 
 def _mismatch(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
@@ -98,21 +108,15 @@ def _all_gather(rank, n, k, device):
 def _reduce(rank, n, k, device):
     t = torch.empty(k, device=device)
     want = sum(value(r, k, device=device) for r in range(n))
-
-    def run():
-        t.copy_(value(rank, k, device=device))  # reduce overwrites rank 0's input: refill (also timed, cheap)
-        dist.reduce(t, dst=0)
-    return run, (lambda: _mismatch("reduce", t, want) if rank == 0 else None)
+    run, refill = _refilled(t, rank, k, device, lambda: dist.reduce(t, dst=0))
+    return run, (lambda: _mismatch("reduce", t, want) if rank == 0 else None), refill
 
 
 def _all_reduce(rank, n, k, device):
     t = torch.empty(k, device=device)
     want = sum(value(r, k, device=device) for r in range(n))
-
-    def run():
-        t.copy_(value(rank, k, device=device))
-        dist.all_reduce(t)
-    return run, (lambda: _mismatch("all_reduce", t, want))
+    run, refill = _refilled(t, rank, k, device, lambda: dist.all_reduce(t))
+    return run, (lambda: _mismatch("all_reduce", t, want)), refill
 
 
 def _reduce_scatter(rank, n, k, device):

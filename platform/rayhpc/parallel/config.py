@@ -46,6 +46,8 @@ class ParallelConfig(JobConfig):
     compute: ParallelCompute = ParallelCompute()
     microbatches: int | None = Field(None, ge=1, description="pipeline microbatches per step (default: pp)")
     schedule: Literal["gpipe", "1f1b"] = Field("gpipe", description="pipeline schedule")
+    precision: Literal["fp32", "tf32", "bf16"] = Field("tf32", description="fp32; tf32: fp32 with TF32 matmuls on "
+                                                       "GPUs (as fp32 on CPUs); bf16: autocast mixed precision")
     steps: int = Field(20, ge=1, description="optimizer steps")
     batch_size: int = Field(32, ge=1, description="global batch: samples per step over all replicas")
     lr: float = Field(0.3, gt=0, description="SGD learning rate")

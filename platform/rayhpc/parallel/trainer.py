@@ -87,7 +87,7 @@ def describe_layout(cfg: ParallelConfig, params: list[tuple[int, int]], start_se
     pipeline = (f"; {cfg.schedule}, {cfg.n_microbatches} microbatches of {per_replica // cfg.n_microbatches} "
                 f"samples" if cfg.pp > 1 else "")
     return (f"parallel: {cfg.world_size} ranks of {cfg.compute.cpus_per_worker:g} CPU, mesh pp({cfg.pp}) x "
-            f"dp({cfg.dp}) x tp({cfg.tp}) on {'GPU (nccl)' if cfg.compute.gpu else 'CPU (gloo)'}; "
+            f"dp({cfg.dp}) x tp({cfg.tp}) on {'GPU (nccl)' if cfg.compute.gpu else 'CPU (gloo)'}, {cfg.precision}; "
             f"{params[0][0]:,} parameters, "
             f"{min(p[1] for p in params):,}-{max(p[1] for p in params):,} per rank; batch {cfg.batch_size}{pipeline}; "
             f"group ready in {start_seconds:.1f} s")

@@ -110,6 +110,7 @@ def test_a_short_scaling_study_runs_end_to_end(ray_address, tmp_path):
     strong = table[table["mode"] == "strong"].set_index("workers")
     weak = table[table["mode"] == "weak"].set_index("workers")
     assert set(strong["global_batch"]) == {512} and weak["global_batch"].tolist() == [128, 256]
+    assert set(table["steps_per_epoch"]) == {50}  # the data sized for the default steps, whatever the batch
     for rows in (strong, weak):
         assert rows.loc[1, "speedup"] == 1.0 and rows.loc[1, "efficiency"] == 1.0
         assert math.isclose(rows.loc[2, "efficiency"], rows.loc[2, "speedup"] / 2)

@@ -20,6 +20,9 @@ class ScalingConfig(JobConfig):
     global_batch_size: int = Field(512, ge=1, description="strong scaling: samples per step over all workers")
     batch_size_per_worker: int = Field(128, ge=1, description="weak scaling: samples per step on each worker")
     epochs: int = Field(3, ge=2, description="epochs per run; the first is warm-up and not measured")
+    steps_per_epoch: int | None = Field(50, ge=1, description="optimizer steps per epoch in every run: the "
+                                        "synthetic data is sized to give them (a few steps per epoch would time "
+                                        "start-up noise); unset, or a --data file: the data as it is")
     hidden: int = Field(256, ge=1, description="MLP width (a wider model computes more per byte communicated)")
     depth: int = Field(3, ge=2, description="MLP Linear layers")
     compute: PerWorker = PerWorker()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pandas as pd
 
@@ -25,15 +26,33 @@ def nodes_spanned(res: cluster.Resources, workers: int, cpus: float, gpu: bool) 
     return nodes
 
 
+MLP_VAL_FRACTION = 0.2  # the built-in MLP task's validation hold-out when data.val_fraction is unset
+
+
+def sized_data(cfg: ScalingConfig, global_batch: int) -> dict:
+    """The data section of one run: synthetic rows for `steps_per_epoch` steps of `global_batch` samples
+    after the validation hold-out (as given when steps_per_epoch is unset or the data is a file)."""
+    data = cfg.data.model_dump()
+    if cfg.steps_per_epoch is None or cfg.data.path is not None:
+        return data
+    fraction = cfg.data.val_fraction or MLP_VAL_FRACTION
+    train = cfg.steps_per_epoch * global_batch
+    rows = math.ceil(train / (1 - fraction))
+    while rows - round(rows * fraction) > train:  # the hold-out rounds (`rayhpc.task.batches.holdout`)
+        rows -= 1
+    return {**data, "synthetic": {**data["synthetic"], "num_samples": rows}}
+
+
 def train_config(cfg: ScalingConfig, mode: str, n: int) -> TrainConfig:
     batch = {"global_batch_size": cfg.global_batch_size} if mode == "strong" else \
         {"batch_size_per_worker": cfg.batch_size_per_worker}
+    global_batch = cfg.global_batch_size if mode == "strong" else cfg.batch_size_per_worker * n
     name = f"{mode}-{n}"
     done_before = (cfg.experiment_dir / name / f"{TrainConfig.kind}.yaml").exists()  # a resumed study keeps it
     return validate(TrainConfig, {
         "name": name, "storage_path": str(cfg.experiment_dir), "epochs": cfg.epochs, "address": cfg.address,
         "resume": cfg.resume and done_before, "compute": {**cfg.compute.model_dump(), "num_workers": n},
-        "hparams": {"hidden": cfg.hidden, "depth": cfg.depth}, "data": cfg.data.model_dump(), **batch})
+        "hparams": {"hidden": cfg.hidden, "depth": cfg.depth}, "data": sized_data(cfg, global_batch), **batch})
 
 
 def run_scaling(cfg: ScalingConfig, explicit: set[str] = frozenset()) -> pd.DataFrame:
@@ -49,6 +68,7 @@ def run_scaling(cfg: ScalingConfig, explicit: set[str] = frozenset()) -> pd.Data
         epochs = result.metrics[result.metrics["kind"] == "epoch"]
         rows.append({"mode": mode, "workers": n, "nodes": nodes_spanned(res, n, cpus, cfg.compute.gpu),
                      "global_batch": int(epochs["global_batch_size"].iloc[0]),
+                     "steps_per_epoch": int(epochs["global_step"].iloc[0]),
                      "samples_per_s": float(epochs["samples_per_s"].iloc[1:].median())})  # epoch 1 is warm-up
     table = add_speedup(pd.DataFrame(rows))
     cfg.experiment_dir.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ import pandas as pd
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+NAN = float("nan")
 RAY_TRAIN_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
 
 
@@ -53,7 +54,7 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads(out.read_text())
     return {"first_step_s": result["first_step_s"], "samples_per_s": sum(result["samples_per_s"][1:])
-            / (args.epochs - 1), "detail": "", "fit_s": float("nan")}
+            / (args.epochs - 1), "detail": "", "fit_s": float("nan"), "mfu": NAN, "data_wait_share": NAN}
 
 
 def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str = "ddp") -> dict:
@@ -73,9 +74,12 @@ def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str =
     epochs = metrics[metrics["kind"] == "epoch"]
     startup = re.search(r"start-up: (.*)", proc.stdout)
     fit = re.search(r"in ([0-9.]+) s from fit\(\) to done", proc.stdout)
+    later = epochs.iloc[1:]  # epoch 1 holds the warm-up
     return {"first_step_s": float(epochs["first_step_time"].iloc[0]) - launch,
-            "samples_per_s": float(epochs["samples_per_s"].iloc[1:].mean()),
-            "detail": startup.group(1) if startup else "", "fit_s": float(fit.group(1)) if fit else float("nan")}
+            "samples_per_s": float(later["samples_per_s"].mean()),
+            "detail": startup.group(1) if startup else "", "fit_s": float(fit.group(1)) if fit else NAN,
+            "mfu": float(later["mfu"].mean()) if "mfu" in later else NAN,
+            "data_wait_share": float(later["data_wait_share"].mean())}
 
 
 def main() -> None:
@@ -90,6 +94,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--samples", type=int, default=30720, help="rows of the synthetic task (80%% train)")
+    parser.add_argument("--json", help="also write the table (medians per run) to this file")
     args = parser.parse_args()
     if args.gpu and not args.strategies:
         parser.error("--gpu: only with --strategies (the torchrun comparison is CPU, gloo)")
@@ -106,6 +111,8 @@ def main() -> None:
         for name, run in plan(args).items():
             runs.setdefault(name, []).append(run(work, i))
     print_table(runs)
+    if args.json:
+        Path(args.json).write_text(json.dumps({name: _median(results) for name, results in runs.items()}, indent=1))
 
 
 def print_table(runs: dict[str, list[dict]]) -> None:
@@ -113,11 +120,13 @@ def print_table(runs: dict[str, list[dict]]) -> None:
     rows = [(name, _median(results)) for name, results in runs.items()]
     base = rows[0][1]
     print(f"\n{'':32s} {'first step':>11s} {'vs ' + rows[0][0].split()[0]:>12s} {'samples/s':>10s} "
-          f"{'ratio':>7s} {'fit() to done':>14s}")
+          f"{'ratio':>7s} {'fit() to done':>14s} {'MFU':>6s} {'data wait':>10s}")
     for name, r in rows:
         print(f"{name:32s} {r['first_step_s']:10.1f}s {r['first_step_s'] / base['first_step_s']:11.2f}x "
               f"{r['samples_per_s']:10,.0f} {r['samples_per_s'] / base['samples_per_s']:6.3f}x "
-              + (f"{r['fit_s']:13.1f}s" if r["fit_s"] == r["fit_s"] else f"{'-':>14s}"))  # NaN: not a Ray run
+              + (f"{r['fit_s']:13.1f}s" if r["fit_s"] == r["fit_s"] else f"{'-':>14s}")  # NaN: not a Ray run
+              + (f" {r['mfu']:6.1%}" if r["mfu"] == r["mfu"] else f" {'-':>6s}")
+              + (f" {r['data_wait_share']:10.1%}" if r["data_wait_share"] == r["data_wait_share"] else f" {'-':>10s}"))
     for name, results in list(runs.items())[1:]:
         print(f"{name}: " + " | ".join(r["detail"] for r in results))
 
@@ -134,7 +143,8 @@ def plan(args) -> dict:
 
 
 def _median(results: list[dict]) -> dict:
-    return {key: statistics.median(r[key] for r in results) for key in ("first_step_s", "samples_per_s", "fit_s")}
+    keys = ("first_step_s", "samples_per_s", "fit_s", "mfu", "data_wait_share")
+    return {key: statistics.median(r[key] for r in results) for key in keys}
 
 
 if __name__ == "__main__":

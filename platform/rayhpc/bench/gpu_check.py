@@ -1,0 +1,255 @@
+"""Every GPU path of the platform on the GPUs this machine has, in one table (`jobs/gpu_check.py`).
+
+Each line runs one path the way a user does (the job scripts, as subprocesses) or calls the
+platform directly, and says PASS, FAIL or SKIP (why) with its figures. Without a GPU it says
+so, runs the lines that need none and exits 0, so CI runs it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+# the H100 anchor (one worker, bf16): MLP 4096 -> 8192 x 3 -> 4096, batch 8192
+ANCHOR = ["--in-features", "4096", "--hidden", "8192", "--depth", "4", "--batch", "8192"]
+GOALS = {"rayhpc DDP": 0.99, "rayhpc FSDP2": 0.95}  # samples/s over raw PyTorch in the same run
+FIT_GOAL_S = 12.0  # fit() to done for a job of about 3 s of training (plain Ray Train: 40.8 s)
+
+
+@dataclass
+class Line:
+    name: str
+    status: str  # PASS, FAIL, SKIP
+    figures: str
+    seconds: float = 0.0
+    data: dict = field(default_factory=dict)
+
+
+def run_job(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def _failed(proc: subprocess.CompletedProcess) -> str:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return f"exit {proc.returncode}: " + " | ".join(tail)
+
+
+def check_no_host_traffic(device: torch.device) -> Line:
+    """The packed optimizer and the training loop's running sums step without a host-device sync
+    (CUDA's sync debug mode turns any sync into an error)."""
+    from rayhpc.task.batches import Batches
+    from rayhpc.train.loop import Window
+    from rayhpc.tune.optim import PackedAdam, PackedSGD
+
+    params = [torch.nn.Parameter(torch.randn(4, 64, 64, device=device)) for _ in range(3)]
+    opts = [PackedSGD(params, lr=[0.1] * 4, momentum=[0.9] * 4, weight_decay=[1e-4] * 4),
+            PackedAdam(params, lr=[1e-3] * 4, weight_decay=[0.0] * 4)]
+    batches = Batches(torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1)), device)
+    win = Window(torch.zeros((), device=device))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    epochs = [batches(list(range(i, 256)), 64) for i in range(3)]
+    firsts = [next(epoch) for epoch in epochs]  # an epoch's order goes to the device once, before its steps
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for epoch, first in zip(epochs, firsts):
+            for x, _y in [first, *epoch]:
+                for opt in opts:
+                    opt.step()
+                win.add(x.sum(), len(x))
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    how = "CUDA sync debug mode: error" if device.type == "cuda" else f"{device.type} device: the path runs"
+    return Line("no host sync in a step", "PASS", f"{win.steps} steps of 2 packed optimizers + running loss ({how})")
+
+
+def check_packed_sweep(work: Path, gpus: int) -> Line:
+    """The packed sweep with half a GPU per pack: two packs share each GPU."""
+    import pandas as pd
+
+    proc = run_job("tune_mlp.py", "--num-samples", "32", "--epochs", "3", "--gpus-per-trial", "0.5",
+                   "--storage-path", str(work / "sweep"), "--name", "gpu-sweep")
+    if proc.returncode:
+        return Line("packed sweep, 0.5 GPU per pack", "FAIL", _failed(proc))
+    table = pd.read_parquet(work / "sweep" / "gpu-sweep" / "results.parquet")
+    first = next(line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "sweep gpu-sweep:" in line)
+    stated = "fp32" in first and "2 per GPU" in first
+    ok = stated and set(table["status"]) == {"finished"} and len(table) == 32
+    return Line("packed sweep, 0.5 GPU per pack", "PASS" if ok else "FAIL",
+                f"{len(table)} trials {dict(table['status'].value_counts())}, {2 * gpus} packs at once; "
+                f"first line: {first.split(': ', 1)[-1][:90]}")
+
+
+def check_strategies(work: Path) -> list[Line]:
+    """DDP and FSDP2 (bf16) against raw PyTorch at the anchor size, in one run; MFU, data wait, fit() time."""
+    out = work / "strategies.json"
+    proc = run_job("bench_train.py", "--strategies", "--gpu", *ANCHOR, "--samples", "256000", "--epochs", "3",
+                   "--repeats", "1", "--json", str(out), timeout=420)
+    if proc.returncode:
+        return [Line("DDP / FSDP2 vs raw PyTorch", "FAIL", _failed(proc))]
+    rows = json.loads(out.read_text())
+    raw = rows["raw PyTorch"]["samples_per_s"]
+    lines = []
+    for name, goal in GOALS.items():
+        r = rows[name]
+        ratio = r["samples_per_s"] / raw
+        waits = r["data_wait_share"] < 0.05
+        lines.append(Line(f"{name.split()[1]} bf16 vs raw PyTorch", "PASS" if ratio >= goal and waits else "FAIL",
+                          f"{r['samples_per_s']:,.0f} vs {raw:,.0f} samples/s = {ratio:.3f}x (goal >= {goal}); "
+                          f"MFU {r['mfu']:.1%}; waiting for data {r['data_wait_share']:.1%} of the time", data=r))
+    fit = rows["rayhpc DDP"]["fit_s"]
+    lines.append(Line("fit() to done, ~3 s of training", "PASS" if fit < FIT_GOAL_S else "FAIL",
+                      f"{fit:.1f} s (goal < {FIT_GOAL_S:g} s; plain Ray Train 40.8 s)"))
+    return lines
+
+
+def layouts(gpus: int) -> dict[str, dict]:
+    """Model-parallel layouts for this many GPUs (one rank per GPU): world size 1 on one GPU."""
+    if gpus == 1:
+        return {"tp1 (world 1)": dict(tp=1), "pp1 transformer (world 1)": dict(model={"kind": "transformer"})}
+    found = {f"tp{gpus}": dict(tp=gpus, model={"hidden": 32 * gpus}),
+             "pp2 1f1b": dict(pp=2, microbatches=4, schedule="1f1b")}
+    if gpus >= 4:
+        found["tp2 x pp2"] = dict(tp=2, pp=2, microbatches=4, schedule="1f1b")
+    return found
+
+
+def check_model_parallel(work: Path, gpus: int) -> list[Line]:
+    """The worker group on NCCL against the one-process reference (fp32, no TF32), and a bf16 run."""
+    from rayhpc.bench.parallel_reference import reference_run
+    from rayhpc.parallel import ParallelConfig, run_parallel
+
+    lines = []
+    for name, layout in layouts(gpus).items():
+        world = ParallelConfig(**layout).degrees.world_size
+        cfg = ParallelConfig(storage_path=work / "parallel", name=re.sub(r"\W+", "-", name), steps=4,
+                             precision="fp32", compute={"gpu": True, "num_workers": world}, **layout)
+        result = run_parallel(cfg, verbose=False)
+        losses, _ = reference_run(cfg)
+        try:
+            torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=1e-4, atol=1e-5)
+            status, figures = "PASS", f"4 steps equal one process; loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        except AssertionError as exc:
+            status, figures = "FAIL", str(exc).splitlines()[0]
+        lines.append(Line(f"TP/PP on NCCL: {name}", status, figures))
+    cfg = ParallelConfig(storage_path=work / "parallel", name="bf16", steps=10, precision="bf16",
+                         compute={"gpu": True, "num_workers": 1})
+    result = run_parallel(cfg, verbose=False)
+    falls = result.losses[-1] < result.losses[0]
+    lines.append(Line("TP/PP bf16 autocast", "PASS" if falls else "FAIL",
+                      f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} in 10 steps"))
+    return lines
+
+
+def check_collectives(work: Path, gpus: int) -> Line:
+    import pandas as pd
+
+    proc = run_job("bench_collectives.py", "--gpu", "--num-workers", str(gpus), "--max-size", "1GiB",
+                   "--primitives", "all_reduce,all_gather,reduce_scatter", "--storage-path", str(work / "coll"),
+                   timeout=300)
+    if proc.returncode:
+        return Line("NCCL collectives", "FAIL", _failed(proc))
+    table = pd.concat(pd.read_parquet(p) for p in (work / "coll").rglob("collectives.parquet"))
+    big = table[table["size_bytes"] == table["size_bytes"].max()].set_index("primitive")
+    busbw = ", ".join(f"{k} {v:.0f}" for k, v in big["busbw_GBps"].items())
+    return Line("NCCL collectives", "PASS" if table["correct"].all() else "FAIL",
+                f"{gpus} rank(s), busbw at {big['size_bytes'].iloc[0] / 2**30:.0f} GiB (GB/s): {busbw}")
+
+
+def check_bubble(gpus: int) -> Line:
+    if gpus < 2:
+        return Line("pipeline bubble (CUDA events)", "SKIP", "needs 2 GPUs (one stage per GPU)")
+    proc = run_job("bench_parallel.py", "--gpu", "--pp", "2", "--microbatches", "2,4,8", "--steps", "3")
+    if proc.returncode:
+        return Line("pipeline bubble (CUDA events)", "FAIL", _failed(proc))
+    rows = [r.split() for r in proc.stdout.splitlines() if r.split()[:1] in (["gpipe"], ["1f1b"])]
+    off = max(abs(float(r[-3]) - float(r[-2])) for r in rows)
+    return Line("pipeline bubble (CUDA events)", "PASS" if off < 0.15 else "FAIL",
+                "; ".join(f"{r[0]} m={r[1]} idle {r[-3]} vs {r[-2]}" for r in rows))
+
+
+def check_digits(work: Path) -> Line:
+    import pandas as pd
+
+    proc = run_job("tune_mlp.py", "--task", "jobs/tasks/digits.py:DigitsCNN", "--num-samples", "8", "--epochs", "5",
+                   "--storage-path", str(work / "digits"), "--name", "digits")
+    if proc.returncode:
+        return Line("digits CNN sweep on GPU", "FAIL", _failed(proc))
+    best = pd.read_parquet(work / "digits" / "digits" / "results.parquet")["best_val_accuracy"].max()
+    return Line("digits CNN sweep on GPU", "PASS" if best > 0.9 else "FAIL", f"best val accuracy {best:.3f}")
+
+
+def check_array_task() -> Line:
+    """An array task asking for a GPU trains on it."""
+    from rayhpc.data import DataConfig
+    from rayhpc.task import task_for
+    from rayhpc.task.hparams import full_hparams
+    from rayhpc.tune.single import task_device, train_single
+
+    task = task_for(None, DataConfig())
+    result = train_single(task, full_hparams(task.hp_model, {}), 2, device=task_device(1))
+    where = next(result["model"].parameters()).device
+    return Line("array task on its GPU", "PASS" if where.type == "cuda" else "FAIL",
+                f"trained on {where}, val_loss {result['val_loss']:.4f}")
+
+
+def _timed(check: Callable[[], Line | list[Line]], name: str) -> list[Line]:
+    started = time.perf_counter()
+    try:
+        found = check()
+    except Exception as exc:  # noqa: BLE001 - one broken path must not hide the others
+        traceback.print_exc()
+        found = Line(name, "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200])
+    found = found if isinstance(found, list) else [found]
+    for line in found:
+        line.seconds = (time.perf_counter() - started) / len(found)
+    return found
+
+
+def run_checks(out: Path, only: str | None = None) -> tuple[list[Line], str]:
+    """Every line (`only`: those whose check name contains it) on this machine's GPUs, and where they ran."""
+    gpus = torch.cuda.device_count()
+    names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
+    where = (f"{gpus} x {', '.join(names)}" if gpus else "no GPU") + f"; torch {torch.__version__}, CUDA " \
+            f"{torch.version.cuda or 'none'}; python {sys.version.split()[0]}"
+    lines = _timed(lambda: check_no_host_traffic(torch.device("cuda" if gpus else "meta")), "no host sync")
+    if not gpus or only == "no host sync":
+        return lines, where
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    checks = [(lambda: check_packed_sweep(work, gpus), "packed sweep"), (lambda: check_strategies(work), "DDP/FSDP2"),
+              (lambda: check_model_parallel(work, gpus), "TP/PP"), (lambda: check_collectives(work, gpus), "NCCL"),
+              (lambda: check_bubble(gpus), "bubble"), (lambda: check_digits(work), "digits"),
+              (check_array_task, "array task")]
+    for check, name in checks:
+        if only is not None and only not in name:
+            continue
+        lines += _timed(check, name)
+        write(out, lines, where)  # what is done is kept if a later line hangs
+    return lines, where
+
+
+def write(out: Path, lines: list[Line], where: str) -> None:
+    out.write_text(json.dumps({"machine": where, "lines": [asdict(line) for line in lines]}, indent=1, default=str))
+
+
+def format_table(lines: list[Line], where: str) -> str:
+    width = max(len(line.name) for line in lines)
+    rows = [f"{line.name:<{width}}  {line.status:<4}  {line.seconds:6.1f} s  {line.figures}" for line in lines]
+    return "\n".join([f"gpu_check: {where}", *rows])

@@ -13,7 +13,7 @@ import argparse
 from rayhpc import cluster
 from rayhpc.bench.bubble import measure_bubble
 from rayhpc.parallel import ParallelConfig
-from rayhpc.parallel.trainer import training_tensors
+from rayhpc.parallel.trainer import make_recipe
 from rayhpc.workers import WorkerGroup
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     cluster.connect(cluster.resolve_address(a.address))
     import ray
 
-    data = ray.put(training_tensors(cfgs[-1]))
+    data = ray.put(make_recipe(cfgs[-1])[1])
     print(f"{a.pp} stages of 2 Linear layers (width {a.hidden}), microbatches of {a.microbatch_size} samples, "
           f"median of {a.steps} steps\n")
     print(f"{'schedule':>8} {'m':>3} {'step ms':>8} {'idle by stage':>20} {'idle':>6} {'formula':>8} {'diff':>7}")

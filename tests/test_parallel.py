@@ -11,14 +11,16 @@ import pytest
 import ray
 import torch
 
-from conftest import CPUS, run_job, too_many_gpu_workers
+from conftest import CPUS, ROOT, run_job, too_many_gpu_workers
 from rayhpc.bench.parallel_reference import reference_run
 from rayhpc.config import ConfigError, validate
-from rayhpc.parallel import ParallelConfig, run_parallel
+from rayhpc.parallel import ParallelConfig, run_parallel, worker
+from rayhpc.parallel.trainer import make_recipe
 from rayhpc.workers import WorkerGroup, WorkerGroupError
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank functions defined below
 
+GPT = f"{ROOT}/jobs/tasks/gpt.py:GPT"
 LAYOUTS = {
     "tp2 mlp": dict(tp=2),
     "pp2 gpipe": dict(pp=2, microbatches=4, schedule="gpipe"),
@@ -138,6 +140,13 @@ def test_mesh_mismatch_names_every_factor():
     (["--tp", "2", "--dp", str(CPUS), "--cpus-per-worker", "1", "--batch-size", str(4 * CPUS)],
      f"error: compute.num_workers (--num-workers) {2 * CPUS}: the cluster can place {CPUS} worker(s) of 1 CPU each"),
     too_many_gpu_workers("--dp", "--batch-size", "{n}"),
+    (["--task", GPT, "--tp", "3", "--cpus-per-worker", "0.5"],
+     "error: tp_plan: blocks.0.attn.wq (Linear, ColwiseParallel) splits out_features 64, not divisible by tp (--tp) 3"),
+    (["--task", GPT, "--tp", "8", "--hp", "dim=128", "--cpus-per-worker", "0.25"],
+     "error: hparams.heads (--hp) 4: not divisible by tp (--tp) 8 (the task's tp_divisible)"),
+    (["--task", GPT, "--pp", "3", "--microbatches", "2", "--cpus-per-worker", "0.5"],
+     "error: pp (--pp) 3: 3 stages need 2 split points; the task's pipeline_split gives 1: blocks.1"),
+    (["--hp", "dim=128"], "error: hparams (--hp): only with a task (--task)"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
     proc = run_job("train_parallel.py", "--storage-path", str(tmp_path), *args,
@@ -155,3 +164,88 @@ def test_the_bubble_benchmark_prints_its_table(tmp_path):
     assert [(r[0], r[1]) for r in rows] == [("gpipe", "1"), ("gpipe", "2"), ("1f1b", "2")]
     assert [r[-2] for r in rows] == ["0.500", "0.333", "0.333"]  # the formula column
     assert all(0 <= float(r[-3]) <= 1 for r in rows)  # measured idle share
+
+
+def shard_report(ctx) -> dict:
+    """Every parameter of this rank: its placements (None: a plain tensor) and local data."""
+    from torch.distributed.tensor import DTensor
+
+    found = {}
+    for name, p in ctx.state["run"].module.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        placements = [f"Shard({pl.dim})" if pl.is_shard() else type(pl).__name__ for pl in p.placements] \
+            if isinstance(p, DTensor) else None
+        found[name] = (placements, local.detach().cpu().clone())
+    return found
+
+
+@pytest.mark.parametrize("layout", ["tp2 mlp", "tp2 transformer"])
+def test_tensor_parallelism_really_shards_every_planned_weight(layout, ray_address):
+    """A no-op plan would leave whole replicas: every planned weight must be a DTensor whose local
+    shard holds 1/tp of its rows (column-parallel) or columns (row-parallel), the shards must differ
+    and concatenate to the whole weight, and each rank must hold the expected share of parameters."""
+    cfg = ParallelConfig(**LAYOUTS[layout])
+    recipe, data = make_recipe(cfg)
+    torch.manual_seed(cfg.seed)
+    whole = dict(recipe.build().named_parameters())  # the reference's initial weights
+    with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=120) as group:
+        group.run(worker.setup, recipe, data)
+        ranks = group.run(shard_report)
+    planned = expected_split(cfg, whole)
+    assert planned, "the plan shards nothing"
+    for name, dim in planned.items():
+        (p0, s0), (p1, s1) = ranks[0][name], ranks[1][name]
+        assert p0 == p1 == [f"Shard({dim})"], (name, p0, p1)
+        assert s0.shape[dim] == whole[name].shape[dim] // 2 and not torch.equal(s0, s1), name
+        torch.testing.assert_close(torch.cat([s0, s1], dim=dim), whole[name].detach(), msg=name)
+    for rank in ranks:
+        held = sum(local.numel() for _, local in rank.values())
+        want = sum(p.numel() // 2 if name in planned else p.numel() for name, p in whole.items())
+        assert held == want < 0.75 * sum(p.numel() for p in whole.values()), (held, want)
+
+
+def expected_split(cfg: ParallelConfig, whole: dict) -> dict[str, int]:
+    """The dimension each sharded parameter is split on, from the Megatron pattern (written out here,
+    independently of `rayhpc.parallel.tp`): column-parallel weights and biases by rows (0), row-parallel
+    weights by columns (1); row-parallel biases and norms stay whole."""
+    if cfg.model.kind == "mlp":
+        linears = sorted({int(n.split(".")[1]) for n in whole if n.endswith(".weight")})
+        column = {f"layers.{i}" for k, i in enumerate(linears) if k % 2 == 0}
+        row = {f"layers.{i}" for k, i in enumerate(linears) if k % 2 == 1}
+    else:
+        blocks = {n.rsplit(".", 3)[0] for n in whole if ".attn." in n}
+        column = {f"{b}.{p}" for b in blocks for p in ("attn.wq", "attn.wk", "attn.wv", "ffn.w1")}
+        row = {f"{b}.{p}" for b in blocks for p in ("attn.wo", "ffn.w2")}
+    split = {f"{m}.weight": 0 for m in column} | {f"{m}.bias": 0 for m in column} | {f"{m}.weight": 1 for m in row}
+    return {name: dim for name, dim in split.items() if name in whole}
+
+
+GPT_HP = {"corpus_bytes": 20000, "block": 16, "dim": 32, "heads": 4, "layers": 2}
+# the built-in models' layouts, on the user's GPT (a batch of 8: 2 microbatches per stage for TP x PP)
+GPT_LAYOUTS = {"tp2": LAYOUTS["tp2 mlp"], "pp2 gpipe": LAYOUTS["pp2 gpipe"], "pp2 1f1b": LAYOUTS["pp2 1f1b"],
+               "tp2 x pp2": {**LAYOUTS["tp2 x pp2 mlp"], "microbatches": 2}, "dp2 x tp2": LAYOUTS["dp2 x tp2 mlp"]}
+
+
+def gpt_cfg(tmp_path, **layout) -> ParallelConfig:
+    return ParallelConfig(**{"task": GPT, "hparams": GPT_HP, "optimizer": "adam", "lr": 1e-3, "steps": 3,
+                             "batch_size": 8, "storage_path": tmp_path, "name": "gpt", **layout})
+
+
+@pytest.mark.parametrize("layout", GPT_LAYOUTS)
+def test_the_users_gpt_under_every_layout_equals_one_process(layout, ray_address, tmp_path):
+    """The task's own plan (tp_plan, pipeline_split) on the worker group, with Adam (state that is
+    sharded like the weights): every step's loss and the final weights equal one process."""
+    cfg = gpt_cfg(tmp_path, **GPT_LAYOUTS[layout])
+    result = run_parallel(cfg, verbose=False)
+    assert_equal_to_reference(result, cfg)
+
+
+def test_the_gpt_resumed_from_a_sharded_checkpoint_with_adam_state_ends_equal(ray_address, tmp_path):
+    """TP x PP shards of the weights and of Adam's state, saved every 2 steps; resumed from step 2 it ends
+    equal to one process only if the optimizer's state came back too (its moments and step count)."""
+    cfg = gpt_cfg(tmp_path, tp=2, pp=2, microbatches=2, steps=4, checkpoint_every=2)
+    full = run_parallel(cfg, verbose=False)
+    shutil.rmtree(full.checkpoint)
+    resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)
+    assert len(resumed.step_seconds) == 2, "the resumed run did not start from step 2"
+    assert_equal_to_reference(resumed, cfg)

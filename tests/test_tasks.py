@@ -393,3 +393,18 @@ def test_python_m_rayhpc_is_the_rayhpc_command(tmp_path):
     tune_help = subprocess.run([str(rayhpc), "tune", "--help"], capture_output=True, text=True, env=env)
     for flag in ("--task", "--workers-per-trial", "--val-fraction", "--grace-period"):
         assert flag in tune_help.stdout, tune_help.stdout
+
+
+def test_the_byte_gpt_learns_standard_library_source(ray_address, tmp_path):
+    """The GPT example on 2 DDP workers: the loss falls well below a uniform guess over 256 bytes
+    (ln 256 = 5.55 nats, 8 bits per byte), and bits per byte is the loss in bits."""
+    proc = run_job("train_mlp.py", "--task", f"{TASKS / 'gpt.py'}:GPT", "--hp", "corpus_bytes=200000",
+                   "--optimizer", "adam", "--lr", "0.003", "--epochs", "2", "--num-workers", "2",
+                   "--storage-path", str(tmp_path), "--address", ray_address, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    epochs = pd.read_parquet(tmp_path / "gpt-train" / "metrics.parquet").query("kind == 'epoch'")
+    assert epochs["val_loss"].tolist() == sorted(epochs["val_loss"], reverse=True)  # falls every epoch
+    assert epochs["val_loss"].iloc[-1] < 0.6 * torch.log(torch.tensor(256.0)).item(), epochs["val_loss"].tolist()
+    torch.testing.assert_close(torch.tensor(epochs["val_bits_per_byte"].tolist()),
+                               torch.tensor(epochs["val_loss"].tolist()) / 0.6931471805599453)
+    assert (epochs["tokens_per_s"] == epochs["samples_per_s"] * 64).all()  # 64 bytes predicted per sample

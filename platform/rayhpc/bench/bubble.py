@@ -90,8 +90,9 @@ def timed_pipeline_step(ctx: WorkerContext, step: int) -> tuple[int, float, floa
 def measure_bubble(group: WorkerGroup, cfg: ParallelConfig, data, warmup: int = 1) -> dict:
     """Idle fraction per stage (median over `cfg.steps` timed steps) of the layout `cfg`, on `group`."""
     from rayhpc.parallel import worker
+    from rayhpc.parallel.trainer import make_recipe
 
-    group.run(worker.setup, cfg, data)
+    group.run(worker.setup, make_recipe(cfg)[0], data)
     group.run(install_clock)
     for step in range(warmup):
         group.run(timed_pipeline_step, step)

@@ -7,21 +7,22 @@ import torch
 
 from rayhpc.data import step_indices
 from rayhpc.parallel.config import ParallelConfig
-from rayhpc.parallel.trainer import training_tensors
-from rayhpc.parallel.worker import LOSS
+from rayhpc.parallel.trainer import make_recipe
+from rayhpc.task.hparams import make_optimizer
 
 
-def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """(loss per step, final weights by name): same seed, same batches, whole batch at once."""
-    x, y = training_tensors(cfg)
+def reference_run(cfg: ParallelConfig, steps: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """(loss per step, final weights by name) of the first `steps` (default: all) steps: same seed,
+    same batches, same optimizer, whole batch at once."""
+    recipe, (x, y) = make_recipe(cfg)
     torch.manual_seed(cfg.seed)
-    model = cfg.model.build(x.shape[-1], y.shape[-1])
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    model = recipe.build()
+    optimizer = make_optimizer(recipe.hp, model.parameters())
     losses = []
-    for step in range(cfg.steps):
+    for step in range(cfg.steps if steps is None else steps):
         idx = step_indices(len(x), cfg.batch_size, cfg.seed, step)
         optimizer.zero_grad()
-        loss = LOSS(model(x[idx]), y[idx])
+        loss = recipe.loss(model(x[idx]), y[idx])
         loss.backward()
         optimizer.step()
         losses.append(loss.item())

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rayhpc.config import Compute, ConfigError, JobConfig, StrictModel
 from rayhpc.data import DataConfig
@@ -40,6 +40,12 @@ class ParallelConfig(JobConfig):
 
     kind: ClassVar[str] = "parallel"
     name: str = Field("mlp-parallel", pattern=r"^[A-Za-z0-9_.=-]+$", description="run folder under storage_path")
+    task: str | None = Field(None, description="FILE.py:NAME or package.module:NAME: the model, data and loss, with "
+                             "tp_plan and pipeline_split; unset: the built-in model section")
+    hparams: dict[str, Any] = Field({}, description="the task's own hyperparameters, e.g. dim=128,layers=4",
+                                    json_schema_extra={"flag": "--hp"})
+    optimizer: Literal["sgd", "adam"] = Field("sgd", description="torch.optim.SGD or Adam (its state is sharded "
+                                              "and checkpointed with the weights)")
     tp: int = Field(1, ge=1, description="tensor-parallel degree")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree (stages)")
     dp: int = Field(1, ge=1, description="data-parallel degree (FSDP2 replicas)")
@@ -69,13 +75,20 @@ class ParallelConfig(JobConfig):
     def n_microbatches(self) -> int:
         return self.microbatches or self.pp
 
+    @field_validator("task")
+    @classmethod
+    def _absolute(cls, spec: str | None) -> str | None:
+        from rayhpc.task.load import absolute_spec
+
+        return absolute_spec(spec) if spec is not None else None
+
     @model_validator(mode="after")
     def _check(self) -> "ParallelConfig":
         try:
             self.degrees.check(self.world_size)
         except ConfigError as exc:
             raise ConfigError(f"compute.num_workers (--num-workers) {self.compute.num_workers}: {exc}") from None
-        if self.pp > self.model.depth:
+        if self.task is None and self.pp > self.model.depth:
             raise ConfigError(f"pp (--pp) {self.pp}: more pipeline stages than the model's {self.model.depth} layers")
         if self.batch_size % self.dp:
             raise ConfigError(f"batch_size (--batch-size) {self.batch_size}: not divisible by dp (--dp) {self.dp}")
@@ -86,6 +99,10 @@ class ParallelConfig(JobConfig):
         if self.schedule == "1f1b" and self.pp > 1 and self.n_microbatches < self.pp:
             raise ConfigError(f"microbatches (--microbatches) {self.n_microbatches}: schedule 1f1b needs at least "
                               f"one per stage (pp {self.pp})")
+        if self.task is not None:  # the task's plan is checked on its model (`rayhpc.parallel.recipe`)
+            return self
+        if self.hparams:
+            raise ConfigError("hparams (--hp): only with a task (--task); the built-in model takes model.* keys")
         if self.model.kind == "transformer":
             self._check_transformer()
         return self

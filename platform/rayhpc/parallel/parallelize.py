@@ -1,5 +1,5 @@
 """Compose the parallelisms on one rank's share of the model, in torchtitan's order:
-split by layer for PP, then TP inside the stage, then FSDP2 over the data-parallel replicas."""
+keep this rank's pipeline stage, then TP inside the stage, then FSDP2 over the data-parallel replicas."""
 
 from __future__ import annotations
 
@@ -7,29 +7,34 @@ from torch import nn
 
 from rayhpc.fsdp import apply_fsdp
 from rayhpc.parallel.mesh import Degrees
-from rayhpc.parallel.pp import split_stage, units
-from rayhpc.parallel.tp import apply_tp
+from rayhpc.parallel.plan import keep_stage, units
 
 
-def parallelize(model: nn.Module, mesh, degrees: Degrees, rank: int, model_kind: str) -> nn.Module:
-    """This rank's stage of `model`, tensor-parallel over mesh["tp"] and sharded over mesh["dp"].
+def parallelize(model: nn.Module, mesh, degrees: Degrees, rank: int, recipe) -> nn.Module:
+    """This rank's stage of `model` (in place), tensor-parallel over mesh["tp"] and sharded over mesh["dp"].
 
-    Parameter names stay those of the whole model (`layers.4.weight`), so gathered
-    weights and checkpoints line up with an unsharded run.
+    Parameter names stay those of the whole model (`layers.4.weight`, `blocks.2.attn.wq.weight`),
+    so gathered weights and checkpoints line up with an unsharded run.
     """
-    stage = split_stage(model, degrees.coords(rank)["pp"], degrees.pp)
+    stage = keep_stage(model, recipe.stage_starts(model), degrees.coords(rank)["pp"]) if degrees.pp > 1 else model
     if degrees.tp > 1:
-        apply_tp(stage, mesh["tp"], model_kind)
+        apply_tp(stage, mesh["tp"], recipe.tp_plan(stage))
     if degrees.dp > 1:
         apply_fsdp(stage, shard_units(stage), mesh=mesh["dp"])  # gradients averaged over the replicas
     return stage
 
 
+def apply_tp(stage: nn.Module, tp_mesh, plan: dict) -> nn.Module:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(stage, tp_mesh, plan)
+
+
 def shard_units(stage: nn.Module) -> list[nn.Module]:
-    """FSDP2 units of a stage: each Linear (with its ReLU) or block, so only one unit's parameters are
-    gathered at a time; TP-sharded parameters become 2-D (dp x tp) DTensors."""
-    children = dict(stage.layers.named_children())
-    return [children[names[0]] for names in units(stage)]
+    """FSDP2 units of a stage: each pipeline unit that holds parameters (a Linear, a block, an embedding),
+    so only one unit's parameters are gathered at a time; TP-sharded ones become 2-D (dp x tp) DTensors."""
+    found = [stage.get_submodule(u) for u in units(stage)]  # a stage's removed units are not its children
+    return [m for m in found if any(True for _ in m.parameters())]
 
 
 def full_state(module: nn.Module) -> dict:

@@ -42,10 +42,3 @@ def transformer_plan(stage: nn.Module) -> dict:
             for proj in ("attn.wo", "ffn.w2"):
                 plan[f"{name}.{proj}"] = RowwiseParallel()
     return plan
-
-
-def apply_tp(stage: nn.Module, tp_mesh, model_kind: str) -> nn.Module:
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    plan = mlp_plan(stage) if model_kind == "mlp" else transformer_plan(stage)
-    return parallelize_module(stage, tp_mesh, plan)

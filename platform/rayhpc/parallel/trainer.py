@@ -10,10 +10,14 @@ from pathlib import Path
 
 import torch
 
+from rayhpc.config import ConfigError
 from rayhpc.data import mlp_tensors, step_indices, synthetic_sequences
 from rayhpc.job import start_job
 from rayhpc.parallel import worker
 from rayhpc.parallel.config import ParallelConfig
+from rayhpc.parallel.recipe import Recipe
+from rayhpc.task import task_for
+from rayhpc.task.hparams import PlatformHParams, full_hparams
 from rayhpc.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -32,21 +36,53 @@ class ParallelResult:
 
 
 def training_tensors(cfg: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training inputs and targets; every width and size is checked here, before Ray starts."""
+    """The built-in model's training inputs and targets; every width is checked here, before Ray starts."""
     if cfg.model.kind == "mlp":
         x, y = mlp_tensors(cfg.data)
         cfg.check_mlp_widths(x.shape[1], y.shape[1])
     else:
         m, synthetic = cfg.model, cfg.data.synthetic
         x, y = synthetic_sequences(synthetic.num_samples, m.tokens, m.dim, synthetic.seed)
-    step_indices(len(x), cfg.batch_size, cfg.seed, 0)  # raises if the batch exceeds the data
     return x, y
+
+
+def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, tuple[torch.Tensor, torch.Tensor]]:
+    """The recipe of the run and its training tensors (inputs, targets), every plan and size checked."""
+    hp = {**PlatformHParams().model_dump(), "lr": cfg.lr, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer,
+          "seed": cfg.seed}
+    if cfg.task is None:
+        x, y = training_tensors(cfg)
+        recipe = Recipe(cfg, hp=hp, in_features=x.shape[-1], out_features=y.shape[-1])
+    else:
+        task = task_for(cfg.task, cfg.data)
+        hp = {**full_hparams(task.hp_model, cfg.hparams, key="hparams.{name} (--hp)"), **hp}
+        x, y = stack_pairs(task.split_data(hp, cfg.data)[0], task.where())
+        recipe = Recipe(cfg, task=task, hp=hp)
+    step_indices(len(x), cfg.batch_size, cfg.seed, 0)  # raises if the batch exceeds the data
+    recipe.check()
+    return recipe, (x, y)
+
+
+def stack_pairs(dataset, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (input, target) item of `dataset` stacked into two tensors: a step's batch is then one
+    index per rank, the same on every rank and in the one-process reference."""
+    from torch.utils.data import default_collate
+
+    batch = default_collate([dataset[i] for i in range(len(dataset))])
+    if not (isinstance(batch, (list, tuple)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise ConfigError(f"{where}: model-parallel training needs (input, target) tensor items, as the "
+                          "pipeline feeds inputs to the first stage and targets to the last")
+    return batch[0], batch[1]
 
 
 def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbose: bool = True) -> ParallelResult:
     """Train (or resume) the run `cfg` describes; input errors are raised before Ray starts."""
-    job = start_job(cfg, explicit, workers=lambda c: c.world_size, check=lambda c, res: training_tensors(c))
-    cfg = job.cfg
+    made = {}
+    job = start_job(cfg, explicit, workers=lambda c: c.world_size,
+                    check=lambda c, res: made.update(zip(("recipe", "data"), make_recipe(c))))
+    cfg, recipe = job.cfg, made["recipe"]
+    if recipe.task is not None:
+        recipe.task.ship()
     import ray
 
     start, losses, checkpoint = resume_point(cfg)
@@ -56,7 +92,7 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
     with WorkerGroup(cfg.world_size, cpus_per_worker=compute.cpus_per_worker, gpus_per_worker=float(compute.gpu),
                      timeout_s=cfg.timeout_s) as group:
         group.describe_rank = cfg.degrees.describe
-        params = group.run(worker.setup, cfg, ray.put(training_tensors(cfg)))
+        params = group.run(worker.setup, recipe, ray.put(made["data"]))
         if checkpoint is not None:
             group.run(worker.load_checkpoint, str(checkpoint))
             say(f"resumed from {checkpoint} (step {start})")
@@ -68,7 +104,7 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
             losses.append(loss)
             step_seconds.append(seconds)
             say(f"step {step + 1}/{cfg.steps}: loss {loss:.5f}  {seconds * 1e3:.1f} ms  "
-                f"{cfg.batch_size / seconds:,.0f} samples/s")
+                f"{cfg.batch_size / seconds:,.0f} samples/s{recipe.tokens(cfg.batch_size / seconds)}")
             if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 checkpoint = save(group, cfg, step + 1, losses)
         weights = {k: v for part in group.run(worker.gather_weights) for k, v in part.items()}

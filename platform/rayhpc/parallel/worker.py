@@ -25,9 +25,9 @@ from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.mesh import build_mesh
 from rayhpc.parallel.parallelize import full_state, parallelize
 from rayhpc.parallel.pp import build_schedule
+from rayhpc.parallel.recipe import Recipe
+from rayhpc.task.hparams import make_optimizer
 from rayhpc.workers.group import WorkerContext
-
-LOSS = nn.functional.mse_loss  # mean over a (micro)batch; the PP schedule averages over microbatches
 
 
 @dataclasses.dataclass
@@ -39,6 +39,7 @@ class RankRun:
     schedule: object | None  # the pipelining schedule when pp > 1
     x: torch.Tensor
     y: torch.Tensor
+    recipe: Recipe
 
     @property
     def first_stage(self) -> bool:
@@ -49,33 +50,33 @@ class RankRun:
         return self.coords["pp"] == self.cfg.pp - 1
 
 
-def setup(ctx: WorkerContext, cfg: ParallelConfig, data) -> tuple[int, int]:
+def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     """Build this rank's share of the model; returns (the model's parameters, this rank's share)."""
     import ray
 
     quiet_warnings()
+    cfg = recipe.cfg
     x, y = ray.get(data) if isinstance(data, ray.ObjectRef) else data
     # TF32 matmuls for fp32 on GPUs (7-8x the plain fp32 peak on an H100); no effect on CPUs
     torch.backends.cuda.matmul.allow_tf32 = cfg.precision != "fp32"
     torch.backends.cudnn.allow_tf32 = cfg.precision != "fp32"
     torch.manual_seed(cfg.seed)
-    initial = cfg.model.build(x.shape[-1], y.shape[-1])  # host memory: the one-process run's weights
+    initial = recipe.build()  # host memory: the one-process run's weights
     total = sum(p.numel() for p in initial.parameters())
     mesh = build_mesh(cfg.degrees, ctx.device.type)
     coords = cfg.degrees.coords(ctx.rank)
     with torch.device("meta"):
-        model = cfg.model.build(x.shape[-1], y.shape[-1])
-    module = parallelize(model, mesh, cfg.degrees, ctx.rank, cfg.model.kind)
+        model = recipe.build()
+    module = parallelize(model, mesh, cfg.degrees, ctx.rank, recipe)
     module.to_empty(device=ctx.device)
     materialise(module, initial.state_dict())
     del initial
     schedule = None
     if cfg.pp > 1:
         schedule = build_schedule(module, coords["pp"], cfg.pp, ctx.device, mesh["pp"].get_group(),
-                                  cfg.schedule, cfg.n_microbatches, LOSS)
-    # plain SGD keeps no optimizer state: the weights alone make a resumable checkpoint
-    optimizer = torch.optim.SGD(module.parameters(), lr=cfg.lr)
-    ctx.state["run"] = RankRun(cfg, coords, module, optimizer, schedule, x.to(ctx.device), y.to(ctx.device))
+                                  cfg.schedule, cfg.n_microbatches, recipe.loss)
+    optimizer = make_optimizer(recipe.hp, module.parameters())  # its state shards like the parameters
+    ctx.state["run"] = RankRun(cfg, coords, module, optimizer, schedule, x.to(ctx.device), y.to(ctx.device), recipe)
     ctx.state["gauges"] = WorkerMetrics(cfg.name, ctx.rank)
     return total, sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
 
@@ -126,7 +127,7 @@ def train_step(ctx: WorkerContext, step: int) -> dict:
     run.optimizer.zero_grad()
     with autocast(run.cfg, ctx.device):
         if run.schedule is None:
-            loss = LOSS(run.module(x), y)
+            loss = run.recipe.loss(run.module(x), y)
             loss.backward()
             value = loss.item()
         else:
@@ -149,20 +150,32 @@ def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:
     return weights if run.coords["tp"] == run.coords["dp"] == 0 else {}
 
 
-def save_checkpoint(ctx: WorkerContext, path: str) -> None:
-    """Each rank writes its own shards (torch.distributed.checkpoint); no rank holds the whole model."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def _state(run: RankRun) -> dict:
+    """This rank's weights and optimizer state as DCP saves them. The optimizer's is flattened (one
+    key per parameter and setting, torchtitan's form): in the nested form DCP drops the param
+    groups' non-tensor settings (Adam's betas) on load."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    dcp.save({"model": get_model_state_dict(ctx.state["run"].module)}, checkpoint_id=path)
+    model, optim = get_state_dict(run.module, run.optimizer,
+                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {"model": model, "optim": optim}
+
+
+def save_checkpoint(ctx: WorkerContext, path: str) -> None:
+    """Each rank writes its own shards of the weights and the optimizer state (torch.distributed.checkpoint);
+    no rank holds the whole model."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(ctx.state["run"]), checkpoint_id=path)
 
 
 def load_checkpoint(ctx: WorkerContext, path: str) -> None:
     """Read this rank's shards back in place (the layout may differ from the one that saved them)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    module = ctx.state["run"].module
-    state = {"model": get_model_state_dict(module)}
+    run = ctx.state["run"]
+    state = _state(run)
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(module, state["model"])
+    set_state_dict(run.module, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(flatten_optimizer_state_dict=True))

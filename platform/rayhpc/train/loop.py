@@ -201,6 +201,7 @@ def _rates(w: Worker, win: Window, epoch: int) -> dict:
         "worker_samples_per_s": per_s,
         "step_ms": 1000 * seconds / max(win.steps, 1),
         "data_wait_share": win.data_seconds / seconds if seconds > 0 else 0.0,  # of the time, waiting for batches
+        **_tokens(w, samples / seconds if seconds > 0 else 0.0),
         **_utilisation(w, per_s),
         "train_seconds": w.progress.train_seconds,
         "world_size": w.world,
@@ -210,6 +211,12 @@ def _rates(w: Worker, win: Window, epoch: int) -> dict:
         "node": socket.gethostname(),
         "first_step_time": w.first_step_time,
     }
+
+
+def _tokens(w: Worker, samples_per_s: float) -> dict:
+    """tokens/s for a task that says how many tokens a sample holds (`tokens_per_sample(hp)`)."""
+    per_sample = getattr(w.task.obj, "tokens_per_sample", None)
+    return {"tokens_per_s": samples_per_s * per_sample(w.hp)} if per_sample else {}
 
 
 def _utilisation(w: Worker, samples_per_s: float) -> dict:

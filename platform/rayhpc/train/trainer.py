@@ -104,5 +104,6 @@ def format_summary(result: TrainResult) -> str:
             f"batch: {cfg.global_batch} global = {cfg.per_worker_batch} per worker x {cfg.compute.num_workers} workers; "
             f"lr {cfg.effective_lr:g}{' (scaled by workers)' if cfg.scale_lr else ''}\n"
             f"loss {epochs['loss'].iloc[0]:.4g} -> {last['loss']:.4g}{val}; {epochs['samples_per_s'].median():,.0f} samples/s "
+            + (f"({epochs['tokens_per_s'].median():,.0f} tokens/s) " if "tokens_per_s" in epochs else "") +
             f"(median epoch), {epochs['step_ms'].median():.2f} ms/step{_utilisation(epochs)}\n"
             f"checkpoint: {result.checkpoint_dir}\nmetrics: {cfg.experiment_dir / METRICS_FILE}")

@@ -54,7 +54,7 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads(out.read_text())
     return {"first_step_s": result["first_step_s"], "samples_per_s": sum(result["samples_per_s"][1:])
-            / (args.epochs - 1), "detail": "", "fit_s": float("nan"), "mfu": NAN, "data_wait_share": NAN}
+            / (args.epochs - 1), "detail": "", "fit_s": NAN, "mfu": NAN, "data_wait_share": NAN}
 
 
 def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str = "ddp") -> dict:
@@ -124,11 +124,15 @@ def print_table(runs: dict[str, list[dict]]) -> None:
     for name, r in rows:
         print(f"{name:32s} {r['first_step_s']:10.1f}s {r['first_step_s'] / base['first_step_s']:11.2f}x "
               f"{r['samples_per_s']:10,.0f} {r['samples_per_s'] / base['samples_per_s']:6.3f}x "
-              + (f"{r['fit_s']:13.1f}s" if r["fit_s"] == r["fit_s"] else f"{'-':>14s}")  # NaN: not a Ray run
-              + (f" {r['mfu']:6.1%}" if r["mfu"] == r["mfu"] else f" {'-':>6s}")
-              + (f" {r['data_wait_share']:10.1%}" if r["data_wait_share"] == r["data_wait_share"] else f" {'-':>10s}"))
+              + _cell(r["fit_s"], "13.1f", 14, "s") + " " + _cell(r["mfu"], "6.1%", 6) + " "
+              + _cell(r["data_wait_share"], "10.1%", 10))
     for name, results in list(runs.items())[1:]:
         print(f"{name}: " + " | ".join(r["detail"] for r in results))
+
+
+def _cell(value: float, spec: str, width: int, unit: str = "") -> str:
+    """`value` formatted, or "-" in the same width where it is NaN (not measured by that run)."""
+    return f"{value:{spec}}{unit}" if value == value else f"{'-':>{width}s}"
 
 
 def plan(args) -> dict:

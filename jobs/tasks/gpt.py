@@ -123,8 +123,7 @@ class GPT:
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
     def metrics(self, model, batch):
-        x, y = batch
-        return {"bits_per_byte": F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / math.log(2)}
+        return {"bits_per_byte": self.loss(model, batch) / math.log(2)}
 
     def tokens_per_sample(self, hp) -> int:
         """Each sample predicts `block` next bytes: the jobs report tokens/s from it."""

@@ -11,15 +11,14 @@ from rayhpc.parallel.trainer import make_recipe
 from rayhpc.task.hparams import make_optimizer
 
 
-def reference_run(cfg: ParallelConfig, steps: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """(loss per step, final weights by name) of the first `steps` (default: all) steps: same seed,
-    same batches, same optimizer, whole batch at once."""
+def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """(loss per step, final weights by name): same seed, same batches, same optimizer, whole batch at once."""
     recipe, (x, y) = make_recipe(cfg)
     torch.manual_seed(cfg.seed)
     model = recipe.build()
     optimizer = make_optimizer(recipe.hp, model.parameters())
     losses = []
-    for step in range(cfg.steps if steps is None else steps):
+    for step in range(cfg.steps):
         idx = step_indices(len(x), cfg.batch_size, cfg.seed, step)
         optimizer.zero_grad()
         loss = recipe.loss(model(x[idx]), y[idx])

@@ -30,8 +30,8 @@ class _Returns(nn.Module):
 @dataclass
 class Recipe:
     cfg: ParallelConfig
+    hp: dict  # the platform's hyperparameters (lr, optimizer, seed...) and a task's own
     task: Any = None  # rayhpc.task.LoadedTask, or None for the built-in model section
-    hp: dict | None = None  # the task's hyperparameters
     in_features: int = 0  # the built-in MLP's widths, from the data
     out_features: int = 0
 
@@ -68,8 +68,8 @@ class Recipe:
 
     def tokens(self, samples_per_s: float) -> str:
         """", N tokens/s" for a task that says how many tokens a sample holds, else ""."""
-        per_sample = getattr(self.task.obj, "tokens_per_sample", None) if self.task is not None else None
-        return f", {samples_per_s * per_sample(self.hp):,.0f} tokens/s" if per_sample else ""
+        per_sample = self.task.tokens_per_sample(self.hp) if self.task is not None else None
+        return f", {samples_per_s * per_sample:,.0f} tokens/s" if per_sample else ""
 
     def check(self) -> None:
         """Every plan error, before any actor starts: built on the meta device (shapes only)."""

@@ -17,6 +17,7 @@ from rayhpc.parallel import worker
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.task import task_for
+from rayhpc.task.batches import collate
 from rayhpc.task.hparams import PlatformHParams, full_hparams
 from rayhpc.workers.group import WorkerGroup
 
@@ -66,9 +67,7 @@ def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, tuple[torch.Tensor, torch.
 def stack_pairs(dataset, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Every (input, target) item of `dataset` stacked into two tensors: a step's batch is then one
     index per rank, the same on every rank and in the one-process reference."""
-    from torch.utils.data import default_collate
-
-    batch = default_collate([dataset[i] for i in range(len(dataset))])
+    batch = collate(dataset, range(len(dataset)))
     if not (isinstance(batch, (list, tuple)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
         raise ConfigError(f"{where}: model-parallel training needs (input, target) tensor items, as the "
                           "pipeline feeds inputs to the first stage and targets to the last")

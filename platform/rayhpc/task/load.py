@@ -87,6 +87,11 @@ class LoadedTask:
 
         return holdout(*self.data(hp), self.val_share(data), data.split_seed)
 
+    def tokens_per_sample(self, hp: dict) -> int | None:
+        """Tokens one sample holds (`tokens_per_sample(hp)`, for tokens/s), or None where the task says nothing."""
+        per_sample = getattr(self.obj, "tokens_per_sample", None)
+        return per_sample(hp) if callable(per_sample) else None
+
     @property
     def default_space(self) -> dict | None:
         return getattr(self.obj, "space", None)

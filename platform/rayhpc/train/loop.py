@@ -192,16 +192,17 @@ def _rates(w: Worker, win: Window, epoch: int) -> dict:
     if dist.is_initialized() and w.world > 1:
         dist.all_reduce(totals)
     loss_sum, samples = totals.tolist()
+    all_per_s = samples / seconds if seconds > 0 else 0.0
     per_s = win.samples / seconds if seconds > 0 else 0.0  # this rank's
     return {
         "epoch": epoch + 1,  # the (1-based) epoch this row belongs to
         "global_step": w.progress.global_step,
         "loss": loss_sum / max(samples, 1),
-        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "samples_per_s": all_per_s,
         "worker_samples_per_s": per_s,
         "step_ms": 1000 * seconds / max(win.steps, 1),
         "data_wait_share": win.data_seconds / seconds if seconds > 0 else 0.0,  # of the time, waiting for batches
-        **_tokens(w, samples / seconds if seconds > 0 else 0.0),
+        **_tokens(w, all_per_s),
         **_utilisation(w, per_s),
         "train_seconds": w.progress.train_seconds,
         "world_size": w.world,
@@ -215,8 +216,8 @@ def _rates(w: Worker, win: Window, epoch: int) -> dict:
 
 def _tokens(w: Worker, samples_per_s: float) -> dict:
     """tokens/s for a task that says how many tokens a sample holds (`tokens_per_sample(hp)`)."""
-    per_sample = getattr(w.task.obj, "tokens_per_sample", None)
-    return {"tokens_per_s": samples_per_s * per_sample(w.hp)} if per_sample else {}
+    per_sample = w.task.tokens_per_sample(w.hp)
+    return {"tokens_per_s": samples_per_s * per_sample} if per_sample else {}
 
 
 def _utilisation(w: Worker, samples_per_s: float) -> dict:

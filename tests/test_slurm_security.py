@@ -201,8 +201,11 @@ def test_usr1_during_start_up_requeues_without_running_the_command(slurm, tmp_pa
 
 
 def test_usr1_after_the_command_ended_does_not_requeue(slurm):
-    # the command ends at once; a USR1 reaches the startup 0.3 s later, while it cleans up
-    job = submit("bash", "-c", "p=$PPID; (sleep 0.3; kill -USR1 $p) & exit 0")
+    # the command ends at once; a sender it leaves behind waits until the startup has reaped the
+    # command (a zombie still answers kill -0), then sends USR1 while the startup cleans up. The sender
+    # drops the job's marker so that the clean-up's reaper does not kill it before it sends.
+    job = submit("bash", "-c", "env -u RAYHPC_COMMAND bash -c 'while kill -0 $1 2>/dev/null; do sleep 0.01; "
+                               "done; sleep 0.1; kill -USR1 $0' $PPID $$ & exit 0")
     info = wait_done(job)
     log = job_log(job)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", log

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from conftest import CPUS, ROOT, run_job, too_many_gpu_workers
+from rayhpc.bench.parallel_layouts import GPT_LAYOUTS as GPT_BENCH
 from rayhpc.bench.parallel_reference import reference_run
 from rayhpc.config import ConfigError, validate
 from rayhpc.parallel import ParallelConfig, run_parallel, worker
@@ -33,11 +34,15 @@ LAYOUTS = {
 
 
 def assert_equal_to_reference(result, cfg: ParallelConfig) -> None:
-    losses, weights = reference_run(cfg)
+    losses, weights, validation = reference_run(cfg)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses))  # fp32 tolerances
     assert sorted(result.weights) == sorted(weights)
     for name, expected in weights.items():
         torch.testing.assert_close(result.weights[name], expected, msg=lambda m: f"{name}: {m}")
+    assert (result.validation is None) == (validation is None), (result.validation, validation)
+    if validation is not None:  # the validation loss and the task's metrics (bits per byte), by name
+        torch.testing.assert_close({k: torch.tensor(v) for k, v in result.validation.items()},
+                                   {k: torch.tensor(v) for k, v in validation.items()})
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -135,7 +140,15 @@ def test_mesh_mismatch_names_every_factor():
      "error: model.hidden (--hidden) 30: not divisible by tp (--tp) 4"),
     (["--model", "transformer", "--dim", "16", "--heads", "3"],
      "error: model.dim (--dim) 16: not divisible by model.heads (--heads) 3"),
-    (["--pp", "5"], "error: pp (--pp) 5: more pipeline stages than the model's 4 layers"),
+    (["--pp", "5"], "error: pp (--pp) 5: 5 pipeline stages (1 per rank) are more than the model's 4 layers"),
+    (["--pp", "2", "--stages-per-rank", "2"], "error: stages_per_rank (--stages-per-rank) 2: schedule gpipe runs 1 per "
+                                             "rank; for 2: interleaved1f1b, interleavedzb, zbv"),
+    (["--pp", "2", "--schedule", "zbv", "--stages-per-rank", "3"],
+     "error: stages_per_rank (--stages-per-rank) 3: schedule zbv runs 2 per rank; for 3: interleaved1f1b, interleavedzb"),
+    (["--pp", "2", "--schedule", "interleaved1f1b", "--microbatches", "5", "--batch-size", "40"],
+     "error: microbatches (--microbatches) 5: schedule interleaved1f1b runs them in max(1, m // pp 2) = 2 rounds"),
+    (["--task", GPT, "--pp", "2", "--schedule", "zbv", "--cpus-per-worker", "0.5"],
+     "error: pp (--pp) 2 x stages_per_rank 2: 4 stages need 3 split points; the task's pipeline_split gives 1: blocks.1"),
     (["--pp", "2", "--microbatches", "5"], "error: microbatches (--microbatches) 5: do not divide the per-replica batch 32"),
     (["--tp", "2", "--dp", str(CPUS), "--cpus-per-worker", "1", "--batch-size", str(4 * CPUS)],
      f"error: compute.num_workers (--num-workers) {2 * CPUS}: the cluster can place {CPUS} worker(s) of 1 CPU each"),
@@ -156,14 +169,24 @@ def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
     assert not (tmp_path / "ray").exists(), "Ray was started before the input was rejected"
 
 
-def test_the_bubble_benchmark_prints_its_table(tmp_path):
+def test_the_parallel_benchmark_prints_the_bubble_of_every_schedule_and_the_gpt_layouts(tmp_path):
     proc = run_job("bench_parallel.py", "--microbatches", "1,2", "--hidden", "64", "--microbatch-size", "8",
-                   "--steps", "1")
+                   "--steps", "1", "--gpt-steps", "2", "--gpt-batch-size", "8",
+                   "--gpt-hp", "dim=32,layers=4,block=16,corpus_bytes=20000", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["gpipe"], ["1f1b"])]
-    assert [(r[0], r[1]) for r in rows] == [("gpipe", "1"), ("gpipe", "2"), ("1f1b", "2")]
-    assert [r[-2] for r in rows] == ["0.500", "0.333", "0.333"]  # the formula column
-    assert all(0 <= float(r[-3]) <= 1 for r in rows)  # measured idle share
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    rows = [r for r in lines if r[:1] and r[0] in ("gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("gpipe", "1", "1"), ("gpipe", "1", "2"), ("1f1b", "1", "2"), (
+        "interleaved1f1b", "2", "2"), ("interleavedzb", "2", "2"), ("zbv", "2", "2")]
+    # the formula column: (p-1)/(m+p-1), (p-1)/(vm+p-1), (p-1)/(3vm+p-1), 0
+    assert [r[-3] for r in rows] == ["0.500", "0.333", "0.333", "0.200", "0.077", "0.000"]
+    assert all(0 <= float(r[-4]) <= 1 for r in rows)  # measured idle share
+    assert all(float(r[-1].split("/")[2]) > 0 for r in rows if r[0] in ("interleavedzb", "zbv")), \
+        "the zero-bubble schedules' weight-gradient pass was not timed"
+    gpt = {" ".join(r[:-4]): r[-4:] for r in lines if len(r) >= 5 and r[-4].isdigit() and " ".join(r[:-4]) in GPT_BENCH}
+    assert sorted(gpt) == sorted(name for name, (_, ranks) in GPT_BENCH.items() if ranks <= CPUS), proc.stdout
+    assert all(float(row[2].replace(",", "")) > 0 for row in gpt.values())  # tokens/s
+    assert len({row[3] for row in gpt.values()}) == 1, "every layout trains the same model to the same bits/byte"
 
 
 def shard_report(ctx) -> dict:
@@ -171,7 +194,7 @@ def shard_report(ctx) -> dict:
     from torch.distributed.tensor import DTensor
 
     found = {}
-    for name, p in ctx.state["run"].module.named_parameters():
+    for name, p in ctx.state["run"].named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         placements = [f"Shard({pl.dim})" if pl.is_shard() else type(pl).__name__ for pl in p.placements] \
             if isinstance(p, DTensor) else None
@@ -224,6 +247,10 @@ GPT_HP = {"corpus_bytes": 20000, "block": 16, "dim": 32, "heads": 4, "layers": 2
 # the built-in models' layouts, on the user's GPT (a batch of 8: 2 microbatches per stage for TP x PP)
 GPT_LAYOUTS = {"tp2": LAYOUTS["tp2 mlp"], "pp2 gpipe": LAYOUTS["pp2 gpipe"], "pp2 1f1b": LAYOUTS["pp2 1f1b"],
                "tp2 x pp2": {**LAYOUTS["tp2 x pp2 mlp"], "microbatches": 2}, "dp2 x tp2": LAYOUTS["dp2 x tp2 mlp"]}
+# several stages per rank: 4 blocks, so 2 ranks hold 2 stages each (rank 0 holds stages 0 and 2 looped, 0 and 3 in a V)
+FOUR_BLOCKS = {"hparams": {**GPT_HP, "layers": 4}, "pp": 2, "microbatches": 4}
+GPT_LAYOUTS |= {f"pp2 {s}": {**FOUR_BLOCKS, "schedule": s} for s in ("interleaved1f1b", "interleavedzb", "zbv")}
+GPT_LAYOUTS["dp2 x pp2 zbv"] = {**FOUR_BLOCKS, "dp": 2, "microbatches": 2, "schedule": "zbv"}
 
 
 def gpt_cfg(tmp_path, **layout) -> ParallelConfig:
@@ -240,10 +267,12 @@ def test_the_users_gpt_under_every_layout_equals_one_process(layout, ray_address
     assert_equal_to_reference(result, cfg)
 
 
-def test_the_gpt_resumed_from_a_sharded_checkpoint_with_adam_state_ends_equal(ray_address, tmp_path):
-    """TP x PP shards of the weights and of Adam's state, saved every 2 steps; resumed from step 2 it ends
-    equal to one process only if the optimizer's state came back too (its moments and step count)."""
-    cfg = gpt_cfg(tmp_path, tp=2, pp=2, microbatches=2, steps=4, checkpoint_every=2)
+@pytest.mark.parametrize("layout", ["tp2 x pp2", "pp2 zbv"])
+def test_the_gpt_resumed_from_a_sharded_checkpoint_with_adam_state_ends_equal(layout, ray_address, tmp_path):
+    """Shards of the weights and of Adam's state (TP x PP; two stages per rank in a V), saved every 2 steps;
+    resumed from step 2 it ends equal to one process only if the optimizer's state came back too (its
+    moments and step count)."""
+    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint_every": 2})
     full = run_parallel(cfg, verbose=False)
     shutil.rmtree(full.checkpoint)
     resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)

@@ -91,13 +91,13 @@ def config_from_args(args: argparse.Namespace, model: type[M], flags: dict[str, 
         if value is None:
             continue
         kind = _kind(field_at(model, key).annotation)
-        overrides[key] = value.split(",") if kind is list else _pairs(flag, value) if kind is dict else value
+        overrides[key] = value.split(",") if kind is list else key_value_pairs(flag, value) if kind is dict else value
     merged = merge(data, overrides)
     named = {key: flag for flag, key in flags.items() if key in overrides}
     return validate(model, merged, named), explicit_keys(model, merged)
 
 
-def _pairs(flag: str, values: list[str]) -> dict:
+def key_value_pairs(flag: str, values: list[str]) -> dict:
     """`KEY=VALUE` pairs (comma-separated or repeated flags); values are read as YAML scalars."""
     out = {}
     for item in ",".join(values).split(","):

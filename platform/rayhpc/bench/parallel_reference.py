@@ -11,9 +11,11 @@ from rayhpc.parallel.trainer import make_recipe
 from rayhpc.task.hparams import make_optimizer
 
 
-def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """(loss per step, final weights by name): same seed, same batches, same optimizer, whole batch at once."""
-    recipe, (x, y) = make_recipe(cfg)
+def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Tensor], dict[str, float] | None]:
+    """(loss per step, final weights by name, final validation loss and task metrics or None): same seed,
+    same batches, same optimizer, whole batch at once."""
+    recipe, data = make_recipe(cfg)
+    x, y = data["train"]
     torch.manual_seed(cfg.seed)
     model = recipe.build()
     optimizer = make_optimizer(recipe.hp, model.parameters())
@@ -25,4 +27,22 @@ def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Ten
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, weights, validation(recipe, model, data["val"])
+
+
+@torch.no_grad()
+def validation(recipe, model, val) -> dict[str, float] | None:
+    """Mean loss and task metrics over the whole batches of the validation data."""
+    if val is None:
+        return None
+    xv, yv = val
+    batch = recipe.cfg.batch_size
+    sums: dict[str, float] = {}
+    for start in range(0, len(xv) - batch + 1, batch):
+        output = model(xv[start:start + batch])
+        scores = {"val_loss": recipe.loss(output, yv[start:start + batch]),
+                  **recipe.metrics(output, yv[start:start + batch])}
+        for name, value in scores.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+    return {name: value / (len(xv) // batch) for name, value in sums.items()}

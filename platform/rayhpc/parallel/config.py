@@ -51,13 +51,19 @@ class ParallelConfig(JobConfig):
     dp: int = Field(1, ge=1, description="data-parallel degree (FSDP2 replicas)")
     compute: ParallelCompute = ParallelCompute()
     microbatches: int | None = Field(None, ge=1, description="pipeline microbatches per step (default: pp)")
-    schedule: Literal["gpipe", "1f1b"] = Field("gpipe", description="pipeline schedule")
+    schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv"] = Field(
+        "gpipe", description="pipeline schedule: gpipe, 1f1b (one stage per rank); interleaved1f1b, interleavedzb "
+        "(zero bubble, ZB1P), zbv (zero bubble, V-shaped): several stages per rank")
+    stages_per_rank: int | None = Field(None, ge=1, description="pipeline stages each rank holds (default: 1; 2 "
+                                        "for interleaved1f1b, interleavedzb, zbv)")
     precision: Literal["fp32", "tf32", "bf16"] = Field("tf32", description="fp32; tf32: fp32 with TF32 matmuls on "
                                                        "GPUs (as fp32 on CPUs); bf16: autocast mixed precision")
     steps: int = Field(20, ge=1, description="optimizer steps")
     batch_size: int = Field(32, ge=1, description="global batch: samples per step over all replicas")
     lr: float = Field(0.3, gt=0, description="SGD learning rate")
     checkpoint_every: int | None = Field(None, ge=1, description="save a sharded checkpoint every K steps")
+    eval_every: int | None = Field(None, ge=1, description="validation loss every K steps (always after the last "
+                                   "step, when the task has validation data)")
     timeout_s: float = Field(120.0, gt=0, description="longest wait for any rank before the run fails")
     seed: int = Field(0, description="seeds initialisation and the data order")
     model: ModelSpec = ModelSpec()
@@ -75,6 +81,17 @@ class ParallelConfig(JobConfig):
     def n_microbatches(self) -> int:
         return self.microbatches or self.pp
 
+    @property
+    def per_rank_stages(self) -> int:
+        from rayhpc.parallel.pp import default_stages_per_rank
+
+        return self.stages_per_rank or default_stages_per_rank(self.schedule)
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all (1 without pipeline parallelism)."""
+        return self.pp * self.per_rank_stages if self.pp > 1 else 1
+
     @field_validator("task")
     @classmethod
     def _absolute(cls, spec: str | None) -> str | None:
@@ -88,17 +105,16 @@ class ParallelConfig(JobConfig):
             self.degrees.check(self.world_size)
         except ConfigError as exc:
             raise ConfigError(f"compute.num_workers (--num-workers) {self.compute.num_workers}: {exc}") from None
-        if self.task is None and self.pp > self.model.depth:
-            raise ConfigError(f"pp (--pp) {self.pp}: more pipeline stages than the model's {self.model.depth} layers")
+        self._check_schedule()
+        if self.task is None and self.n_stages > self.model.depth:
+            raise ConfigError(f"pp (--pp) {self.pp}: {self.n_stages} pipeline stages ({self.per_rank_stages} per rank) "
+                              f"are more than the model's {self.model.depth} layers (model.depth, --depth)")
         if self.batch_size % self.dp:
             raise ConfigError(f"batch_size (--batch-size) {self.batch_size}: not divisible by dp (--dp) {self.dp}")
         per_replica = self.batch_size // self.dp
         if per_replica % self.n_microbatches:
             raise ConfigError(f"microbatches (--microbatches) {self.n_microbatches}: do not divide the per-replica "
                               f"batch {per_replica} (batch_size {self.batch_size} / dp {self.dp})")
-        if self.schedule == "1f1b" and self.pp > 1 and self.n_microbatches < self.pp:
-            raise ConfigError(f"microbatches (--microbatches) {self.n_microbatches}: schedule 1f1b needs at least "
-                              f"one per stage (pp {self.pp})")
         if self.task is not None:  # the task's plan is checked on its model (`rayhpc.parallel.recipe`)
             return self
         if self.hparams:
@@ -106,6 +122,25 @@ class ParallelConfig(JobConfig):
         if self.model.kind == "transformer":
             self._check_transformer()
         return self
+
+    def _check_schedule(self) -> None:
+        from rayhpc.parallel.pp import SCHEDULES, allows
+
+        m, per_rank = self.n_microbatches, self.per_rank_stages
+        if not allows(self.schedule, per_rank):
+            fits = [name for name in SCHEDULES if allows(name, per_rank)]
+            raise ConfigError(f"stages_per_rank (--stages-per-rank) {per_rank}: schedule {self.schedule} runs "
+                              f"{SCHEDULES[self.schedule][2]} per rank; for {per_rank}: {', '.join(fits)}")
+        if self.pp == 1:
+            return
+        if self.schedule == "1f1b" and m < self.pp:
+            raise ConfigError(f"microbatches (--microbatches) {m}: schedule 1f1b needs at least one per stage "
+                              f"(pp {self.pp})")
+        rounds = max(1, m // self.pp)  # torch's interleaved schedules run m in rounds of about pp
+        if self.schedule in ("interleaved1f1b", "interleavedzb") and m % rounds:
+            raise ConfigError(f"microbatches (--microbatches) {m}: schedule {self.schedule} runs them in "
+                              f"max(1, m // pp {self.pp}) = {rounds} rounds, which must divide them; e.g. "
+                              f"{self.pp}, {2 * self.pp} or {4 * self.pp}")
 
     def _check_transformer(self) -> None:
         m = self.model
@@ -120,7 +155,7 @@ class ParallelConfig(JobConfig):
         from rayhpc.parallel.pp import stage_ranges
 
         widths = [in_features] + [self.model.hidden] * (self.model.depth - 1) + [out_features]
-        for stage in stage_ranges(self.model.depth, self.pp):
+        for stage in stage_ranges(self.model.depth, self.n_stages):
             for i, layer in enumerate(stage):  # column-parallel splits outputs, row-parallel inputs
                 dim = layer + 1 if i % 2 == 0 else layer
                 if widths[dim] % self.tp:

@@ -8,19 +8,25 @@ from torch import nn
 from rayhpc.fsdp import apply_fsdp
 from rayhpc.parallel.mesh import Degrees
 from rayhpc.parallel.plan import keep_stage, units
+from rayhpc.parallel.pp import SPLIT_BACKWARD
 
 
-def parallelize(model: nn.Module, mesh, degrees: Degrees, rank: int, recipe) -> nn.Module:
-    """This rank's stage of `model` (in place), tensor-parallel over mesh["tp"] and sharded over mesh["dp"].
+def parallelize(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, recipe) -> nn.Module:
+    """Pipeline stage `stage_id` of `model` (in place; None: the whole model), tensor-parallel over
+    mesh["tp"] and sharded over mesh["dp"].
 
     Parameter names stay those of the whole model (`layers.4.weight`, `blocks.2.attn.wq.weight`),
     so gathered weights and checkpoints line up with an unsharded run.
     """
-    stage = keep_stage(model, recipe.stage_starts(model), degrees.coords(rank)["pp"]) if degrees.pp > 1 else model
+    stage = keep_stage(model, recipe.stage_starts(model), stage_id) if stage_id is not None else model
     if degrees.tp > 1:
         apply_tp(stage, mesh["tp"], recipe.tp_plan(stage))
-    if degrees.dp > 1:
-        apply_fsdp(stage, shard_units(stage), mesh=mesh["dp"])  # gradients averaged over the replicas
+    if degrees.dp > 1:  # gradients averaged over the replicas
+        # the zero-bubble schedules compute weight gradients in a pass of their own, outside autograd's
+        # hooks, and with nested FSDP units (torch 2.13) the result differed from one process (measured);
+        # with the stage as one unit it is equal: FSDP then gathers a whole stage at once there
+        nested = recipe.cfg.schedule not in SPLIT_BACKWARD
+        apply_fsdp(stage, shard_units(stage) if nested else [], mesh=mesh["dp"])
     return stage
 
 

@@ -63,8 +63,10 @@ def check_divisible(sizes: dict[str, int], tp: int) -> None:
                               f"(the task's tp_divisible)")
 
 
-def choose_stage_starts(model: nn.Module, points: list[str], pp: int, key: str = "pipeline_split") -> list[str]:
-    """`pp - 1` of the task's split points, spread evenly, where stages 1..pp-1 begin."""
+def choose_stage_starts(model: nn.Module, points: list[str], pp: int, key: str = "pipeline_split",
+                        label: str | None = None) -> list[str]:
+    """`pp - 1` of the task's split points, spread evenly, where stages 1..pp-1 begin (`pp`: the stages
+    in all; `label` says where that count came from, `pp (--pp) N` by default)."""
     modules, order = dict(model.named_modules()), units(model)
     for path in points:
         _module(modules, path, key)
@@ -72,7 +74,7 @@ def choose_stage_starts(model: nn.Module, points: list[str], pp: int, key: str =
             raise ConfigError(f"{key}: {path!r} is not where a pipeline unit begins; units (top-level modules, "
                               f"and each child of a ModuleDict, ModuleList or Sequential): {', '.join(order)}")
     if pp - 1 > len(points):
-        raise ConfigError(f"pp (--pp) {pp}: {pp} stages need {pp - 1} split points; the task's {key} gives "
+        raise ConfigError(f"{label or f'pp (--pp) {pp}'}: {pp} stages need {pp - 1} split points; the task's {key} gives "
                           f"{len(points)}: {', '.join(points) or 'none'}")
     return [points[round((i + 1) * (len(points) + 1) / pp) - 1] for i in range(pp - 1)]
 

@@ -17,7 +17,8 @@ from rayhpc.parallel.plan import check_divisible, check_tp_plan, choose_stage_st
 
 class _Returns(nn.Module):
     """A stand-in model that returns a pipeline's last-stage output, so a task's `loss(model, batch)`
-    can score it: `loss(_Returns(output), (None, target))` is the task's loss of that output."""
+    and `metrics(model, batch)` can score it: `loss(_Returns(output), (None, target))` is the task's
+    loss of that output."""
 
     def __init__(self, output: torch.Tensor):
         super().__init__()
@@ -47,6 +48,11 @@ class Recipe:
             return self.task.obj.loss(_Returns(output), (None, target))
         return nn.functional.mse_loss(output, target)
 
+    def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict:
+        """The task's own metrics of a batch's output (`metrics(model, batch)`, e.g. bits per byte); none
+        for the built-in model."""
+        return self.task.metrics(_Returns(output), (None, target)) if self.task is not None else {}
+
     def tp_plan(self, stage: nn.Module) -> dict:
         """The TP plan of this stage's modules (a task's plan is checked on the whole model, up front)."""
         from rayhpc.parallel.tp import mlp_plan, transformer_plan
@@ -64,7 +70,12 @@ class Recipe:
         return [u for u in layers[1:] if any(True for _ in model.get_submodule(u).parameters())]
 
     def stage_starts(self, model: nn.Module) -> list[str]:
-        return choose_stage_starts(model, self.split_points(model), self.cfg.pp) if self.cfg.pp > 1 else []
+        """Where pipeline stages 1, 2, ... begin (none without pipeline parallelism)."""
+        cfg = self.cfg
+        if cfg.n_stages == 1:
+            return []
+        label = f"pp (--pp) {cfg.pp} x stages_per_rank {cfg.per_rank_stages}" if cfg.per_rank_stages > 1 else None
+        return choose_stage_starts(model, self.split_points(model), cfg.n_stages, label=label)
 
     def tokens(self, samples_per_s: float) -> str:
         """", N tokens/s" for a task that says how many tokens a sample holds, else ""."""

@@ -32,6 +32,7 @@ class ParallelResult:
     losses: list[float]  # one per step, from step 1 (restored steps included)
     step_seconds: list[float]  # slowest rank's time per step run in this session
     weights: dict[str, torch.Tensor]  # the whole model, gathered, under the unsharded model's names
+    validation: dict[str, float] | None  # the final validation loss and task metrics, if there is validation data
     start_seconds: float  # placement group, actors, rendezvous, model set-up
     checkpoint: Path | None  # the latest checkpoint
 
@@ -47,21 +48,27 @@ def training_tensors(cfg: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, tuple[torch.Tensor, torch.Tensor]]:
-    """The recipe of the run and its training tensors (inputs, targets), every plan and size checked."""
+def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, dict]:
+    """The recipe of the run and its data, {"train": (inputs, targets), "val": (inputs, targets) or None
+    (the built-in models, or a task whose validation data is less than one batch)}, every plan and size
+    checked."""
     hp = {**PlatformHParams().model_dump(), "lr": cfg.lr, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer,
           "seed": cfg.seed}
+    val = None
     if cfg.task is None:
         x, y = training_tensors(cfg)
         recipe = Recipe(cfg, hp=hp, in_features=x.shape[-1], out_features=y.shape[-1])
     else:
         task = task_for(cfg.task, cfg.data)
         hp = {**full_hparams(task.hp_model, cfg.hparams, key="hparams.{name} (--hp)"), **hp}
-        x, y = stack_pairs(task.split_data(hp, cfg.data)[0], task.where())
+        train, held_out = task.split_data(hp, cfg.data)
+        x, y = stack_pairs(train, task.where())
+        if held_out is not None and len(held_out) >= cfg.batch_size:
+            val = stack_pairs(held_out, task.where())
         recipe = Recipe(cfg, task=task, hp=hp)
     step_indices(len(x), cfg.batch_size, cfg.seed, 0)  # raises if the batch exceeds the data
     recipe.check()
-    return recipe, (x, y)
+    return recipe, {"train": (x, y), "val": val}
 
 
 def stack_pairs(dataset, where: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,8 +113,22 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
                 f"{cfg.batch_size / seconds:,.0f} samples/s{recipe.tokens(cfg.batch_size / seconds)}")
             if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 checkpoint = save(group, cfg, step + 1, losses)
+            if made["data"]["val"] is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0 \
+                    and step + 1 < cfg.steps:  # the last step's comes below
+                say(f"step {step + 1}: {describe_validation(validate(group))}")
+        validation = validate(group) if made["data"]["val"] is not None else None
         weights = {k: v for part in group.run(worker.gather_weights) for k, v in part.items()}
-    return ParallelResult(cfg, losses, step_seconds, weights, start_seconds, checkpoint)
+    return ParallelResult(cfg, losses, step_seconds, weights, validation, start_seconds, checkpoint)
+
+
+def validate(group: WorkerGroup) -> dict[str, float]:
+    """Validation loss and task metrics, averaged over the data-parallel replicas (each scores its share)."""
+    replicas = [o["metrics"] for o in group.run(worker.evaluate) if o["metrics"] and o["coords"]["tp"] == 0]
+    return {name: sum(r[name] for r in replicas) / len(replicas) for name in replicas[0]}
+
+
+def describe_validation(metrics: dict[str, float]) -> str:
+    return "validation " + ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
 
 
 def step_loss(outcomes: list[dict]) -> tuple[float, float]:
@@ -119,8 +140,9 @@ def step_loss(outcomes: list[dict]) -> tuple[float, float]:
 
 def describe_layout(cfg: ParallelConfig, params: list[tuple[int, int]], start_seconds: float) -> str:
     per_replica = cfg.batch_size // cfg.dp
-    pipeline = (f"; {cfg.schedule}, {cfg.n_microbatches} microbatches of {per_replica // cfg.n_microbatches} "
-                f"samples" if cfg.pp > 1 else "")
+    stages = f" ({cfg.per_rank_stages} stages per rank, {cfg.n_stages} in all)" if cfg.per_rank_stages > 1 else ""
+    pipeline = (f"; {cfg.schedule}{stages}, {cfg.n_microbatches} microbatches of "
+                f"{per_replica // cfg.n_microbatches} samples" if cfg.pp > 1 else "")
     return (f"parallel: {cfg.world_size} ranks of {cfg.compute.cpus_per_worker:g} CPU, mesh pp({cfg.pp}) x "
             f"dp({cfg.dp}) x tp({cfg.tp}) on {'GPU (nccl)' if cfg.compute.gpu else 'CPU (gloo)'}, {cfg.precision}; "
             f"{params[0][0]:,} parameters, "
@@ -153,6 +175,7 @@ def format_summary(result: ParallelResult) -> str:
     if seconds:
         median = seconds[len(seconds) // 2]
         speed = f"median step {median * 1e3:.1f} ms, {cfg.batch_size / median:,.0f} samples/s"
+    validation = f"\n{describe_validation(result.validation)}" if result.validation else ""
     return (f"trained {len(losses)} steps: loss {losses[0]:.5f} -> {losses[-1]:.5f}; {speed}; "
-            f"start-up {result.start_seconds:.1f} s\n"
+            f"start-up {result.start_seconds:.1f} s{validation}\n"
             f"checkpoint: {result.checkpoint or 'none (--checkpoint-every K to save one)'}")

@@ -34,51 +34,68 @@ from rayhpc.workers.group import WorkerContext
 class RankRun:
     cfg: ParallelConfig
     coords: dict[str, int]
-    module: nn.Module  # this rank's stage, TP/FSDP-sharded
-    optimizer: torch.optim.Optimizer
+    parts: list[nn.Module]  # this rank's stages (one unless the schedule interleaves), TP/FSDP-sharded
+    stage_ids: list[int]  # their global stage indices
+    optimizers: list[torch.optim.Optimizer]  # one per part (torchtitan's way: DCP pairs a model with its optimizer)
     schedule: object | None  # the pipelining schedule when pp > 1
+    pipe_stages: list  # its PipelineStage per part (none without a pipeline)
+    pp_group: object | None  # the process group of this rank's pipeline
     x: torch.Tensor
     y: torch.Tensor
     recipe: Recipe
+    val: tuple[torch.Tensor, torch.Tensor] | None = None  # validation inputs and targets, if the task has them
 
     @property
     def first_stage(self) -> bool:
-        return self.coords["pp"] == 0
+        return 0 in self.stage_ids
 
     @property
     def last_stage(self) -> bool:
-        return self.coords["pp"] == self.cfg.pp - 1
+        return self.cfg.n_stages - 1 in self.stage_ids
+
+    def named_parameters(self):
+        for part in self.parts:
+            yield from part.named_parameters()
 
 
 def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     """Build this rank's share of the model; returns (the model's parameters, this rank's share)."""
     import ray
 
+    from rayhpc.parallel.pp import rank_stages
+
     quiet_warnings()
     cfg = recipe.cfg
-    x, y = ray.get(data) if isinstance(data, ray.ObjectRef) else data
+    data = ray.get(data) if isinstance(data, ray.ObjectRef) else data
     # TF32 matmuls for fp32 on GPUs (7-8x the plain fp32 peak on an H100); no effect on CPUs
     torch.backends.cuda.matmul.allow_tf32 = cfg.precision != "fp32"
     torch.backends.cudnn.allow_tf32 = cfg.precision != "fp32"
     torch.manual_seed(cfg.seed)
-    initial = recipe.build()  # host memory: the one-process run's weights
-    total = sum(p.numel() for p in initial.parameters())
+    initial = recipe.build().state_dict()  # host memory: the one-process run's weights
+    total = sum(t.numel() for t in initial.values())
     mesh = build_mesh(cfg.degrees, ctx.device.type)
     coords = cfg.degrees.coords(ctx.rank)
-    with torch.device("meta"):
-        model = recipe.build()
-    module = parallelize(model, mesh, cfg.degrees, ctx.rank, recipe)
-    module.to_empty(device=ctx.device)
-    materialise(module, initial.state_dict())
+    stage_ids = rank_stages(cfg.schedule, coords["pp"], cfg.pp, cfg.per_rank_stages) if cfg.pp > 1 else [None]
+    parts = []
+    for stage_id in stage_ids:
+        with torch.device("meta"):
+            model = recipe.build()
+        part = parallelize(model, mesh, cfg.degrees, stage_id, recipe)
+        part.to_empty(device=ctx.device)
+        materialise(part, initial)
+        parts.append(part)
     del initial
-    schedule = None
+    schedule, pipe_stages, pp_group = None, [], mesh["pp"].get_group() if cfg.pp > 1 else None
     if cfg.pp > 1:
-        schedule = build_schedule(module, coords["pp"], cfg.pp, ctx.device, mesh["pp"].get_group(),
-                                  cfg.schedule, cfg.n_microbatches, recipe.loss)
-    optimizer = make_optimizer(recipe.hp, module.parameters())  # its state shards like the parameters
-    ctx.state["run"] = RankRun(cfg, coords, module, optimizer, schedule, x.to(ctx.device), y.to(ctx.device), recipe)
-    ctx.state["gauges"] = WorkerMetrics(cfg.name, ctx.rank)
-    return total, sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
+        schedule, pipe_stages = build_schedule(parts, stage_ids, cfg.n_stages, ctx.device, pp_group, cfg.schedule,
+                                               cfg.n_microbatches, recipe.loss)
+    optimizers = [make_optimizer(recipe.hp, part.parameters()) for part in parts]  # state shards like the weights
+    (x, y), val = data["train"], data["val"]
+    val = tuple(t.to(ctx.device) for t in val) if val is not None else None
+    run = RankRun(cfg, coords, parts, [s or 0 for s in stage_ids], optimizers, schedule, pipe_stages, pp_group,
+                  x.to(ctx.device), y.to(ctx.device), recipe, val)
+    ctx.state["run"], ctx.state["gauges"] = run, WorkerMetrics(cfg.name, ctx.rank)
+    return total, sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for _, p in run.named_parameters())
 
 
 @torch.no_grad()
@@ -109,9 +126,13 @@ def replica_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel replica's slice of global step `step`'s batch."""
     cfg = run.cfg
     idx = step_indices(len(run.x), cfg.batch_size, cfg.seed, step)
-    per = cfg.batch_size // cfg.dp
-    idx = idx[run.coords["dp"] * per:(run.coords["dp"] + 1) * per]
-    return run.x[idx], run.y[idx]
+    return run.x[replica_slice(run, idx)], run.y[replica_slice(run, idx)]
+
+
+def replica_slice(run: RankRun, idx):
+    """This data-parallel replica's share of a global batch's indices."""
+    per = len(idx) // run.cfg.dp
+    return idx[run.coords["dp"] * per:(run.coords["dp"] + 1) * per]
 
 
 def autocast(cfg: ParallelConfig, device: torch.device):
@@ -119,46 +140,127 @@ def autocast(cfg: ParallelConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
 
+def forward_loss(run: RankRun, x: torch.Tensor, y: torch.Tensor, train: bool):
+    """The batch's loss where this rank computes it (the last stage; every rank without a pipeline), else
+    None; gradients accumulated when `train`. Also the last stage's output (for metrics), or None."""
+    if run.schedule is None:
+        output = run.parts[0](x)
+        loss = run.recipe.loss(output, y)
+        if train:
+            loss.backward()
+        return loss.detach(), output
+    if not train:
+        output = pipeline_forward(run, x)
+        return (run.recipe.loss(output, y) if run.last_stage else None), output
+    losses = [] if run.last_stage else None
+    run.schedule.step(*((x,) if run.first_stage else ()), target=y if run.last_stage else None, losses=losses)
+    return (torch.stack(losses).mean() if run.last_stage else None), None
+
+
+def pipeline_forward(run: RankRun, x: torch.Tensor) -> torch.Tensor | None:
+    """The whole batch through every stage in order, forward only, activations sent point to point
+    between pipeline ranks: the last stage's output where it lives, else None. For validation: no
+    microbatches are needed without a backward, and torch's own `schedule.eval()` runs backward
+    actions under the zero-bubble V schedule (torch 2.13)."""
+    from rayhpc.parallel.pp import rank_stages
+
+    cfg, me = run.cfg, run.coords["pp"]
+    holder = {s: r for r in range(cfg.pp) for s in rank_stages(cfg.schedule, r, cfg.pp, cfg.per_rank_stages)}
+    parts = dict(zip(run.stage_ids, run.parts))
+    act = x
+    for stage in sorted(parts):  # ascending on every rank: the chain of sends and receives cannot deadlock
+        if stage > 0 and holder[stage - 1] != me:
+            act = _recv(run.pp_group, holder[stage - 1], x.device)
+        act = parts[stage](act)
+        if stage + 1 < cfg.n_stages and holder[stage + 1] != me:
+            _send(act, run.pp_group, holder[stage + 1])
+    return act if run.last_stage else None
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+
+
+def _send(tensor: torch.Tensor, group, to: int) -> None:
+    """`tensor` to pipeline rank `to`, after a header with its dtype and shape (up to 6 dimensions)."""
+    import torch.distributed as dist
+
+    dst = dist.get_global_rank(group, to)
+    header = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (6 - tensor.dim())
+    dist.send(torch.tensor(header, device=tensor.device), dst, group=group)
+    dist.send(tensor.contiguous(), dst, group=group)
+
+
+def _recv(group, source: int, device: torch.device) -> torch.Tensor:
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(group, source)
+    header = torch.zeros(8, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    dtype, ndim, *shape = header.tolist()
+    tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
+    dist.recv(tensor, src, group=group)
+    return tensor
+
+
 def train_step(ctx: WorkerContext, step: int) -> dict:
     """One optimizer step; the loss (mean over this replica's batch) where this rank computes it."""
     run: RankRun = ctx.state["run"]
     x, y = replica_batch(run, step)
     started = time.perf_counter()
-    run.optimizer.zero_grad()
+    for optimizer in run.optimizers:
+        optimizer.zero_grad()
     with autocast(run.cfg, ctx.device):
-        if run.schedule is None:
-            loss = run.recipe.loss(run.module(x), y)
-            loss.backward()
-            value = loss.item()
-        else:
-            losses = [] if run.last_stage else None
-            inputs = (x,) if run.first_stage else ()
-            run.schedule.step(*inputs, target=y if run.last_stage else None, losses=losses)
-            value = torch.stack(losses).mean().item() if run.last_stage else None
-    run.optimizer.step()
+        loss, _ = forward_loss(run, x, y, train=True)
+    for optimizer in run.optimizers:
+        optimizer.step()
     if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
+        torch.cuda.synchronize(ctx.device)  # every rank's step time is its device's
+    value = loss.item() if loss is not None else None
     seconds = time.perf_counter() - started
     ctx.state["gauges"].record(value, len(x) / seconds, seconds, ctx.device)  # loss: None off the last stage
     return {"loss": value, "seconds": seconds, "coords": run.coords}
 
 
-def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:
-    """The stage's whole weights, returned by one rank per stage (tp = dp = 0)."""
+@torch.no_grad()
+def evaluate(ctx: WorkerContext) -> dict:
+    """The validation loss and the task's metrics, averaged over whole global batches of the validation
+    data (each replica scores its share), where this rank computes them."""
     run: RankRun = ctx.state["run"]
-    weights = full_state(run.module)
+    xv, yv = run.val
+    batch = run.cfg.batch_size
+    sums: dict[str, float] = {}
+    for start in range(0, len(xv) - batch + 1, batch):  # whole batches: the pipeline's buffers have its shape
+        idx = replica_slice(run, torch.arange(start, start + batch))
+        with autocast(run.cfg, ctx.device):
+            loss, output = forward_loss(run, xv[idx], yv[idx], train=False)
+        if loss is not None:
+            for name, value in {"val_loss": loss, **run.recipe.metrics(output, yv[idx])}.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+    batches = (len(xv) // batch) or 1
+    return {"metrics": {k: v / batches for k, v in sums.items()} or None, "coords": run.coords}
+
+
+def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:
+    """The stages' whole weights, returned by one rank per pipeline rank (tp = dp = 0)."""
+    run: RankRun = ctx.state["run"]
+    weights = {k: v for part in run.parts for k, v in full_state(part).items()}
     return weights if run.coords["tp"] == run.coords["dp"] == 0 else {}
 
 
-def _state(run: RankRun) -> dict:
-    """This rank's weights and optimizer state as DCP saves them. The optimizer's is flattened (one
+def _states(run: RankRun) -> list[dict]:
+    """Per part: its weights and optimizer state as DCP saves them. The optimizer's is flattened (one
     key per parameter and setting, torchtitan's form): in the nested form DCP drops the param
-    groups' non-tensor settings (Adam's betas) on load."""
+    groups' non-tensor settings (Adam's betas) on load. Keys are whole-model names, so the parts'
+    dicts never collide."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model, optim = get_state_dict(run.module, run.optimizer,
-                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
-    return {"model": model, "optim": optim}
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    return [dict(zip(("model", "optim"), get_state_dict(part, optimizer, options=options)))
+            for part, optimizer in zip(run.parts, run.optimizers)]
+
+
+def _merged(states: list[dict]) -> dict:
+    return {key: {k: v for state in states for k, v in state[key].items()} for key in ("model", "optim")}
 
 
 def save_checkpoint(ctx: WorkerContext, path: str) -> None:
@@ -166,7 +268,7 @@ def save_checkpoint(ctx: WorkerContext, path: str) -> None:
     no rank holds the whole model."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(ctx.state["run"]), checkpoint_id=path)
+    dcp.save(_merged(_states(ctx.state["run"])), checkpoint_id=path)
 
 
 def load_checkpoint(ctx: WorkerContext, path: str) -> None:
@@ -175,7 +277,10 @@ def load_checkpoint(ctx: WorkerContext, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     run = ctx.state["run"]
-    state = _state(run)
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(run.module, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+    states = _states(run)
+    loaded = _merged(states)
+    dcp.load(loaded, checkpoint_id=path)  # tensors in place; non-tensor entries (lr, betas) replaced in `loaded`
+    for part, optimizer, state in zip(run.parts, run.optimizers, states):
+        set_state_dict(part, optimizer, model_state_dict={k: loaded["model"][k] for k in state["model"]},
+                       optim_state_dict={k: loaded["optim"][k] for k in state["optim"]},
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))

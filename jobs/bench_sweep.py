@@ -1,6 +1,7 @@
 """Sweep benchmark: the same short trials run three ways on this machine, side by side.
 
     python jobs/bench_sweep.py [--trials 16] [--epochs 30] [--cpus 2]
+    python jobs/bench_sweep.py --adaptive --trials 128     # random, ASHA, Optuna: packed and unpacked
 
 (a) array job: one fresh Python process per trial, `--cpus` at a time (what
     `sbatch --array=0-15%2` does), each running the plain PyTorch loop;
@@ -98,7 +99,19 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=16, help="trials (a grid of hidden x lr)")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--adaptive", action="store_true", help="instead: random, ASHA and Optuna sweeps of "
+                        "--trials trials (default sweep, --epochs, default 10 here), packed and unpacked")
+    parser.add_argument("--no-unpacked", action="store_true", help="with --adaptive: packed rows only")
     args = parser.parse_args()
+    if args.adaptive:
+        import ray
+
+        from rayhpc.bench.adaptive_sweeps import adaptive_rows, print_adaptive
+
+        epochs = args.epochs if "--epochs" in sys.argv else 10
+        ray.init(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+        print_adaptive(adaptive_rows(args.trials, epochs, not args.no_unpacked), args.trials, epochs)
+        return
     lrs = [0.001 * 3 ** (i / 2) for i in range(args.trials // 4)]
     work = Path(tempfile.mkdtemp(prefix="bench_sweep_"))
     cfg = SweepConfig(name="ours", storage_path=work, num_samples=1, search="grid", epochs=args.epochs,

@@ -16,6 +16,8 @@ from rayhpc.task.batches import Batches
 from rayhpc.task.check import check_task
 from rayhpc.task.hparams import full_hparams
 from rayhpc.tune.packing import FuncPack, PaddedMLPPack, make_pack, packing_problem
+from rayhpc.tune.pbt import PbtRules, exploit_explore
+from rayhpc.tune.space import ParamSpec
 from rayhpc.tune.trainable import train_epoch
 
 CPU = torch.device("cpu")
@@ -162,3 +164,72 @@ def test_norm_statistics_stay_per_member():
         task.loss(model, batch)
         torch.testing.assert_close(pack.buffers["1.running_mean"][i], model[1].running_mean)
     assert not torch.allclose(pack.buffers["1.running_mean"][0], pack.buffers["1.running_mean"][1])
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("kind", ["padded mlp", "func"])
+def test_members_that_leave_a_pack_keep_their_weights_and_the_others_train_on(mlp, optimizer, kind):
+    """ASHA stops member 1 after epoch 1: the pack keeps members 0 and 2 only (its tensors and the
+    optimizer's per-member state cut to them), and they go on exactly as plain trials; member 1's
+    weights stay those of a plain trial stopped after one epoch."""
+    members = [full_hparams(mlp.hp_model, dict(hidden=h, lr=lr, momentum=0.9, optimizer=optimizer, batch_size=16,
+                                               seed=7)) for h, lr in [(8, 0.05), (8, 0.01), (8, 0.002)]]
+    if kind == "func":  # the generic pack: the task's own model under vmap
+        members = [{**m, "depth": 3} for m in members]
+    train, val = mlp_split(mlp)
+    pack = make_pack(mlp, members, CPU)
+    assert isinstance(pack, PaddedMLPPack if kind == "padded mlp" else FuncPack)
+    opt = pack.optimizer(members)
+    batches = Batches(train, CPU)
+    train_epoch(pack, opt, batches, 16, 7, 0)
+    stopped = pack.member(1).state_dict()
+    pack.keep([0, 2])
+    opt.keep([0, 2], pack.parameters())
+    assert pack.size == 2 and all(p.shape[0] == 2 for p in pack.parameters())
+    for epoch in (1, 2):
+        train_epoch(pack, opt, batches, 16, 7, epoch)
+    for position, (i, epochs) in enumerate([(0, 3), (2, 3)]):
+        want = plain_member(mlp, members[i], train, val, epochs)
+        for key, value in pack.member(position).state_dict().items():
+            torch.testing.assert_close(value, want[key], msg=lambda m: f"member {i} {key}: {m}")
+    want = plain_member(mlp, members[1], train, val, 1)
+    for key, value in stopped.items():
+        torch.testing.assert_close(value, want[key])
+
+
+def plain_member(task, hp, train, val, epochs):
+    """The member's own model (the task's, from its seed) trained the plain way; its state dict."""
+    model = task.initial_model(hp)
+    return plain_trial(model, train, val, hp, epochs, lambda out, y: F.mse_loss(out, y))[0]
+
+
+@pytest.mark.parametrize("kind", ["padded mlp", "func"])
+def test_pbt_exploit_copies_weights_and_optimizer_state_then_explore_perturbs_lr(mlp, kind):
+    """The worst of 3 members (by val_loss) takes the best one's weights, buffers and Adam state (its
+    moments) in its own slot, then its learning rate is the best one's x0.8 or x1.2."""
+    members = [full_hparams(mlp.hp_model, dict(hidden=h, lr=lr, optimizer="adam", batch_size=16, seed=7))
+               for h, lr in [(8, 0.05), (16, 0.01), (4, 0.002)]]
+    if kind == "func":
+        members = [{**m, "hidden": 8, "depth": 3} for m in members]
+    train, _ = mlp_split(mlp)
+    pack = make_pack(mlp, members, CPU)
+    opt = pack.optimizer(members)
+    train_epoch(pack, opt, Batches(train, CPU), 16, 7, 0)
+    state = {"hp": [{"lr": m["lr"]} for m in members], "pbt": []}
+    rules = PbtRules(interval=1, quantile=0.34, resample=0.0, space={"lr": ParamSpec(loguniform=(1e-4, 1.0))},
+                     metric="val_loss", mode="min", seed=0)
+    before = pack.member(1).state_dict()
+    exploit_explore(pack, opt, state, {"val_loss": torch.tensor([0.1, 0.5, 0.9])}, rules, epoch=1, pack_id=0)
+    assert [(e["member"], e["copied"]) for e in state["pbt"]] == [(2, 0)]
+    copied, source = pack.member(2).state_dict(), pack.member(0).state_dict()
+    assert sorted(copied) == sorted(source)
+    for key in source:
+        torch.testing.assert_close(copied[key], source[key], msg=key)
+    for key, value in pack.member(1).state_dict().items():  # a middle member is left alone
+        torch.testing.assert_close(value, before[key])
+    for name in ("exp_avg", "exp_avg_sq"):
+        for t in opt.state[name]:
+            torch.testing.assert_close(t[2], t[0])
+    lr = state["hp"][2]["lr"]
+    assert lr == pytest.approx(0.05 * 0.8) or lr == pytest.approx(0.05 * 1.2), lr
+    assert float(opt.hyper["lr"][2]) == pytest.approx(lr) and float(opt.hyper["lr"][0]) == pytest.approx(0.05)

@@ -91,7 +91,6 @@ def test_packs_group_trials_that_can_step_together():
     ({"space": {"hidden": {"uniform": [4, 64]}}}, "space.hidden: uniform draws floats but hidden is an integer"),
     ({"space": {"hidden": {"choice": [4, -1]}}}, "space.hidden: Input should be greater than or equal to 1 (got -1)"),
     ({"search": "grid", "space": {"lr": {"uniform": [0.1, 1]}}}, "space.lr: search=grid needs grid or choice"),
-    ({"scheduler": "asha", "pack": 4}, "pack: packed trials train to the end together"),
     ({"data": {"path": "x.parquet", "colour": 1}}, "data.colour: unknown key; allowed keys: features, path,"),
 ])
 def test_bad_configs_name_the_key_and_what_is_allowed(data, message):

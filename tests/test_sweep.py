@@ -1,5 +1,6 @@
 """End-to-end sweeps on a real local Ray: results table, schedulers, searchers, faults, resume."""
 
+import json
 import os
 import signal
 import socket
@@ -10,14 +11,19 @@ import time
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from ray.tune import Callback
 
 from conftest import ROOT, run_job, tensorboard_scalars
 from rayhpc.config import validate
 from rayhpc.data import mlp_tensors
+from rayhpc.models import MLP, PackedMLP
+from rayhpc.task import task_for
 from rayhpc.tune.config import SweepConfig
+from rayhpc.tune.plan import load_plan
 from rayhpc.tune.sweep import run_sweep
+from test_packed import mlp_split, plain_trial
 
 COLUMNS = ["trial_id", "status", "config.hidden", "config.lr", "val_loss", "best_val_loss", "iterations",
            "train_seconds", "node"]
@@ -58,13 +64,73 @@ def test_sweep_runs_end_to_end_and_its_table_is_right(ray_address, tmp_path):
     assert len(series) == 6, series
 
 
-def test_asha_stops_bad_trials_early(ray_address, tmp_path):
-    table = run_sweep(sweep(tmp_path, name="asha", num_samples=8, epochs=8, scheduler="asha"))
-    stopped = table[table["status"] == "early-stopped"]
-    assert len(table) == 8 and len(stopped) >= 2, table[["status", "iterations"]]
-    assert (stopped["iterations"] < 8).all()
-    assert (table.loc[table["status"] == "finished", "iterations"] == 8).all()
-    assert table["trial_id"].is_unique
+def test_asha_stops_members_of_a_pack_where_tunes_asha_stops_the_same_trials(ray_address, tmp_path):
+    """8 trials in one pack under ASHA: every member is a trial to Tune's ASHA. Feeding Ray Tune's own
+    ASHAScheduler the values the members reported, in the order the pack reported them, must stop
+    the same trials at the same rungs; a stopped member's weights stay those it had at that rung."""
+    cfg = sweep(tmp_path, name="asha", num_samples=8, epochs=8, scheduler="asha", pack=8)
+    table = run_sweep(cfg)
+    (trial_dir,) = [d for d in (tmp_path / "asha").iterdir() if d.is_dir() and (d / "result.json").exists()]
+    reports = [json.loads(line) for line in (trial_dir / "result.json").read_text().splitlines()]
+    expected = tune_asha_stops(reports, cfg)
+    assert len(expected) >= 2, expected  # ASHA stops some of 8 trials (rungs at 1, 2, 4; keep the best half)
+    rows = table.assign(member=table["trial_id"].str.rsplit("-", n=1).str[1].astype(int)).set_index("member")
+    for j in range(8):
+        if j in expected:
+            assert rows.loc[j, "status"] == "early-stopped" and rows.loc[j, "iterations"] == expected[j], (j, rows)
+        else:
+            assert rows.loc[j, "status"] == "finished" and rows.loc[j, "iterations"] == 8, (j, rows)
+    assert reports[-1]["active_members"] == 8 - len(expected), "stopped members were not dropped from the pack"
+    # the final checkpoint keeps each stopped member's weights as they were when it stopped
+    (last,) = sorted(trial_dir.glob("checkpoint_*"))[-1:]
+    state = torch.load(last / "pack_state.pt", weights_only=True)
+    assert sorted(state["retired"]) == sorted(expected) and sorted(state["stopped"].items()) == sorted(expected.items())
+    member = sorted(expected)[0]
+    want = stopped_member_weights(cfg, member, expected[member])
+    retired = state["retired"][member]
+    h = want["w1"].shape[1]  # the member's own width; the pack pads narrower members to its widest
+    unpadded = {"w1": retired["w1"][:, :h], "b1": retired["b1"][:, :h], "w2": retired["w2"][:h], "b2": retired["b2"]}
+    for key, value in unpadded.items():
+        torch.testing.assert_close(value, want[key], msg=lambda m: f"{key}: {m}")
+
+
+def tune_asha_stops(reports: list[dict], cfg: SweepConfig) -> dict[int, int]:
+    """Member -> the epoch at which Ray Tune's ASHAScheduler stops it, given each member's reported val_loss."""
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+
+    asha = ASHAScheduler(time_attr="epoch", metric="val_loss", mode="min", max_t=cfg.epochs,
+                         grace_period=cfg.asha.grace_period, reduction_factor=cfg.asha.reduction_factor)
+    trials = [SimpleNamespace(trial_id=f"member-{j}") for j in range(8)]
+    for trial in trials:
+        asha.on_trial_add(None, trial)
+    stops: dict[int, int] = {}
+    for report in reports:
+        for j, trial in enumerate(trials):
+            if j in stops:
+                continue
+            result = {"epoch": report["epoch"], "val_loss": report["members"][str(j)]["val_loss"]}
+            if asha.on_trial_result(None, trial, result) == TrialScheduler.STOP and report["epoch"] < cfg.epochs:
+                stops[j] = report["epoch"]
+    return stops
+
+
+def stopped_member_weights(cfg: SweepConfig, member: int, epochs: int) -> dict:
+    """Trial `member` of the sweep's plan trained alone, the plain PyTorch way, for `epochs` epochs, as a
+    one-member packed state (w1 [in, hidden], b1, w2, b2)."""
+    task = task_for("mlp", cfg.data)
+    hp = {**cfg.defaults(task.hp_model), **load_plan(cfg.experiment_dir)[0][member]}  # as the trainable makes it
+    train, val = mlp_split(task)
+    weights = plain_trial(task.initial_model(hp), train, val, hp, epochs, torch.nn.functional.mse_loss)[0]
+    packed = PackedMLP.from_members([load_mlp(weights, hp)])
+    return {k: v[0] for k, v in packed.state_dict().items()}
+
+
+def load_mlp(weights: dict, hp: dict) -> MLP:
+    model = MLP(weights["layers.0.weight"].shape[1], hp["hidden"], weights["layers.2.weight"].shape[0], 2)
+    model.load_state_dict(weights)
+    return model
 
 
 def test_optuna_search_samples_every_kind_within_its_domain(ray_address, tmp_path):
@@ -74,6 +140,45 @@ def test_optuna_search_samples_every_kind_within_its_domain(ray_address, tmp_pat
     assert len(table) == 5 and set(table["status"]) == {"finished"}
     assert table["config.hidden"].between(4, 16).all() and table["config.momentum"].between(0, 0.5).all()
     assert set(table["config.optimizer"]) <= {"sgd", "adam"}
+
+
+def test_packed_optuna_asks_and_tells_every_member_once(ray_address, tmp_path):
+    """8 trials in packs of 4: Optuna proposes each pack in one batch (the optimizer, which members
+    must share, fixed for the whole pack) and is told each member's final val_loss; its study holds
+    every trial once, with the values and hyperparameters of the table's rows."""
+    space = {"lr": {"loguniform": [1e-3, 1e-1]}, "hidden": {"randint": [4, 17]},
+             "optimizer": {"choice": ["sgd", "adam"]}}
+    table = run_sweep(sweep(tmp_path, name="optuna-packed", search="optuna", num_samples=8, pack=4, epochs=2,
+                            space=space))
+    assert len(table) == 8 and set(table["status"]) == {"finished"} and set(table["pack_size"]) == {4}
+    packs = table.groupby(table["trial_id"].str.rsplit("-", n=1).str[0])
+    assert len(packs) == 2 and all(g["config.optimizer"].nunique() == 1 for _, g in packs)
+    study = json.loads((tmp_path / "optuna-packed" / "optuna_trials.json").read_text())
+    assert sorted(t["number"] for t in study) == list(range(8)) and {t["state"] for t in study} == {"COMPLETE"}
+    told = sorted((round(t["params"]["lr"], 12), t["params"]["hidden"], round(t["value"], 6)) for t in study)
+    rows = sorted(zip(table["config.lr"].round(12), table["config.hidden"], table["val_loss"].round(6)))
+    assert told == rows
+
+
+def test_pbt_evolves_the_members_of_a_pack(ray_address, tmp_path):
+    """8 trials in one pack, PBT every 2 epochs: the worst quarter takes the best quarter's weights and a
+    perturbed learning rate; the table shows each member's final learning rate."""
+    cfg = sweep(tmp_path, name="pbt", num_samples=8, pack=8, epochs=4, scheduler="pbt",
+                pbt={"resample_probability": 0}, space={"lr": {"loguniform": [1e-3, 1e-1]}})
+    table = run_sweep(cfg)
+    assert len(table) == 8 and set(table["status"]) == {"finished"} and set(table["iterations"]) == {4}
+    (trial_dir,) = [d for d in (tmp_path / "pbt").iterdir() if d.is_dir() and (d / "result.json").exists()]
+    state = torch.load(sorted(trial_dir.glob("checkpoint_*"))[-1] / "pack_state.pt", weights_only=True)
+    rounds = state["pbt"]
+    assert [r["epoch"] for r in rounds] == [2, 2], rounds  # one round (epoch 4 is the last), 8 x 0.25 members
+    initial = [m["lr"] for m in load_plan(cfg.experiment_dir)[0]]
+    final = table.set_index(table["trial_id"].str.rsplit("-", n=1).str[1].astype(int))["config.lr"]
+    for r in rounds:  # the copied member's lr x0.8 or x1.2, inside the space's bounds
+        source = initial[r["copied"]]
+        assert r["lr"] in (pytest.approx(max(1e-3, 0.8 * source)), pytest.approx(min(1e-1, 1.2 * source))), r
+        assert final[r["member"]] == pytest.approx(r["lr"]), (r, final)
+    untouched = set(range(8)) - {r["member"] for r in rounds}
+    assert all(final[j] == pytest.approx(initial[j]) for j in untouched)
 
 
 def test_packed_trials_equal_unpacked_trials(ray_address, tmp_path):

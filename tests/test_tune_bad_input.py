@@ -54,6 +54,14 @@ CASES = {
     "data with text column": (lambda d: ["--data", parquet(d / "x.parquet", a=["u", "v"], target=[1.0, 2.0])],
                               "error: data "),
     "unknown flag": (lambda d: ["--num-trials", "3"], "error: unrecognized arguments: --num-trials 3"),
+    "pbt with optuna": (lambda d: ["--scheduler", "pbt", "--search", "optuna"],
+                        "error: scheduler (--scheduler) pbt: PBT evolves the members of packs the sweep draws"),
+    "pbt unpacked": (lambda d: ["--scheduler", "pbt", "--pack", "1"],
+                     "error: pack (--pack) 1: scheduler pbt evolves the members of a pack"),
+    "pbt with nothing to perturb": (lambda d: ["--scheduler", "pbt", "--config", write(
+                                        d / "s.yaml", "space: {hidden: {choice: [8, 16]}}\n")],
+                                    "error: space: scheduler pbt perturbs lr, momentum, weight_decay inside a pack, "
+                                    "and the space varies none of them (hidden)"),
     # a sweep on a GPU machine gives each worker of a distributed trial a GPU
     "workers beyond cluster": (lambda d: ["--workers-per-trial", str(WORKERS + 1), "--config", write(
                                    d / "s.yaml", f"space: {{batch_size: {{choice: [{16 * (WORKERS + 1)}]}}}}\n")],

@@ -70,6 +70,22 @@ class PackedMLP(nn.Module):
                 packed.b2[i, 0, :] = out.bias
         return packed
 
+    @torch.no_grad()
+    def copy_member(self, dst: int, src: int) -> None:
+        for t in (self.w1, self.b1, self.w2, self.b2, self.mask):
+            t[dst] = t[src]
+        self.hiddens[dst] = self.hiddens[src]
+
+    @torch.no_grad()
+    def keep(self, slots: list[int]) -> None:
+        """Only the members at `slots` stay (new, smaller parameters: an optimizer must be given them)."""
+        index = torch.tensor(slots, device=self.w1.device)
+        for name in ("w1", "b1", "w2", "b2"):
+            setattr(self, name, nn.Parameter(getattr(self, name).index_select(0, index)))
+        self.mask = self.mask.index_select(0, index)
+        self.hiddens = [self.hiddens[i] for i in slots]
+        self.padded = any(h < self.w1.shape[2] for h in self.hiddens)
+
     def member(self, i: int) -> MLP:
         """Member `i` as a stand-alone `MLP` (a copy, on CPU)."""
         h = self.hiddens[i]

@@ -10,7 +10,16 @@ from pydantic import Field, field_validator, model_validator
 from rayhpc.config import ConfigError, StrictModel
 from rayhpc.task.config import TaskJobConfig
 from rayhpc.task.hparams import PlatformHParams, full_hparams
-from rayhpc.tune.space import ParamSpec, Space, check_space_form, check_space_values, parse_space, sample_configs
+from rayhpc.tune.pbt import MUTABLE, mutable
+from rayhpc.tune.space import (
+    ParamSpec,
+    Space,
+    check_space_form,
+    check_space_values,
+    parse_space,
+    sample_configs,
+    searched,
+)
 
 # the search space of a task that declares none (the built-in mlp task also searches its width)
 DEFAULT_SPACE = {"lr": {"loguniform": [1e-3, 1e-1]}}
@@ -21,6 +30,14 @@ class AshaConfig(StrictModel):
 
     grace_period: int = Field(1, ge=1, description="epochs every trial runs before it may be stopped")
     reduction_factor: float = Field(2.0, gt=1, description="at each rung keep the best 1/reduction_factor")
+
+
+class PbtConfig(StrictModel):
+    """Population-based training of each pack's members (`scheduler: pbt`, `rayhpc.tune.pbt`)."""
+
+    perturbation_interval: int = Field(2, ge=1, description="epochs between exploit/explore rounds")
+    quantile_fraction: float = Field(0.25, gt=0, le=0.5, description="the worst share copies the best share")
+    resample_probability: float = Field(0.25, ge=0, le=1, description="a fresh draw instead of x0.8 / x1.2")
 
 
 class SweepConfig(TaskJobConfig):
@@ -38,13 +55,15 @@ class SweepConfig(TaskJobConfig):
                                                "packed or distributed)")
     epochs: int = Field(10, ge=1, description="training epochs per trial (one report and checkpoint each)")
     search: Literal["random", "grid", "optuna"] = Field("random", description="how configs are drawn")
-    scheduler: Literal["fifo", "asha"] = Field("fifo", description="run trials to the end, or stop bad ones early")
+    scheduler: Literal["fifo", "asha", "pbt"] = Field("fifo", description="run trials to the end, stop bad ones "
+                                                      "early (asha), or evolve each pack's members (pbt)")
     pack: int | None = Field(None, ge=1, description="trials trained together as one batched model; "
-                             "unset: enough to fill the cluster once (1 with asha or optuna)")
+                             "unset: enough to fill the cluster once (optuna: about 4 batches per slot)")
     workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is a "
                                    "Ray Train TorchTrainer (DDP) and cpus/gpus_per_trial are per worker")
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")
     asha: AshaConfig = AshaConfig()
+    pbt: PbtConfig = PbtConfig()
     space: dict[str, Any] | None = Field(None, description="search space; unset: the task's own, else lr")
 
     @model_validator(mode="before")
@@ -63,17 +82,25 @@ class SweepConfig(TaskJobConfig):
     def _check(self) -> "SweepConfig":
         if self.space is not None:
             check_space_form(self.space, self.search)
-        if self.pack is not None and self.pack > 1 and self.scheduler == "asha":
-            raise ConfigError("pack: packed trials train to the end together; scheduler=asha needs pack 1 or unset")
-        if self.pack is not None and self.pack > 1 and self.search == "optuna":
-            raise ConfigError("pack: optuna proposes one trial at a time; search=optuna needs pack 1 or unset")
         if self.gpus_per_trial and self.workers_per_trial > 1 and self.gpus_per_trial != 1:
             raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {self.gpus_per_trial:g}: with workers_per_trial "
                               f"{self.workers_per_trial} every worker is one NCCL rank on a whole GPU; use 1 or 0")
+        if self.scheduler == "pbt":
+            self._check_pbt()
         if self.pack is not None and self.pack > 1 and self.workers_per_trial > 1:
             raise ConfigError(f"pack: trials with workers_per_trial={self.workers_per_trial} cannot be packed; "
                               "use pack 1 or unset")
         return self
+
+    def _check_pbt(self) -> None:
+        """PBT evolves the members of a pack: it needs packs of several random or grid trials."""
+        if self.search == "optuna":
+            raise ConfigError("scheduler (--scheduler) pbt: PBT evolves the members of packs the sweep draws; "
+                              "use search random or grid")
+        if self.workers_per_trial > 1 or self.pack == 1:
+            what = (f"workers_per_trial (--workers-per-trial) {self.workers_per_trial}" if self.workers_per_trial > 1
+                    else "pack (--pack) 1")
+            raise ConfigError(f"{what}: scheduler pbt evolves the members of a pack; use packs of 2 or more")
 
     def defaults(self, hp_model) -> dict:
         """Every hyperparameter's value where the space sets none (the sweep's seed for `seed`)."""
@@ -91,6 +118,9 @@ def bind_sweep(cfg: SweepConfig, task) -> tuple[SweepConfig, dict]:
     check_space_form(space, cfg.search)
     check_space_values(space, task.hp_model)
     cfg = cfg.model_copy(update={"space": space})
+    if cfg.scheduler == "pbt" and not mutable(space):
+        raise ConfigError(f"space: scheduler pbt perturbs {', '.join(MUTABLE)} inside a pack, and the space "
+                          f"varies none of them ({', '.join(searched(space))})")
     if cfg.workers_per_trial > 1:
         check_distributed_batches(cfg)
     return cfg, sample_configs(space, 1, "random", cfg.seed, task.hp_model, cfg.defaults(task.hp_model))[0]

@@ -34,6 +34,29 @@ class PackedOptimizer:
     def state_dict(self) -> dict:
         return {"steps": self.steps, "state": self.state, "hyper": self.hyper}
 
+    @torch.no_grad()
+    def copy_member(self, dst: int, src: int) -> None:
+        """Member `dst` takes `src`'s optimizer state and hyperparameters (PBT's exploit)."""
+        for tensors in self.state.values():
+            for t in tensors:
+                if t is not None:
+                    t[dst] = t[src]
+        for v in self.hyper.values():
+            v[dst] = v[src]
+
+    def set_member(self, member: int, values: dict[str, float]) -> None:
+        """New hyperparameter values for one member (PBT's explore)."""
+        for name, value in values.items():
+            self.hyper[name][member] = value
+
+    def keep(self, slots: list[int], params: list[torch.Tensor]) -> None:
+        """Only the members at `slots` go on, stepping `params` (the repacked pack's): every per-member
+        tensor (state, hyperparameters) is cut to them, so each survivor steps on as before."""
+        index = torch.tensor(slots, device=self.device)
+        self.params = list(params)
+        self.state = {k: [t.index_select(0, index) if t is not None else None for t in ts] for k, ts in self.state.items()}
+        self.hyper = {k: v.index_select(0, index) for k, v in self.hyper.items()}
+
     def load_state_dict(self, sd: dict) -> None:
         self.steps, self.state = sd["steps"], sd["state"]
         self.hyper = {k: v.to(self.device) for k, v in sd["hyper"].items()}

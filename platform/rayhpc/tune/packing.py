@@ -44,13 +44,17 @@ def padded_mlp(task: LoadedTask, hp: dict) -> bool:
     return isinstance(task.obj, MLPTask) and hp["depth"] == 2
 
 
-def pack_key(task: LoadedTask, info: TaskInfo, hp: dict) -> tuple:
+def shared_keys(task: LoadedTask, info: TaskInfo, hp: dict) -> set[str]:
     """What members of one pack must share: the data order, the optimiser kind, and every
     hyperparameter that `model()` or `data()` reads (the padded MLP lets `hidden` differ)."""
     shared = set(PACK_KEYS) | set(info.reads)
     if padded_mlp(task, hp):
         shared.discard("hidden")
-    return tuple(sorted((k, repr(hp[k])) for k in shared if k in hp))
+    return shared
+
+
+def pack_key(task: LoadedTask, info: TaskInfo, hp: dict) -> tuple:
+    return tuple(sorted((k, repr(hp[k])) for k in shared_keys(task, info, hp) if k in hp))
 
 
 class _Apply(nn.Module):
@@ -153,6 +157,21 @@ class FuncPack:
             for k, v in getattr(self, part).items():
                 v.copy_(state[part][k])
 
+    @torch.no_grad()
+    def copy_member(self, dst: int, src: int) -> None:
+        """Member `dst` becomes a copy of member `src` (weights and buffers: PBT's exploit)."""
+        for t in [*self.params.values(), *self.buffers.values()]:
+            t[dst] = t[src]
+
+    @torch.no_grad()
+    def keep(self, slots: list[int]) -> None:
+        """Only the members at `slots` stay in the pack (the others stopped): it computes just them."""
+        index = torch.tensor(slots, device=next(iter(self.params.values())).device)
+        self.params = {k: v.detach().index_select(0, index).requires_grad_(v.requires_grad)
+                       for k, v in self.params.items()}
+        self.buffers = {k: v.index_select(0, index) for k, v in self.buffers.items()}
+        self.size = len(slots)
+
     def member(self, i: int) -> nn.Module:
         """Member `i` as a stand-alone module (a copy)."""
         module = copy.deepcopy(self.loss_fn.model)
@@ -195,6 +214,15 @@ class PaddedMLPPack:
 
     def member(self, i: int) -> MLP:
         return self.model.member(i)
+
+    def keep(self, slots: list[int]) -> None:
+        """Only the members at `slots` stay in the pack (the others stopped): it computes just them."""
+        self.model.keep(slots)
+        self.size = len(slots)
+
+    def copy_member(self, dst: int, src: int) -> None:
+        """Member `dst` becomes a copy of member `src`, its width included (PBT's exploit)."""
+        self.model.copy_member(dst, src)
 
     def to(self, device) -> "PaddedMLPPack":
         self.model.to(device)

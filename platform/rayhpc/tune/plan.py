@@ -32,9 +32,9 @@ def slots(cfg: SweepConfig, res: Resources, gpus: float = 0.0) -> int:
 
 
 def can_pack(cfg: SweepConfig) -> bool:
-    """Whether this sweep packs at all (ASHA stops Tune trials, a searcher proposes one at a time, and a
-    TorchTrainer trains one model)."""
-    return cfg.search != "optuna" and cfg.scheduler != "asha" and cfg.workers_per_trial == 1 and cfg.pack != 1
+    """Whether this sweep packs at all (a TorchTrainer trains one model; ASHA stops members of packs and
+    Optuna proposes packs: `rayhpc.tune.adaptive`)."""
+    return cfg.workers_per_trial == 1 and cfg.pack != 1
 
 
 def pack_size(cfg: SweepConfig, n_trials: int, n_slots: int) -> int:

@@ -36,12 +36,13 @@ def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: lis
     for j, hp in enumerate(members):
         # a trial of one member may report its metrics at the top level (Tune over Train does)
         m = per_member.get(str(j)) or (last if len(members) == 1 else {})
+        stopped = m.get("stopped_epoch")  # ASHA stopped this member of a pack
         rows.append({
             "trial_id": trial.trial_id if len(members) == 1 else f"{trial.trial_id}-{j}",
-            "status": status,
-            **{f"config.{p}": hp[p] for p in searched},
+            "status": "early-stopped" if stopped else status,
+            **{f"config.{p}": m.get(f"config.{p}", hp[p]) for p in searched},  # PBT reports changed ones
             **{c: m.get(c, math.nan) for c in columns},
-            "iterations": iterations,
+            "iterations": stopped or iterations,
             "train_seconds": last.get("train_seconds", math.nan),
             "node": last.get("node"),
             "pack_size": len(members),

@@ -154,12 +154,12 @@ def sample_configs(space: Space, num_samples: int, search: str, seed: int, hp_mo
             values = dict(zip(grid_names, point))
             for name, spec in space.items():
                 if name not in values:
-                    values[name] = _draw(spec, rng)
+                    values[name] = draw(spec, rng)
             configs.append(hp_model.model_validate({**defaults, **values}).model_dump())
     return configs
 
 
-def _draw(spec: ParamSpec | Scalar, rng: random.Random) -> Any:
+def draw(spec: ParamSpec | Scalar, rng: random.Random) -> Any:
     if not isinstance(spec, ParamSpec):
         return spec
     kind, args = spec.kind, spec.args

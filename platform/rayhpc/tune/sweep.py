@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 
 import pandas as pd
@@ -13,8 +14,9 @@ from rayhpc.config import ConfigError
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
 from rayhpc.tune.config import SweepConfig, bind_sweep
-from rayhpc.tune.packing import pack_key, packing_problem
-from rayhpc.tune.plan import PLAN_FILE, can_pack, load_plan, make_plan, pack_size, save_plan, slots
+from rayhpc.tune.packing import pack_key, packing_problem, shared_keys
+from rayhpc.tune.pbt import PbtRules, mutable
+from rayhpc.tune.plan import MAX_PACK, PLAN_FILE, can_pack, load_plan, make_plan, pack_size, save_plan, slots
 from rayhpc.tune.progress import ProgressPrinter
 from rayhpc.tune.results import RESULTS_FILE, ResultsRecorder
 from rayhpc.tune.space import searched, tune_domains
@@ -95,9 +97,14 @@ def trial_gpus(cfg: SweepConfig, res: cluster.Resources) -> float:
 
 def _settings(job: Started[SweepConfig]) -> TrialSettings:
     cfg, task = job.cfg, job.task
+    pbt = None
+    if cfg.scheduler == "pbt":
+        p = cfg.pbt
+        pbt = PbtRules(p.perturbation_interval, p.quantile_fraction, p.resample_probability, mutable(cfg.space),
+                       *job.info.objective, cfg.seed)
     return TrialSettings(epochs=cfg.epochs, threads=max(1, int(cfg.cpus_per_trial)),
                          defaults=cfg.defaults(task.hp_model), data_keys=tuple(sorted(job.info.data_reads)),
-                         data=cfg.data, objective=job.info.objective, bf16=cfg.precision == "bf16")
+                         data=cfg.data, objective=job.info.objective, bf16=cfg.precision == "bf16", pbt=pbt)
 
 
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
@@ -111,7 +118,9 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
     # state often (good for --resume) and warn about it every few seconds.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
 
-    trainable, max_concurrent = _trainable(job, packs, gpus)
+    proposed = optuna_pack(job, gpus) if packs is None else 0  # members per trial Optuna proposes
+    keeper = _keeper(job, packed=packs is not None or proposed > 1)
+    trainable, max_concurrent = _trainable(job, packs, gpus, keeper)
     recorder = ResultsRecorder(cfg.experiment_dir, packs, cfg.epochs, searched(cfg.space), job.info)
     if cfg.resume and tune.Tuner.can_restore(str(cfg.experiment_dir)):
         # the callbacks, schedulers and searcher come back from the saved tuner state
@@ -120,18 +129,13 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
         param_space = {"pack": tune.grid_search(list(range(len(packs))))}
         search_alg, num_samples = None, 1
     else:
-        import optuna
-        from ray.tune.search.optuna import OptunaSearch
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        param_space = tune_domains(cfg.space)
-        search_alg, num_samples = OptunaSearch(seed=cfg.seed), cfg.num_samples
+        param_space, search_alg, num_samples = _optuna(job, proposed)
     return tune.Tuner(
         trainable,
         param_space=param_space,
         tune_config=tune.TuneConfig(
             metric=metric, mode=mode, num_samples=num_samples, search_alg=search_alg,
-            scheduler=_scheduler(cfg), max_concurrent_trials=max_concurrent,
+            scheduler=_scheduler(cfg) if keeper is None else None, max_concurrent_trials=max_concurrent,
             # one process per slot for the whole sweep: torch is imported once, not once per trial
             reuse_actors=True,
         ),
@@ -146,13 +150,59 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
     )
 
 
-def _trainable(job: Started[SweepConfig], packs, gpus: float):
+def _keeper(job: Started[SweepConfig], packed: bool):
+    """ASHA over the members of packs (each a trial to Tune's ASHA math, `rayhpc.tune.adaptive`), or None:
+    unpacked trials of a searcher, or distributed ones, are Tune trials that Tune's own ASHA stops."""
+    cfg = job.cfg
+    if cfg.scheduler != "asha" or not packed or cfg.workers_per_trial > 1:
+        return None
+    from rayhpc.tune.adaptive import start_keeper
+
+    return start_keeper(cfg.experiment_dir, job.info.objective, cfg.epochs, cfg.asha.grace_period,
+                        cfg.asha.reduction_factor)
+
+
+def optuna_pack(job: Started[SweepConfig], gpus: float) -> int:
+    """Members per Tune trial of an Optuna search: as given; else enough that each slot runs about 4
+    batches (TPE learns from each batch before it proposes the next), at most MAX_PACK; 1 for a task
+    that cannot be packed or a distributed trial."""
+    cfg = job.cfg
+    if cfg.pack is not None or not can_pack(cfg):
+        return cfg.pack or 1
+    n_slots = slots(cfg, job.resources, gpus)
+    size = max(1, min(MAX_PACK, math.ceil(cfg.num_samples / (4 * n_slots))))
+    if size > 1 and (problem := packing_problem(job.task, cfg.defaults(job.task.hp_model), job.sample_batch)):
+        log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
+        return 1
+    return size
+
+
+def _optuna(job: Started[SweepConfig], pack: int):
+    """(param_space, search_alg, Tune trials) of an Optuna search: Tune's OptunaSearch for trials of
+    one, else packs proposed in batches (`rayhpc.tune.adaptive.PackedOptunaSearch`)."""
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    from rayhpc.tune.adaptive import PackedOptunaSearch
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    cfg, (metric, mode) = job.cfg, job.info.objective
+    if pack == 1:
+        return tune_domains(cfg.space), OptunaSearch(seed=cfg.seed), cfg.num_samples
+    shared = shared_keys(job.task, job.info, cfg.defaults(job.task.hp_model))
+    searcher = PackedOptunaSearch(tune_domains(cfg.space), pack, cfg.num_samples, sorted(shared), metric, mode,
+                                  cfg.seed, str(cfg.experiment_dir))
+    return {}, searcher, math.ceil(cfg.num_samples / pack)
+
+
+def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None):
     """The Tune trainable with its resources, and the most trials to run at once."""
     from ray import tune
 
     cfg, res = job.cfg, job.resources
     if cfg.workers_per_trial == 1:
-        trainable = tune.with_parameters(train_pack, task=job.task, packs=packs, settings=_settings(job))
+        trainable = tune.with_parameters(train_pack, task=job.task, packs=packs, settings=_settings(job),
+                                         keeper=keeper)
         return tune.with_resources(trainable, {"cpu": cfg.cpus_per_trial, "gpu": gpus}), cfg.max_concurrent
     from rayhpc.tune.distributed import train_distributed_trial
 
@@ -176,7 +226,7 @@ def _scheduler(cfg: SweepConfig):
 
 def _describe(cfg: SweepConfig, packs, gpus: float) -> None:
     if packs is None:
-        trials = f"{cfg.num_samples} trials proposed by {cfg.search}"
+        trials = f"{cfg.num_samples} trials proposed by {cfg.search}{f' in packs of {cfg.pack}' if cfg.pack else ''}"
     else:
         n = sum(len(p) for p in packs)
         trials = f"{n} trials in {len(packs)} pack(s) of up to {max(len(p) for p in packs)}"

@@ -21,7 +21,8 @@ import torch
 from rayhpc.data import DataConfig
 from rayhpc.task.batches import Batches, epoch_indices, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
-from rayhpc.tune.packing import make_pack
+from rayhpc.tune.packing import SinglePack, make_pack
+from rayhpc.tune.pbt import MUTABLE, PbtRules, exploit_explore
 
 STATE_FILE = "pack_state.pt"
 
@@ -37,12 +38,15 @@ class TrialSettings:
     data: DataConfig  # the sweep's data section: the validation hold-out
     objective: tuple[str, str]  # (reported name, "min" or "max")
     bf16: bool = False  # bf16 autocast (GPUs)
+    pbt: PbtRules | None = None  # population-based training of each pack's members
 
 
 def members_of(config: dict, packs: list[list[dict]] | None) -> list[dict]:
     """The trials a Tune config stands for: a planned pack, or one searcher-made config."""
     if "pack" in config and packs is not None:
         return packs[config["pack"]]
+    if "members" in config:  # a pack proposed by a searcher (`rayhpc.tune.adaptive.PackedOptunaSearch`)
+        return [dict(m) for m in config["members"]]
     return [dict(config)]
 
 
@@ -58,7 +62,12 @@ def trial_data(task: LoadedTask, hp: dict, settings: TrialSettings):
     return _DATA["value"]
 
 
-def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None, settings: TrialSettings) -> None:
+def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None, settings: TrialSettings,
+               keeper=None) -> None:
+    """Train the pack `config` stands for, one report and checkpoint per epoch. With `keeper` (a
+    `rayhpc.tune.adaptive.RungKeeper` actor), ASHA may stop members: they leave the pack (the
+    survivors are repacked), their weights and last values kept as they were. With `settings.pbt`,
+    the members are a PBT population (`rayhpc.tune.pbt`)."""
     from ray import tune
 
     entered = time.perf_counter()
@@ -70,35 +79,91 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     hp = members[0]  # what every member shares: batch size, optimiser kind, seed, data
     train, val = trial_data(task, hp, settings)
     state = _restore(tune.get_checkpoint())
-    if state is not None and state["epoch"] >= settings.epochs:
+    if state is not None and (state["epoch"] >= settings.epochs or not state["slots"]):
         # restored from its final checkpoint (the driver died before recording the end):
         # report the final metrics again instead of training anything twice
         tune.report(state["metrics"])
         return
-    pack = make_pack(task, members, device)
-    opt = pack.optimizer(members)
-    if state is None:
-        state = _fresh(len(members), settings.objective)
-    else:
-        pack.load_state_dict(to_device(state["model"], device))
-        opt.load_state_dict(to_device(state["optim"], device))
-        torch.set_rng_state(state["rng"])
+    pack, opt, state = _build(task, members, device, state, settings.objective)
     train_batches, val_batches = Batches(train, device), (Batches(val, device) if val is not None else None)
     resumed_from = state["epoch"]
+    # members are ASHA's trials by plan position (a searcher's packs: by Tune trial)
+    pack_id = config["pack"] if "pack" in config else tune.get_context().get_trial_id()
     for epoch in range(state["epoch"], settings.epochs):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
             values = {"train_loss": train_epoch(pack, opt, train_batches, hp["batch_size"], hp["seed"], epoch)}
         if val_batches is not None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
                 values.update(pack.evaluate(val_batches.all(eval_batch(hp["batch_size"]))))
+        values = _scatter(state["values"], values, state["slots"], len(members))  # stopped members' frozen
         _update_best(state["best"], values, settings.objective)
         state["epoch"] = epoch + 1
+        if keeper is not None:
+            _asha(keeper, pack_id, pack, opt, state, values, settings)
+        if settings.pbt is not None and state["epoch"] < settings.epochs:
+            exploit_explore(pack, opt, state, values, settings.pbt, state["epoch"], pack_id)
         seconds = state["seconds"] + time.perf_counter() - entered
-        metrics = _metrics(values, state["best"], settings.objective, epoch + 1, seconds, resumed_from)
+        metrics = _metrics(values, state, settings.objective, seconds, resumed_from)
         with tempfile.TemporaryDirectory() as tmp:
             torch.save({**state, "seconds": seconds, "metrics": metrics, "model": pack.state_dict(),
                         "optim": opt.state_dict(), "rng": torch.get_rng_state()}, Path(tmp) / STATE_FILE)
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+        if not state["slots"]:
+            return  # every member stopped
+
+
+def _build(task: LoadedTask, members: list[dict], device: torch.device, state: dict | None,
+           objective: tuple[str, str]):
+    """(pack, optimizer, state): fresh, or as the checkpoint `state` left them (its surviving members)."""
+    pack = make_pack(task, members, device)
+    if state is None:
+        state = _fresh(len(members), objective)
+        state["hp"] = [{k: m[k] for k in MUTABLE if k in m} for m in members]  # as PBT changes them
+        return pack, pack.optimizer(members), state
+    if len(state["slots"]) < len(members):
+        pack.keep(state["slots"])
+    opt = pack.optimizer([members[j] for j in state["slots"]])
+    pack.load_state_dict(to_device(state["model"], device))
+    opt.load_state_dict(to_device(state["optim"], device))
+    torch.set_rng_state(state["rng"])
+    return pack, opt, state
+
+
+def _scatter(kept: dict, values: dict, slots: list[int], members: int) -> dict:
+    """Every member's values: the pack's members' new ones at `slots`, a stopped member's as it left them."""
+    for name, v in values.items():
+        kept.setdefault(name, torch.full((members,), math.nan))[slots] = v.detach().float().cpu()
+    return {name: v.clone() for name, v in kept.items()}
+
+
+def _asha(keeper, pack_id: int | str, pack, opt, state: dict, values: dict, settings: TrialSettings) -> None:
+    """Report each member in the pack to ASHA; the ones it stops before the last epoch leave the pack."""
+    import ray
+
+    epoch, (metric, _) = state["epoch"], settings.objective
+    results = [(f"{pack_id}-{j}", epoch, float(values[metric][j])) for j in state["slots"]]
+    stops = ray.get(keeper.decide.remote(metric, results))
+    leaving = [pos for pos, stop in enumerate(stops) if stop] if epoch < settings.epochs else []
+    if not leaving:
+        return
+    model = pack.state_dict()
+    for pos in leaving:
+        j = state["slots"][pos]  # its weights as they were when it stopped (a pack of one's are not stacked)
+        state["retired"][j] = _member_slice(model, None if isinstance(pack, SinglePack) else pos)
+        state["stopped"][j] = epoch
+    staying = [pos for pos in range(len(state["slots"])) if pos not in leaving]
+    state["slots"] = [state["slots"][pos] for pos in staying]
+    if staying:
+        pack.keep(staying)
+        opt.keep(staying, pack.parameters())
+
+
+def _member_slice(state, pos: int | None):
+    """Member `pos`'s part of a pack's state dict (every tensor is stacked over members; None: a pack of
+    one, whose tensors are the member's own)."""
+    if isinstance(state, dict):
+        return {k: _member_slice(v, pos) for k, v in state.items()}
+    return (state if pos is None else state[pos]).detach().cpu().clone()
 
 
 def train_epoch(pack, opt, batches: Batches, batch_size: int, seed: int, epoch: int) -> torch.Tensor:
@@ -118,7 +183,9 @@ def train_epoch(pack, opt, batches: Batches, batch_size: int, seed: int, epoch: 
 def _fresh(members: int, objective: tuple[str, str]) -> dict:
     names = {"val_loss": "min", objective[0]: objective[1]}
     best = {name: torch.full((members,), math.inf if mode == "min" else -math.inf) for name, mode in names.items()}
-    return {"epoch": 0, "best": best, "seconds": 0.0, "metrics": None}
+    # slots: the members still in the pack, in pack order; retired/stopped: by member, their weights and epoch
+    return {"epoch": 0, "best": best, "seconds": 0.0, "metrics": None, "values": {},
+            "slots": list(range(members)), "retired": {}, "stopped": {}, "hp": [], "pbt": []}
 
 
 def _update_best(best: dict, values: dict, objective: tuple[str, str]) -> None:
@@ -128,17 +195,23 @@ def _update_best(best: dict, values: dict, objective: tuple[str, str]) -> None:
             best[name] = better(so_far, values[name].cpu())
 
 
-def _metrics(values: dict, best: dict, objective: tuple[str, str], epoch: int, seconds: float,
-             resumed_from: int) -> dict:
-    """Each member's values; the pack's best member (by the objective) also at the top level, which
-    drives Tune's own bookkeeping (a pack of one is a plain trial)."""
-    members = len(values["train_loss"])
+def _metrics(values: dict, state: dict, objective: tuple[str, str], seconds: float, resumed_from: int) -> dict:
+    """Each member's values (and, for a member ASHA stopped, the epoch it stopped at); the pack's best
+    member (by the objective) also at the top level, which drives Tune's own bookkeeping (a pack of one
+    is a plain trial)."""
+    members, best = len(values["train_loss"]), state["best"]
     reported = {**values, **{f"best_{name}": v for name, v in best.items() if name in values}}
     per_member = {str(i): {k: float(v[i]) for k, v in reported.items()} for i in range(members)}
+    for j, epoch in state["stopped"].items():
+        per_member[str(j)]["stopped_epoch"] = epoch
+    if state["pbt"]:  # PBT changed some members' hyperparameters: report every member's current ones
+        for j, hp in enumerate(state["hp"]):
+            per_member[str(j)].update({f"config.{k}": v for k, v in hp.items()})
     name, mode = objective
     lead = (min if mode == "min" else max)(range(members), key=lambda i: per_member[str(i)][name])
-    return {**per_member[str(lead)], "epoch": epoch, "train_seconds": seconds, "resumed_from_epoch": resumed_from,
-            "node": socket.gethostname(), "pack_size": members, "members": per_member}
+    return {**per_member[str(lead)], "epoch": state["epoch"], "train_seconds": seconds,
+            "resumed_from_epoch": resumed_from, "node": socket.gethostname(), "pack_size": members,
+            "active_members": len(state["slots"]), "members": per_member}
 
 
 def _restore(checkpoint) -> dict | None:

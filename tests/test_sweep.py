@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from ray.tune import Callback
 
 from conftest import ROOT, run_job, tensorboard_scalars
@@ -256,6 +257,57 @@ def test_resume_after_the_driver_is_killed_keeps_finished_trials(ray_address, tm
     # finished trials were not run again: their rows, timings included, are unchanged
     pd.testing.assert_frame_equal(again[["val_loss", "train_seconds", "iterations"]],
                                   finished_before[["val_loss", "train_seconds", "iterations"]])
+
+
+@pytest.mark.parametrize("scheduler", ["asha", "pbt"])
+def test_adaptive_packs_resumed_after_the_driver_is_killed_end_as_an_uninterrupted_run(scheduler, ray_address,
+                                                                                        tmp_path):
+    """The driver of a packed ASHA (PBT) sweep is killed after the pack's third epoch; resumed, the members
+    ASHA stopped stay stopped at the same rungs (the keeper's saved decisions; PBT: the population and its
+    rounds come back from the pack's checkpoint), and the table ends equal to the same sweep run whole."""
+    table, reference = killed_and_resumed(tmp_path, ray_address, f"pack: 8\nepochs: 8\nscheduler: {scheduler}\n")
+    if scheduler == "asha":
+        assert (table["status"] == "early-stopped").any()
+    else:
+        assert set(table["config.lr"]) != set(load_plan(tmp_path / "killed")[0][j]["lr"] for j in range(8))
+    pd.testing.assert_frame_equal(by_member(table), by_member(reference))
+
+
+def test_packed_optuna_resumed_after_the_driver_is_killed_tells_every_member_once(ray_address, tmp_path):
+    table, _ = killed_and_resumed(tmp_path, ray_address, "search: optuna\npack: 4\nepochs: 4\n", reference=False)
+    assert len(table) == 8 and set(table["status"]) == {"finished"}
+    study = json.loads((tmp_path / "killed" / "optuna_trials.json").read_text())
+    assert sorted(t["number"] for t in study) == list(range(8)) and {t["state"] for t in study} == {"COMPLETE"}
+
+
+def killed_and_resumed(tmp_path, ray_address, settings: str, reference: bool = True):
+    """(the table of a sweep whose driver was killed once its first pack reported epoch 3 and which was then
+    resumed, the table of the same sweep run whole or None)."""
+    body = f"storage_path: {tmp_path}\nnum_samples: 8\n{settings}data: {{synthetic: {{num_samples: 6000}}}}\n"
+    config = tmp_path / "sweep.yaml"
+    config.write_text(f"name: killed\n{body}")
+    args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
+    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 180
+    while not (reports := list((tmp_path / "killed").glob("*/result.json"))) or \
+            len(reports[0].read_text().splitlines()) < 3:
+        assert driver.poll() is None and time.monotonic() < deadline, "no pack reached epoch 3"
+        time.sleep(0.05)
+    driver.kill()
+    driver.wait()
+    proc = run_job("tune_mlp.py", "--config", str(config), "--address", ray_address, "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = json.loads(reports[0].read_text().splitlines()[-1])
+    assert resumed["resumed_from_epoch"] >= 3, "the resumed run trained the pack from the start"
+    table = pd.read_parquet(tmp_path / "killed" / "results.parquet")
+    whole = run_sweep(validate(SweepConfig, {**yaml.safe_load(body), "name": "whole"})) if reference else None
+    return table, whole
+
+
+def by_member(table: pd.DataFrame) -> pd.DataFrame:
+    """A packed sweep's table indexed by member position in its pack, with what ASHA and training decide."""
+    key = ["status", "iterations", "val_loss", "best_val_loss", "config.lr", "config.hidden"]
+    return table.assign(m=table["trial_id"].str.rsplit("-", n=1).str[1].astype(int)).set_index("m")[key].sort_index()
 
 
 def test_trials_can_be_distributed_torch_trainers(ray_address, tmp_path):

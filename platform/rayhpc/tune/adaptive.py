@@ -1,4 +1,6 @@
-"""ASHA on packed trials: every member of a pack is a trial to Ray Tune's own ASHA.
+"""Adaptive search on packed trials: ASHA stopping members of packs, and Optuna proposing packs.
+
+ASHA: every member of a pack is a trial to Ray Tune's own ASHA.
 
 Tune's schedulers stop Tune trials, and a pack is one Tune trial. So the packs ask one
 `RungKeeper` actor per sweep, which holds a real `ray.tune.schedulers.ASHAScheduler` and feeds
@@ -11,6 +13,9 @@ pack of 2 survivors computes 2 members, not 16.
 The keeper writes its state (the scheduler and every decision it made) next to the results after
 each call, so a resumed sweep replays the same decisions for the epochs it runs again and keeps
 the rung records of the trials that had finished.
+
+Optuna: `PackedOptunaSearch`, a Tune searcher that proposes a whole pack per Tune trial from one
+study and tells each member's result back to its own Optuna trial.
 """
 
 from __future__ import annotations

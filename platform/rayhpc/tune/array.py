@@ -41,6 +41,8 @@ def prepare_array(cfg: SweepConfig, explicit: set[str]):
         raise ConfigError("search (--search) optuna: an array job draws every config up front; use random or grid")
     if cfg.scheduler == "asha":
         raise ConfigError("scheduler (--scheduler) asha: array tasks cannot be stopped early; use fifo")
+    if cfg.scheduler == "pbt":
+        raise ConfigError("scheduler (--scheduler) pbt: array tasks train one trial each, apart; use fifo")
     if cfg.workers_per_trial > 1:
         raise ConfigError(f"workers_per_trial (--workers-per-trial) {cfg.workers_per_trial}: array tasks "
                           "train on one process; use the Ray sweep for distributed trials")

@@ -58,7 +58,7 @@ class SweepConfig(TaskJobConfig):
     scheduler: Literal["fifo", "asha", "pbt"] = Field("fifo", description="run trials to the end, stop bad ones "
                                                       "early (asha), or evolve each pack's members (pbt)")
     pack: int | None = Field(None, ge=1, description="trials trained together as one batched model; "
-                             "unset: enough to fill the cluster once (optuna: about 4 batches per slot)")
+                             "unset: enough to fill the cluster once (optuna: 2 batches per slot)")
     workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is a "
                                    "Ray Train TorchTrainer (DDP) and cpus/gpus_per_trial are per worker")
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")

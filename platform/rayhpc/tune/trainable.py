@@ -118,7 +118,9 @@ def _build(task: LoadedTask, members: list[dict], device: torch.device, state: d
     pack = make_pack(task, members, device)
     if state is None:
         state = _fresh(len(members), objective)
-        state["hp"] = [{k: m[k] for k in MUTABLE if k in m} for m in members]  # as PBT changes them
+        # what differs between members (PBT's exploit copies it all: the padded MLP's width too), as PBT changes it
+        varies = [k for k in members[0] if len({repr(m.get(k)) for m in members}) > 1 or k in MUTABLE]
+        state["hp"] = [{k: m[k] for k in varies if k in m} for m in members]
         return pack, pack.optimizer(members), state
     if len(state["slots"]) < len(members):
         pack.keep(state["slots"])

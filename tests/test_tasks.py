@@ -380,7 +380,7 @@ def test_python_m_rayhpc_is_the_rayhpc_command(tmp_path):
     for module in ("rayhpc", "rayhpc.cli"):
         helped = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env)
         assert helped.returncode == 0 and "commands:" in helped.stdout, helped.stdout + helped.stderr
-        for command in ("tune", "train", "parallel", "collectives", "scaling", "submit", "status"):
+        for command in ("tune", "train", "parallel", "ps", "collectives", "scaling", "submit", "status"):
             assert f"\n  {command} " in helped.stdout, helped.stdout
         bad = subprocess.run([sys.executable, "-m", module, "tune", "--num-samples", "0"], capture_output=True,
                              text=True, env=env)

@@ -191,6 +191,16 @@ def parallel_main(argv: Sequence[str] | None = None) -> int:
     return _run_job(parser, argv, ParallelConfig, run_parallel, format_summary)
 
 
+def ps_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc ps` / `python jobs/train_ps.py`: training with a sharded parameter server, sync or async (Downpour)."""
+    from rayhpc.ps.config import PSConfig
+    from rayhpc.ps.driver import format_summary, run_ps
+
+    parser = ArgParser(prog="train_ps.py", description="Training of a task (the built-in MLP by default) with a "
+                       "parameter server on Ray actors: sync (equal to DDP) or async (Downpour, bounded staleness).")
+    return _run_job(parser, argv, PSConfig, run_ps, format_summary)
+
+
 def collectives_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc collectives` / `python jobs/bench_collectives.py`: the collective-primitive benchmark."""
     from rayhpc.collectives.bench import PLOT_FILE, RESULTS_FILE, run_collectives
@@ -342,7 +352,8 @@ def doctor_main(argv: Sequence[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main, "collectives": collectives_main,
+COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main, "ps": ps_main,
+            "collectives": collectives_main,
             "scaling": scaling_main, "submit": submit_main, "status": status_main, "stop": stop_main,
             "doctor": doctor_main}
 

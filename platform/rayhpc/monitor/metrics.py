@@ -28,6 +28,17 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rayhpc_gpu_memory_allocated_bytes": ("GPU memory held by this worker's tensors", ("run", "rank", "node")),
     "rayhpc_train_val_metric": ("A task's validation metric at the latest epoch (e.g. accuracy)",
                                 ("run", "rank", "node", "metric")),
+    "rayhpc_ps_pull_seconds": ("Time a parameter-server worker's latest pull of every shard took (waits included)",
+                               ("run", "worker", "node")),
+    "rayhpc_ps_push_seconds": ("Time a parameter-server worker's latest push of its gradients took",
+                               ("run", "worker", "node")),
+    "rayhpc_ps_staleness_steps": ("Steps a parameter-server worker was ahead of the slowest worker at its latest pull",
+                                  ("run", "worker", "node")),
+    "rayhpc_ps_server_wait_seconds": ("How long the latest pull waited at this server (sync step or staleness bound)",
+                                      ("run", "server", "node")),
+    "rayhpc_ps_server_apply_seconds": ("Time this parameter server took to take in the latest gradient",
+                                       ("run", "server", "node")),
+    "rayhpc_ps_server_updates": ("Optimizer steps this parameter server has applied", ("run", "server", "node")),
 }
 TRIAL_STATES = ("pending", "running", "finished", "early-stopped", "error")
 
@@ -108,3 +119,20 @@ class WorkerMetrics:
             import torch
 
             self._gauges.set("rayhpc_gpu_memory_allocated_bytes", torch.cuda.memory_allocated(device), self._tags)
+
+
+class PSMetrics:
+    """The gauges of one parameter-server worker or server (`role`: "worker" or "server")."""
+
+    def __init__(self, run: str, role: str, index: int):
+        names = (("rayhpc_ps_pull_seconds", "rayhpc_ps_push_seconds", "rayhpc_ps_staleness_steps") if role == "worker"
+                 else ("rayhpc_ps_server_wait_seconds", "rayhpc_ps_server_apply_seconds", "rayhpc_ps_server_updates"))
+        self._gauges, self._names = _Gauges(names), names
+        self._tags = {"run": run, role: str(index), "node": socket.gethostname()}
+
+    def set_worker(self, pull_seconds: float, push_seconds: float, staleness: int) -> None:
+        for name, value in zip(self._names, (pull_seconds, push_seconds, staleness)):
+            self._gauges.set(name, value, self._tags)
+
+    def set_server(self, wait_seconds: float, apply_seconds: float, updates: int) -> None:
+        self.set_worker(wait_seconds, apply_seconds, updates)  # the same three-gauge write, the server's names

@@ -23,7 +23,7 @@ def task_for(spec: str, data: DataConfig) -> LoadedTask:
 
     task = load_task(spec)
     if isinstance(task.obj, MLPTask):
-        task.obj = MLPTask(data)
+        task.obj = type(task.obj)(data)  # subclasses of the built-in task (jobs/tasks/straggler.py) too
     elif data.mlp_only():
         key = data.mlp_only()[0]
         flag = {"path": " (--data)", "target": " (--target)"}.get(key, "")

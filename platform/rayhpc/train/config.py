@@ -14,30 +14,25 @@ PLATFORM_FLAGS = {"lr": "--lr", "batch_size": "--global-batch-size", "optimizer"
                   "momentum": "--momentum", "weight_decay": "--weight-decay", "seed": "--seed"}
 
 
-class TrainConfig(TaskJobConfig):
-    """Data-parallel training of a task with Ray Train's TorchTrainer (DDP or FSDP2)."""
+class DataParallelJob(TaskJobConfig):
+    """What every job whose workers each train on their own share of the data has: workers, epochs,
+    the batch (global, or per worker), the optimiser, checkpoints and failures."""
 
-    kind: ClassVar[str] = "train"
-    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel, or FSDP2 fully_shard "
-                                             "per layer")
     compute: Compute = Compute()
     epochs: int = Field(5, ge=1, description="passes over the training split")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step over all workers")
     batch_size_per_worker: int | None = Field(None, ge=1, description="samples per step on each worker "
                                               "(default 32, the seed documents' batch per GPU)")
     optim: Optim = Optim()
-    scale_lr: bool = Field(False, description="multiply lr by the number of workers (the Horovod convention)")
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 mixed precision on GPU, "
-                                                       "fp32 on CPU")
     checkpoint_every_steps: int | None = Field(None, ge=1, description="also checkpoint every K optimizer steps "
                                                "(always at the end of each epoch)")
-    metrics_every_steps: int | None = Field(None, ge=1, description="also record a metrics row every K steps")
-    max_failures: int = Field(2, ge=0, description="worker-group restarts from the latest checkpoint")
+    max_failures: int = Field(2, ge=0, description="restarts after a failed worker (or server), from the latest "
+                              "checkpoint")
     hparams: dict[str, Any] = Field({}, description="the task's own hyperparameters, e.g. hidden=16,depth=3",
                                     json_schema_extra={"flag": "--hp"})
 
     @model_validator(mode="after")
-    def _batch(self) -> "TrainConfig":
+    def _batch(self) -> "DataParallelJob":
         if self.global_batch_size is not None and self.batch_size_per_worker is not None:
             raise ConfigError("global_batch_size (--global-batch-size) and batch_size_per_worker "
                               "(--batch-size-per-worker): give one, not both")
@@ -58,6 +53,22 @@ class TrainConfig(TaskJobConfig):
 
     @property
     def effective_lr(self) -> float:
+        return self.optim.lr
+
+
+class TrainConfig(DataParallelJob):
+    """Data-parallel training of a task with Ray Train's TorchTrainer (DDP or FSDP2)."""
+
+    kind: ClassVar[str] = "train"
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel, or FSDP2 fully_shard "
+                                             "per layer")
+    scale_lr: bool = Field(False, description="multiply lr by the number of workers (the Horovod convention)")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 mixed precision on GPU, "
+                                                       "fp32 on CPU")
+    metrics_every_steps: int | None = Field(None, ge=1, description="also record a metrics row every K steps")
+
+    @property
+    def effective_lr(self) -> float:
         return self.optim.lr * self.compute.num_workers if self.scale_lr else self.optim.lr
 
     @property
@@ -65,7 +76,7 @@ class TrainConfig(TaskJobConfig):
         return self.precision == "bf16" or (self.precision == "auto" and self.compute.gpu)
 
 
-def train_hparams(cfg: TrainConfig, hp_model) -> dict:
+def train_hparams(cfg: DataParallelJob, hp_model) -> dict:
     """The task's `hp`: the run's optimiser, global batch and seed, and the task's own `hparams`."""
     given = sorted(set(cfg.hparams) & set(PLATFORM_KEYS))
     if given:
@@ -76,5 +87,5 @@ def train_hparams(cfg: TrainConfig, hp_model) -> dict:
     return {**full_hparams(hp_model, cfg.hparams, key="hparams.{name} (--hp)"), **platform}
 
 
-def bind_train(cfg: TrainConfig, task) -> tuple[TrainConfig, dict]:
+def bind_train(cfg: DataParallelJob, task) -> tuple[DataParallelJob, dict]:
     return cfg, train_hparams(cfg, task.hp_model)

@@ -1,0 +1,246 @@
+"""Run a parameter-server job: validate, start (or join) Ray, start S servers and N workers, supervise.
+
+The driver hands each worker one epoch at a time (`run_epoch`), so workers run on their own (async
+workers never wait for each other beyond the staleness bound) and the driver sees every failure:
+- a dead worker is replaced by a new one that continues at the first step it had not pushed to every
+  server; servers ignore pushes they already have, so a sync step the dead worker left half-done is
+  simply redone, and the run ends as an uninterrupted one;
+- a dead server: every actor goes, the servers restart from the latest complete checkpoint (each
+  server's shard, optimizer state and push counts) and the workers from that checkpoint's step.
+Checkpoints are written by the servers themselves when every worker has pushed a checkpoint step (each
+epoch's end, and every `checkpoint_every_steps`); a checkpoint is complete when all S shards are there.
+In async mode a shard saved at step k may hold updates of faster workers beyond k, which the resumed
+workers (all restarting at k) compute again: async SGD tolerates that, and it is what Downpour does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import ray
+import torch
+
+from rayhpc.job import start_job
+from rayhpc.ps import shards
+from rayhpc.ps.config import PSConfig
+from rayhpc.ps.progress import Progress, checkpoint_step, checkpoint_steps, latest_checkpoint
+from rayhpc.ps.server import ParameterServer
+from rayhpc.ps.worker import PSEvaluator, PSWorker, weights
+from rayhpc.task.batches import epoch_indices
+from rayhpc.train.config import bind_train
+from rayhpc.train.metrics import METRICS_FILE
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PSResult:
+    cfg: PSConfig
+    metrics: pd.DataFrame  # metrics.parquet: one row per epoch
+    steps: pd.DataFrame  # steps.parquet: one row per worker step (staleness, pull/push times, bytes)
+    weights: dict[str, torch.Tensor]  # the final parameters, gathered from the servers
+    layout: shards.Layout
+    failures: list[str]  # what died and what was done about it
+    checkpoint: Path | None
+
+
+@dataclasses.dataclass
+class Fleet:
+    """The running actors of one attempt."""
+
+    servers: list
+    workers: list
+    calls: dict  # object ref of a worker's running `run_epoch` -> worker index
+    evaluator: object = None
+    evals: dict = dataclasses.field(default_factory=dict)  # object ref of a validation -> epoch
+
+
+def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
+           on_epoch: Callable[[int, int, Fleet], None] | None = None, verbose: bool = True) -> PSResult:
+    """Train (or resume) the run `cfg` describes; every input error is raised before Ray starts.
+    `on_epoch(worker, epoch, fleet)`: called as each worker finishes an epoch (tests kill actors from it)."""
+    made: dict = {}
+
+    def bind(c: PSConfig, task):
+        c, hp = bind_train(c, task)
+        made.update(plan_run(c, task, hp))
+        return c, hp
+
+    job = start_job(cfg, explicit, bind=bind, workers=lambda c: c.compute.num_workers)
+    cfg, task = job.cfg, job.task
+    say = log.info if verbose else (lambda *a, **k: None)
+    run = Progress(cfg, made["steps_per_epoch"], made["validates"], started=time.time())
+    failures: list[str] = []
+    checkpoint = latest_checkpoint(cfg, cfg.compute.num_servers) if cfg.resume else None
+    if checkpoint is not None:
+        say(f"resuming from {checkpoint}")
+    fleet = start_fleet(cfg, task, made, run, checkpoint)
+    say(describe(cfg, made))
+    try:
+        while fleet.calls or fleet.evals:
+            fleet = supervise(cfg, task, made, run, fleet, failures, on_epoch, say)
+        final = weights(made["layout"], fleet.servers)
+    finally:
+        stop_fleet(fleet)
+    return PSResult(cfg, run.table(), run.steps_table(), final, made["layout"], failures,
+                    latest_checkpoint(cfg, cfg.compute.num_servers))
+
+
+def plan_run(cfg: PSConfig, task, hp: dict) -> dict:
+    """The initial parameters, their layout over the servers and the steps per epoch (checked before Ray
+    starts: more servers than parameter elements is bad input)."""
+    model = task.initial_model(hp)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    layout = shards.plan({name: tuple(p.shape) for name, p in params.items()}, cfg.compute.num_servers)
+    train, val = task.split_data(hp, cfg.data)
+    n = len(epoch_indices(len(train), cfg.seed, 0, 0, cfg.compute.num_workers))
+    return {"hp": hp, "layout": layout, "initial": [f.numpy() for f in layout.flatten(params)],
+            "steps_per_epoch": -(-n // cfg.per_worker_batch), "validates": val is not None and len(val) > 0}
+
+
+def describe(cfg: PSConfig, made: dict) -> str:
+    sizes = made["layout"].sizes()
+    staleness = "" if cfg.mode == "sync" else f", staleness {'unbounded' if cfg.staleness is None else cfg.staleness}"
+    return (f"parameter server ({cfg.mode}{staleness}): {cfg.compute.num_workers} workers of "
+            f"{cfg.compute.cpus_per_worker:g} CPU{' + 1 GPU' if cfg.compute.gpu else ''}, {cfg.compute.num_servers} "
+            f"server(s) holding {' + '.join(f'{n:,}' for n in sizes)} parameters ({sum(sizes) * 4 / 1e6:.3f} MB in "
+            f"fp32); {made['steps_per_epoch']} steps per epoch of {cfg.global_batch} samples; per step each worker "
+            f"moves 2 x {sum(sizes) * 4 / 1e6:.3f} MB (pull + push)")
+
+
+def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path | None) -> Fleet:
+    """Servers (restored from `checkpoint`, or with the initial parameters), then workers, each given
+    its first epoch from the checkpoint's step."""
+    step = checkpoint_step(checkpoint)
+    run.restart_at(step)
+    per_epoch = made["steps_per_epoch"]
+    ends = [e * per_epoch for e in range(1, cfg.epochs + 1)]
+    server_cls = ray.remote(ParameterServer).options(num_cpus=cfg.compute.cpus_per_server)
+    servers = [server_cls.remote(j, made["initial"][j], made["hp"], cfg.compute.num_workers, cfg.mode,
+                                 cfg.staleness, cfg.name, checkpoint_steps(cfg, per_epoch),
+                                 ends if made["validates"] else [],
+                                 str(cfg.experiment_dir), str(checkpoint) if checkpoint else None)
+               for j in range(cfg.compute.num_servers)]
+    fleet = Fleet(servers, [None] * cfg.compute.num_workers, {})
+    if made["validates"]:  # the validation of every epoch still to end, queued: each waits for its epoch
+        gpu = cfg.compute.gpu
+        fleet.evaluator = ray.remote(PSEvaluator).options(num_cpus=0, num_gpus=0.01 if gpu else 0).remote(
+            cfg, task, made["hp"], made["layout"], servers, "cuda" if gpu else "cpu")
+        fleet.evals = {fleet.evaluator.evaluate.remote(e, ends[e]): e for e in run.validations_due(step)}
+    if step < cfg.epochs * made["steps_per_epoch"]:
+        for w in range(cfg.compute.num_workers):
+            start_worker(cfg, task, made, fleet, w, step)
+    return fleet
+
+
+def start_worker(cfg: PSConfig, task, made: dict, fleet: Fleet, w: int, step: int) -> None:
+    """Worker `w` (new), running from global step `step` to the end of that step's epoch."""
+    gpu = cfg.compute.gpu
+    cls = ray.remote(PSWorker).options(num_cpus=cfg.compute.cpus_per_worker, num_gpus=1 if gpu else 0)
+    fleet.workers[w] = cls.remote(w, cfg.compute.num_workers, cfg, task, made["hp"], made["layout"], fleet.servers,
+                                  "cuda" if gpu else "cpu")
+    fleet.calls[fleet.workers[w].run_epoch.remote(step // made["steps_per_epoch"], step)] = w
+
+
+def supervise(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failures: list[str], on_epoch,
+              say) -> Fleet:
+    """Wait for the next worker to finish an epoch (give it the next) or to fail (replace it, or restart
+    from the checkpoint if a server is gone); the fleet to go on with."""
+    done, _ = ray.wait([*fleet.calls, *fleet.evals], num_returns=1, timeout=cfg.timeout_s + 30)
+    if not done:
+        raise RuntimeError(f"no worker finished an epoch or failed within {cfg.timeout_s + 30:g} s (timeout_s)")
+    if done[0] in fleet.evals:
+        return validated(cfg, task, made, run, fleet, failures, done[0], say)
+    w = fleet.calls.pop(done[0])
+    try:
+        result = ray.get(done[0])
+    except ray.exceptions.RayError as exc:
+        return recover(cfg, task, made, run, fleet, failures, w, exc, say)
+    run.add(result)
+    run.prune()
+    if result["epoch"] + 1 < cfg.epochs:
+        nxt = (result["epoch"] + 1) * made["steps_per_epoch"]
+        fleet.calls[fleet.workers[w].run_epoch.remote(result["epoch"] + 1, nxt)] = w
+    if on_epoch is not None:
+        on_epoch(w, result["epoch"], fleet)
+    return fleet
+
+
+def validated(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failures: list[str], ref,
+              say) -> Fleet:
+    """An epoch's validation is back (or failed: the evaluator reads the servers, so a failure there is a
+    server's; restart from the checkpoint)."""
+    fleet.evals.pop(ref)
+    try:
+        run.add(ray.get(ref))
+    except ray.exceptions.RayError as exc:
+        return recover(cfg, task, made, run, fleet, failures, None, exc, say)
+    return fleet
+
+
+def recover(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failures: list[str], w: int,
+            exc: BaseException, say) -> Fleet:
+    """After worker `w`'s call (or the evaluator's, `w` None) failed: replace the worker if every server
+    is alive, else restart everything from the checkpoint."""
+    what = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if len(failures) >= cfg.max_failures:
+        stop_fleet(fleet)
+        who = "the evaluator" if w is None else f"worker {w}"
+        raise RuntimeError(f"{who} failed after {len(failures)} recoveries (max_failures {cfg.max_failures}): "
+                           f"{exc}") from None
+    dead = dead_servers(fleet.servers)
+    if dead or w is None:
+        stop_fleet(fleet)
+        checkpoint = latest_checkpoint(cfg, cfg.compute.num_servers)
+        failures.append(f"server(s) {dead or '?'} died; restarted every server and worker from "
+                        f"{checkpoint.name if checkpoint else 'the start'}")
+        say(failures[-1])
+        return start_fleet(cfg, task, made, run, checkpoint)
+    step = min(min(info["pushed"][w] for info in ray.get([s.info.remote() for s in fleet.servers])),
+               cfg.epochs * made["steps_per_epoch"])
+    ray.kill(fleet.workers[w])
+    failures.append(f"worker {w} failed ({what}); replaced, continuing at step {step}")
+    say(failures[-1])
+    if step < cfg.epochs * made["steps_per_epoch"]:
+        start_worker(cfg, task, made, fleet, w, step)
+    return fleet
+
+
+def dead_servers(servers: list) -> list[int]:
+    dead = []
+    for j, server in enumerate(servers):
+        try:
+            ray.get(server.info.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            dead.append(j)
+    return dead
+
+
+def stop_fleet(fleet: Fleet) -> None:
+    for actor in [*fleet.workers, *fleet.servers, fleet.evaluator]:
+        if actor is not None:
+            ray.kill(actor)
+    fleet.calls.clear()
+    fleet.evals.clear()
+
+
+def format_summary(result: PSResult) -> str:
+    cfg, epochs = result.cfg, result.metrics
+    last = epochs.iloc[-1]
+    val = f", val_loss {last['val_loss']:.4g} (best {last['best_val_loss']:.4g})" if "val_loss" in epochs else ""
+    staleness = result.steps["staleness"] if len(result.steps) else pd.Series([0])
+    failures = "".join(f"\nrecovered: {f}" for f in result.failures)
+    return (f"trained {cfg.task} with a {cfg.mode} parameter server: {cfg.compute.num_workers} workers, "
+            f"{cfg.compute.num_servers} server(s), {int(last['epoch'])} epochs ({int(last['global_step'])} steps) "
+            f"in {last['train_seconds']:.1f} s\nloss {epochs['loss'].iloc[0]:.4g} -> {last['loss']:.4g}{val}; "
+            f"{epochs['samples_per_s'].median():,.0f} samples/s (median epoch); per step: pull "
+            f"{epochs['pull_ms'].median():.2f} ms, compute {epochs['compute_ms'].median():.2f} ms, push "
+            f"{epochs['push_ms'].median():.2f} ms, {epochs['bytes_per_step'].median() / 1e6:.3f} MB moved per worker"
+            f"\nstaleness (steps ahead of the slowest worker): max {int(staleness.max())}, mean "
+            f"{staleness.mean():.2f}{failures}\ncheckpoint: {result.checkpoint}\n"
+            f"metrics: {cfg.experiment_dir / METRICS_FILE}, steps: {cfg.experiment_dir / 'steps.parquet'}")

@@ -1,0 +1,141 @@
+"""What a parameter-server run has done: the workers' step records, `metrics.parquet` rows per epoch
+(through the training job's recorder: the same columns, TensorBoard events and log line), `steps.parquet`
+(one row per worker step: the staleness actually seen, pull and push times, bytes), and its checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pandas as pd
+
+from rayhpc.ps.server import SHARD_FILE
+from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
+
+log = logging.getLogger(__name__)
+STEPS_FILE = "steps.parquet"
+KEEP_CHECKPOINTS = 2
+
+
+def checkpoint_steps(cfg, steps_per_epoch: int) -> list[int]:
+    """The steps after which the servers save: each epoch's end, and every `checkpoint_every_steps`."""
+    total = cfg.epochs * steps_per_epoch
+    every = cfg.checkpoint_every_steps or steps_per_epoch
+    return sorted({*range(steps_per_epoch, total + 1, steps_per_epoch), *range(every, total + 1, every)})
+
+
+def complete_checkpoints(cfg, num_servers: int) -> list[Path]:
+    """Checkpoint folders holding every server's shard, oldest first."""
+    folders = sorted(cfg.experiment_dir.glob("checkpoint_*"))
+    return [f for f in folders if all((f / SHARD_FILE.format(index=j)).exists() for j in range(num_servers))]
+
+
+def latest_checkpoint(cfg, num_servers: int) -> Path | None:
+    complete = complete_checkpoints(cfg, num_servers)
+    return complete[-1] if complete else None
+
+
+def checkpoint_step(folder: Path | None) -> int:
+    return int(folder.name.removeprefix("checkpoint_")) if folder is not None else 0
+
+
+class Progress:
+    def __init__(self, cfg, steps_per_epoch: int, validates: bool, started: float):
+        self.cfg, self.per_epoch, self.validates, self.started = cfg, steps_per_epoch, validates, started
+        self.records: dict[tuple[int, int], dict] = {}  # (worker, step) -> record
+        self.val: dict[int, dict] = {}  # epoch -> validation metrics
+        self.recorder = MetricsRecorder(cfg.experiment_dir, cfg.epochs)
+        self.steps_path = cfg.experiment_dir / STEPS_FILE
+        self.next_epoch = 0  # the first epoch without a metrics row
+        self.best = float("inf")
+        self.restored = 0
+        self.epoch_ended: float | None = None  # unix time; None: from the first step of this session
+
+    def restart_at(self, step: int) -> None:
+        """Forget what comes after `step` (restored from a checkpoint): it will be computed again. Epochs
+        that ended by `step` without a row (a driver killed between the checkpoint and the row) get one;
+        the validation of an epoch that ended before `step` is gone with its weights."""
+        self.records = {k: r for k, r in self.records.items() if k[1] < step}
+        self.restored = step  # steps before it count as done, recorded or not (a killed driver's last steps)
+        rows = pd.DataFrame()
+        if self.cfg.experiment_dir.joinpath(METRICS_FILE).exists():
+            rows = pd.read_parquet(self.cfg.experiment_dir / METRICS_FILE)
+            rows = rows[rows["global_step"] <= step]
+        self.next_epoch = min(step // self.per_epoch, int(rows["epoch"].max()) if len(rows) else 0)
+        self.val = {e: v for e, v in self.val.items() if e < self.next_epoch}
+        self.val.update({e: {} for e in range(self.next_epoch, step // self.per_epoch)
+                         if (e + 1) * self.per_epoch < step})
+        if "best_val_loss" in rows and len(rows):
+            self.best = float(rows["best_val_loss"].min())
+        if self.steps_path.exists() and not self.records:  # a resumed job: the records of earlier sessions
+            done = pd.read_parquet(self.steps_path)
+            self.records = {(r["worker"], r["step"]): r for r in done[done["step"] < step].to_dict("records")}
+
+    def validations_due(self, step: int) -> list[int]:
+        """The epochs whose validation is still to come after a (re)start at `step`."""
+        return [e for e in range(self.next_epoch, self.cfg.epochs) if e not in self.val
+                and (e + 1) * self.per_epoch >= step]
+
+    def add(self, result: dict) -> None:
+        """One worker's `run_epoch` result, or the evaluator's (`val`); writes the rows of every epoch
+        now complete."""
+        for record in result.get("records", ()):
+            self.records[(record["worker"], record["step"])] = record
+        if "val" in result:
+            self.val[result["epoch"]] = result["val"]
+        while self.next_epoch < self.cfg.epochs and self._complete(self.next_epoch):
+            self._write_row(self.next_epoch)
+            self.next_epoch += 1
+
+    def _complete(self, epoch: int) -> bool:
+        steps = range(max(epoch * self.per_epoch, self.restored), (epoch + 1) * self.per_epoch)
+        return all((w, s) in self.records for w in range(self.cfg.compute.num_workers) for s in steps) \
+            and (epoch in self.val or not self.validates)
+
+    def _write_row(self, epoch: int) -> None:
+        cfg, per_epoch = self.cfg, self.per_epoch
+        recs = [r for (w, s), r in self.records.items() if epoch * per_epoch <= s < (epoch + 1) * per_epoch]
+        if not recs:  # every step of it was run by a driver killed before recording it
+            recs = [dict.fromkeys(("time", "pull_s", "compute_s", "push_s", "loss", "staleness", "bytes"),
+                                  float("nan")) | {"samples": 0, "zero_copy": True}]
+        ended = max(r["time"] for r in recs)
+        began = self.epoch_ended or min(r["time"] - r["pull_s"] - r["compute_s"] - r["push_s"] for r in recs)
+        seconds = max(ended - began, 1e-9)
+        self.epoch_ended = ended if ended == ended else self.epoch_ended
+        samples = sum(r["samples"] for r in recs)
+        mean = lambda key: sum(r[key] for r in recs) / len(recs)  # noqa: E731
+        val = self.val.get(epoch, {})
+        if "val_loss" in val:
+            self.best = min(self.best, val["val_loss"])
+        row = {"kind": "epoch", "epoch": epoch + 1, "global_step": (epoch + 1) * per_epoch,
+               "loss": sum(r["loss"] * r["samples"] for r in recs) / samples if samples else float("nan"), **val,
+               **({"best_val_loss": self.best} if "val_loss" in val else {}),
+               "samples_per_s": samples / seconds, "step_ms": 1000 * mean("pull_s") + 1000 * mean("compute_s")
+               + 1000 * mean("push_s"), "pull_ms": 1000 * mean("pull_s"), "push_ms": 1000 * mean("push_s"),
+               "compute_ms": 1000 * mean("compute_s"), "staleness_max": max(r["staleness"] for r in recs),
+               "staleness_mean": mean("staleness"), "bytes_per_step": mean("bytes"),
+               "zero_copy": all(r["zero_copy"] for r in recs), "train_seconds": ended - self.started,
+               "world_size": cfg.compute.num_workers, "num_servers": cfg.compute.num_servers, "mode": cfg.mode,
+               "global_batch_size": cfg.global_batch, "batch_size_per_worker": cfg.per_worker_batch,
+               "lr": cfg.optim.lr}
+        self.recorder.after_report(None, [row], None)
+        pd.DataFrame(sorted(self.records.values(), key=lambda r: (r["step"], r["worker"]))).to_parquet(
+            self.steps_path, index=False)
+
+    def table(self) -> pd.DataFrame:
+        path = self.cfg.experiment_dir / METRICS_FILE
+        return pd.read_parquet(path) if path.exists() else pd.DataFrame()
+
+    def steps_table(self) -> pd.DataFrame:
+        return pd.read_parquet(self.steps_path) if self.steps_path.exists() else pd.DataFrame()
+
+    def prune(self) -> None:
+        """Keep the newest `KEEP_CHECKPOINTS` complete checkpoints (and anything newer, being written)."""
+        complete = complete_checkpoints(self.cfg, self.cfg.compute.num_servers)
+        if len(complete) <= KEEP_CHECKPOINTS:
+            return
+        oldest_kept = complete[-KEEP_CHECKPOINTS].name
+        for folder in self.cfg.experiment_dir.glob("checkpoint_*"):
+            if folder.name < oldest_kept:
+                shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,167 @@
+"""One parameter server: an async Ray actor holding one flat shard of the parameters and its optimiser.
+
+Workers call `pull(worker, step)` before computing step `step` and `push(worker, step, grad)` after.
+- sync: the shard's version is the number of optimizer steps taken; a pull for step s waits for version s;
+  the N gradients of a step are summed in worker order, divided by N, and applied once (= DDP's mean).
+- async (Downpour): each gradient, divided by N (a worker's share of the global batch, so lr means the
+  same in both modes), is applied when it arrives; a pull for step s waits until every worker has pushed
+  s - K steps (K = staleness; no wait when unbounded).
+A push a server already has (a replaced worker redoing a step) is ignored, so redoing is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rayhpc.monitor.metrics import PSMetrics
+from rayhpc.task.hparams import make_optimizer
+
+SHARD_FILE = "server_{index}.pt"
+
+
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over `array` without a copy. Arrays from Ray's object store are read-only views of its
+    shared memory; torch warns that writing to them is undefined, and nothing here writes to them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+class ParameterServer:
+    def __init__(self, index: int, flat: np.ndarray, hp: dict, num_workers: int, mode: str, staleness: int | None,
+                 run: str, checkpoints: list[int], epoch_ends: list[int], run_dir: str, restore: str | None = None):
+        torch.set_num_threads(1)
+        self.index, self.n, self.mode, self.staleness = index, num_workers, mode, staleness
+        self.param = torch.nn.Parameter(torch.tensor(flat, dtype=torch.float32))
+        self.optimizer = make_optimizer(hp, [self.param])
+        self.pushed = [0] * num_workers  # steps each worker has pushed here
+        self.version = 0  # optimizer steps applied
+        self.pending: dict[int, dict[int, torch.Tensor]] = {}  # sync: step -> worker -> gradient
+        self.checkpoints, self.run_dir = set(checkpoints), Path(run_dir)
+        self.epoch_ends, self.at_epoch_end = set(epoch_ends), {}  # step -> object ref, until validated
+        self.changed = asyncio.Condition()
+        self.gauges = PSMetrics(run, "server", index)
+        self.apply_seconds = 0.0
+        self.snapshot = None  # (version, object ref)
+        self.saved_step = 0
+        if restore is not None:
+            self._load(restore)
+        self._reached()
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "node": socket.gethostname(), "elements": self.param.numel(),
+                "pushed": list(self.pushed), "version": self.version}
+
+    def global_step(self) -> int:
+        """Steps every worker has completed here (sync: the optimizer steps)."""
+        return self.version if self.mode == "sync" else min(self.pushed)
+
+    async def pull(self, worker: int, step: int, timeout_s: float) -> tuple:
+        """(a reference to the shard, once step `step` may start; how far `worker` then is ahead of the
+        slowest worker, the shard's version and how long the pull waited)."""
+        asked = time.perf_counter()
+        if self.mode == "sync":
+            ready = lambda: self.version >= step  # noqa: E731
+        elif self.staleness is None:
+            ready = lambda: True  # noqa: E731
+        else:
+            ready = lambda: step - min(self.pushed) <= self.staleness  # noqa: E731
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(ready), timeout_s)
+        waited = time.perf_counter() - asked
+        self.gauges.set_server(waited, self.apply_seconds, self.version)
+        shard = self.snapshot[1] if self.lockstep else self._snapshot(self.version)
+        return shard, {"staleness": step - min(self.pushed), "version": self.version, "wait_s": waited}
+
+    @property
+    def lockstep(self) -> bool:
+        """async with K = 0: a pull for step s reads the shard as it was when the slowest worker finished
+        step s - 1 (the read of stale-synchronous-parallel at its clock), not the freshest shard, which may
+        already hold a faster worker's step-s gradient. So K = 0 is sync with each gradient applied alone."""
+        return self.mode == "async" and self.staleness == 0
+
+    def _snapshot(self, key: int):
+        """A copy of the shard in the object store, made once per `key` (sync: per version) and shared
+        by every worker that pulls it (in sync mode all N); each worker maps it read-only without a copy
+        of its own. The copy makes the snapshot independent of the shard, which the next push changes,
+        whichever store Ray keeps it in (small objects stay in memory)."""
+        import ray
+
+        if self.snapshot is None or self.snapshot[0] != key:
+            self.snapshot = (key, ray.put(self.param.detach().numpy().copy()))
+        return self.snapshot[1]
+
+    async def push(self, worker: int, step: int, grad: np.ndarray) -> None:
+        if step < self.pushed[worker]:
+            return  # a redone step this server already has
+        if step != self.pushed[worker]:
+            raise RuntimeError(f"server {self.index}: worker {worker} pushed step {step}, expected "
+                               f"{self.pushed[worker]}")
+        started, before = time.perf_counter(), self.global_step()
+        if self.mode == "sync":
+            self.pending.setdefault(step, {})[worker] = as_tensor(grad)  # holds the object-store buffer
+            if len(self.pending[step]) == self.n:
+                grads = self.pending.pop(step)
+                self._apply(sum(grads[w] for w in range(self.n)) / self.n)
+        else:
+            self._apply(as_tensor(grad) / self.n)
+        self.pushed[worker] = step + 1
+        self.apply_seconds = time.perf_counter() - started
+        if self.global_step() > before:
+            self._reached()
+        async with self.changed:
+            self.changed.notify_all()
+
+    def _reached(self) -> None:
+        """Every worker has now finished `global_step()` steps here: the lockstep snapshot, the epoch-end
+        copy for validation and the checkpoint of that step, each where due."""
+        step = self.global_step()
+        if self.lockstep:
+            self._snapshot(step)
+        if step in self.epoch_ends and step not in self.at_epoch_end:
+            import ray
+
+            self.at_epoch_end[step] = ray.put(self.param.detach().numpy().copy())
+        if step in self.checkpoints and step > self.saved_step:
+            self._save(step)
+
+    async def shard_at(self, step: int, timeout_s: float):
+        """The shard as it was when every worker had finished `step` steps (an epoch's end), once."""
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: step in self.at_epoch_end), timeout_s)
+        return self.at_epoch_end.pop(step)
+
+    def _apply(self, grad: torch.Tensor) -> None:
+        self.param.grad = grad
+        self.optimizer.step()
+        self.param.grad = None
+        self.version += 1
+
+    def _save(self, step: int) -> None:
+        """The shard, its optimizer state and the push counts, as `checkpoint_<step>/server_<index>.pt`."""
+        folder = self.run_dir / f"checkpoint_{step:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / SHARD_FILE.format(index=self.index)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"param": self.param.detach().clone(), "optimizer": self.optimizer.state_dict(),
+                    "pushed": [min(p, step) for p in self.pushed], "version": self.version, "step": step}, tmp)
+        os.replace(tmp, path)
+        self.saved_step = step
+
+    def _load(self, folder: str) -> None:
+        state = torch.load(Path(folder) / SHARD_FILE.format(index=self.index), weights_only=True)
+        with torch.no_grad():
+            self.param.copy_(state["param"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.pushed, self.version, self.saved_step = state["pushed"], state["version"], state["step"]
+
+    def weights(self) -> np.ndarray:
+        return self.param.detach().numpy()

@@ -1,0 +1,106 @@
+"""One parameter-server worker: an actor that pulls the shards, computes its gradient on its
+`DistributedSampler` share of each step's batch (DDP's order), and pushes one flat gradient per server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import ray
+import torch
+
+from rayhpc.monitor.metrics import PSMetrics
+from rayhpc.ps.server import as_tensor
+from rayhpc.ps.shards import Layout
+from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
+
+
+class PSWorker:
+    def __init__(self, index: int, num_workers: int, cfg, task, hp: dict, layout: Layout, servers: list,
+                 device: str):
+        # the torchrun variables a task may read (Ray Train's workers have them too); no process group
+        os.environ.update({"RANK": str(index), "WORLD_SIZE": str(num_workers)})
+        torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker)))
+        self.index, self.n, self.cfg, self.task, self.hp = index, num_workers, cfg, task, hp
+        self.layout, self.servers = layout, servers
+        self.device = torch.device(device)
+        train, _ = task.split_data(hp, cfg.data)
+        self.model = task.initial_model(hp).to(self.device)  # its values come from the servers at each pull
+        self.params = {name: p for name, p in self.model.named_parameters()}
+        self.train = Batches(train, self.device, loader_workers(self.device, cfg.compute.cpus_per_worker))
+        self.gauges = PSMetrics(cfg.name, "worker", index)
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "node": socket.gethostname()}
+
+    def steps_per_epoch(self) -> int:
+        return -(-len(epoch_indices(len(self.train), self.hp["seed"], 0, self.index, self.n))
+                 // self.cfg.per_worker_batch)
+
+    def run_epoch(self, epoch: int, first_step: int) -> dict:
+        """Steps `first_step`.. (global step numbers) to the end of `epoch`; one record per step."""
+        b, per_epoch = self.cfg.per_worker_batch, self.steps_per_epoch()
+        indices = epoch_indices(len(self.train), self.hp["seed"], epoch, self.index, self.n)
+        skip = first_step - epoch * per_epoch
+        records = []
+        for i, batch in enumerate(self.train(indices[skip * b:], b), start=skip):
+            records.append(self._step(epoch * per_epoch + i, batch))
+        return {"worker": self.index, "epoch": epoch, "records": records}
+
+    def _pull(self, step: int) -> tuple[list[torch.Tensor], list[dict]]:
+        answers = ray.get([s.pull.remote(self.index, step, self.cfg.timeout_s) for s in self.servers])
+        arrays = ray.get([ref for ref, _ in answers])  # read-only views of the object store: no copy
+        for info, array in zip((info for _, info in answers), arrays):
+            info["zero_copy"] = not array.flags.writeable  # Ray hands out a copy as a writable array
+        return [as_tensor(a) for a in arrays], [info for _, info in answers]
+
+    def _step(self, step: int, batch) -> dict:
+        started = time.perf_counter()
+        shards, infos = self._pull(step)
+        with torch.no_grad():
+            self.layout.scatter([s.to(self.device, non_blocking=True) for s in shards], self.params)
+        pulled = time.perf_counter()
+        loss = self.task.loss(self.model, batch)
+        self.model.zero_grad(set_to_none=False)
+        loss.backward()
+        grads = [g.cpu().numpy() for g in self.layout.flatten(
+            {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.params.items()})]
+        computed = time.perf_counter()
+        ray.get([s.push.remote(self.index, step, g) for s, g in zip(self.servers, grads)])
+        done = time.perf_counter()
+        staleness = max(info["staleness"] for info in infos)
+        self.gauges.set_worker(pulled - started, done - computed, staleness)
+        return {"worker": self.index, "step": step, "loss": float(loss.detach()), "samples": batch_size_of(batch),
+                "staleness": staleness, "versions": [info["version"] for info in infos],
+                "pull_s": pulled - started, "compute_s": computed - pulled, "push_s": done - computed, "wait_s": max(info["wait_s"] for info in infos),
+                "bytes": sum(s.nbytes for s in shards) + sum(g.nbytes for g in grads),
+                "zero_copy": all(info["zero_copy"] for info in infos), "time": time.time()}
+
+
+
+class PSEvaluator:
+    """Validates the weights at each epoch's end (the servers keep a copy of their shard from the moment
+    every worker finished the epoch: in sync mode exactly the weights after its last step), off the
+    workers' path, so that async workers never wait for validation."""
+
+    def __init__(self, cfg, task, hp: dict, layout: Layout, servers: list, device: str):
+        torch.set_num_threads(1)
+        self.cfg, self.task, self.layout, self.servers = cfg, task, layout, servers
+        self.device = torch.device(device)
+        _, val = task.split_data(hp, cfg.data)
+        self.model = task.initial_model(hp).to(self.device)
+        self.params = dict(self.model.named_parameters())
+        self.val = Batches(val, self.device)
+
+    def evaluate(self, epoch: int, step: int) -> dict:
+        refs = ray.get([s.shard_at.remote(step, self.cfg.timeout_s * 10) for s in self.servers])
+        with torch.no_grad():
+            self.layout.scatter([as_tensor(a).to(self.device) for a in ray.get(refs)], self.params)
+        return {"epoch": epoch, "val": evaluate(self.task, self.model, self.val.all(eval_batch(self.cfg.per_worker_batch)))}
+
+
+def weights(layout: Layout, servers: list) -> dict[str, torch.Tensor]:
+    """The whole model's parameters, from every server's shard (a copy)."""
+    return layout.gather([torch.tensor(np.asarray(a)) for a in ray.get([s.weights.remote() for s in servers])])

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import ROOT, run_job
+from conftest import ROOT, run_job, tensorboard_scalars
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.models import MLP
@@ -77,6 +77,8 @@ def test_sync_equals_ddp_with_the_same_data_order(ray_address, tmp_path, servers
     sizes = result.layout.sizes()
     assert len(sizes) == servers and all(s > 0 for s in sizes) and sum(sizes) == 6 * 16 + 16 + 16 * 2 + 2
     assert result.metrics["epoch"].tolist() == [1, 2] and result.metrics["val_loss"].iloc[-1] > 0
+    events = tensorboard_scalars(cfg.experiment_dir / "tensorboard")
+    torch.testing.assert_close(events["epoch/val_loss"], result.metrics["val_loss"].tolist())
     assert (result.steps["staleness"] == 0).all() and len(result.steps) == 2 * result.metrics["global_step"].iloc[-1]
     assert sorted(p.name for p in result.checkpoint.iterdir()) == [f"server_{j}.pt" for j in range(servers)]
 
@@ -134,6 +136,8 @@ def test_a_killed_worker_is_replaced_and_the_run_finishes(ray_address, tmp_path,
     assert result.metrics["epoch"].tolist() == [1, 2, 3]
     steps = result.metrics["global_step"].iloc[-1]
     assert sorted(zip(result.steps["worker"], result.steps["step"])) == [(w, s) for w in (0, 1) for s in range(steps)]
+    # killed mid-epoch: the steps it pushed but never reported are rows marked lost, not holes
+    assert set(result.steps.loc[result.steps["lost"], "worker"]) <= {1} and result.metrics["loss"].notna().all()
     if mode == "sync":  # the step the dead worker left half-done was redone: as if nothing happened
         assert_same_weights(result.weights, two_ranks(cfg))
 

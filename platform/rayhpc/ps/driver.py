@@ -100,7 +100,7 @@ def plan_run(cfg: PSConfig, task, hp: dict) -> dict:
     train, val = task.split_data(hp, cfg.data)
     n = len(epoch_indices(len(train), cfg.seed, 0, 0, cfg.compute.num_workers))
     return {"hp": hp, "layout": layout, "initial": [f.numpy() for f in layout.flatten(params)],
-            "steps_per_epoch": -(-n // cfg.per_worker_batch), "validates": val is not None and len(val) > 0}
+            "steps_per_epoch": -(-n // cfg.per_worker_batch), "shard_len": n, "validates": val is not None and len(val) > 0}
 
 
 def describe(cfg: PSConfig, made: dict) -> str:
@@ -141,7 +141,9 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
 def start_worker(cfg: PSConfig, task, made: dict, fleet: Fleet, w: int, step: int) -> None:
     """Worker `w` (new), running from global step `step` to the end of that step's epoch."""
     gpu = cfg.compute.gpu
-    cls = ray.remote(PSWorker).options(num_cpus=cfg.compute.cpus_per_worker, num_gpus=1 if gpu else 0)
+    # two threads: `info()` answers while `run_epoch` runs (the driver gives each worker one epoch at a time)
+    cls = ray.remote(PSWorker).options(num_cpus=cfg.compute.cpus_per_worker, num_gpus=1 if gpu else 0,
+                                       max_concurrency=2)
     fleet.workers[w] = cls.remote(w, cfg.compute.num_workers, cfg, task, made["hp"], made["layout"], fleet.servers,
                                   "cuda" if gpu else "cpu")
     fleet.calls[fleet.workers[w].run_epoch.remote(step // made["steps_per_epoch"], step)] = w
@@ -204,7 +206,10 @@ def recover(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failur
     step = min(min(info["pushed"][w] for info in ray.get([s.info.remote() for s in fleet.servers])),
                cfg.epochs * made["steps_per_epoch"])
     ray.kill(fleet.workers[w])
-    failures.append(f"worker {w} failed ({what}); replaced, continuing at step {step}")
+    b, n, per_epoch = cfg.per_worker_batch, made["shard_len"], made["steps_per_epoch"]
+    lost = run.mark_lost(w, step, lambda s: min(b, n - (s % per_epoch) * b))
+    failures.append(f"worker {w} failed ({what}); replaced, continuing at step {step}"
+                    + (f" ({len(lost)} pushed steps' records lost with it)" if lost else ""))
     say(failures[-1])
     if step < cfg.epochs * made["steps_per_epoch"]:
         start_worker(cfg, task, made, fleet, w, step)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
@@ -16,6 +17,9 @@ from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
 log = logging.getLogger(__name__)
 STEPS_FILE = "steps.parquet"
 KEEP_CHECKPOINTS = 2
+# the record of a step whose worker died before reporting it (see `Progress.mark_lost`)
+LOST = dict.fromkeys(("time", "pull_s", "compute_s", "push_s", "wait_s", "loss", "staleness", "bytes"),
+                     float("nan")) | {"versions": [], "zero_copy": True, "lost": True}
 
 
 def checkpoint_steps(cfg, steps_per_epoch: int) -> list[int]:
@@ -88,6 +92,14 @@ class Progress:
             self._write_row(self.next_epoch)
             self.next_epoch += 1
 
+    def mark_lost(self, worker: int, before: int, samples_of: Callable[[int], int]) -> list[int]:
+        """The steps before `before` that `worker` pushed to every server but died before reporting (its
+        records went with its process): kept as `lost` rows, counted in the epoch's samples, not its means."""
+        lost = [s for s in range(self.restored, before) if (worker, s) not in self.records]
+        for s in lost:
+            self.records[(worker, s)] = dict(LOST, worker=worker, step=s, samples=samples_of(s))
+        return lost
+
     def _complete(self, epoch: int) -> bool:
         steps = range(max(epoch * self.per_epoch, self.restored), (epoch + 1) * self.per_epoch)
         return all((w, s) in self.records for w in range(self.cfg.compute.num_workers) for s in steps) \
@@ -95,21 +107,21 @@ class Progress:
 
     def _write_row(self, epoch: int) -> None:
         cfg, per_epoch = self.cfg, self.per_epoch
-        recs = [r for (w, s), r in self.records.items() if epoch * per_epoch <= s < (epoch + 1) * per_epoch]
-        if not recs:  # every step of it was run by a driver killed before recording it
-            recs = [dict.fromkeys(("time", "pull_s", "compute_s", "push_s", "loss", "staleness", "bytes"),
-                                  float("nan")) | {"samples": 0, "zero_copy": True}]
+        every = [r for (w, s), r in self.records.items() if epoch * per_epoch <= s < (epoch + 1) * per_epoch]
+        # timings and losses from the steps measured; without any (every step of it was run by a driver
+        # killed before recording it, or by workers that died), NaN
+        recs = [r for r in every if not r["lost"]] or [dict(LOST, samples=0)]
         ended = max(r["time"] for r in recs)
         began = self.epoch_ended or min(r["time"] - r["pull_s"] - r["compute_s"] - r["push_s"] for r in recs)
         seconds = max(ended - began, 1e-9)
         self.epoch_ended = ended if ended == ended else self.epoch_ended
-        samples = sum(r["samples"] for r in recs)
+        samples, measured = sum(r["samples"] for r in every), sum(r["samples"] for r in recs)
         mean = lambda key: sum(r[key] for r in recs) / len(recs)  # noqa: E731
         val = self.val.get(epoch, {})
         if "val_loss" in val:
             self.best = min(self.best, val["val_loss"])
         row = {"kind": "epoch", "epoch": epoch + 1, "global_step": (epoch + 1) * per_epoch,
-               "loss": sum(r["loss"] * r["samples"] for r in recs) / samples if samples else float("nan"), **val,
+               "loss": sum(r["loss"] * r["samples"] for r in recs) / measured if measured else float("nan"), **val,
                **({"best_val_loss": self.best} if "val_loss" in val else {}),
                "samples_per_s": samples / seconds, "step_ms": 1000 * mean("pull_s") + 1000 * mean("compute_s")
                + 1000 * mean("push_s"), "pull_ms": 1000 * mean("pull_s"), "push_ms": 1000 * mean("push_s"),

@@ -76,7 +76,7 @@ class PSWorker:
                 "staleness": staleness, "versions": [info["version"] for info in infos],
                 "pull_s": pulled - started, "compute_s": computed - pulled, "push_s": done - computed, "wait_s": max(info["wait_s"] for info in infos),
                 "bytes": sum(s.nbytes for s in shards) + sum(g.nbytes for g in grads),
-                "zero_copy": all(info["zero_copy"] for info in infos), "time": time.time()}
+                "zero_copy": all(info["zero_copy"] for info in infos), "lost": False, "time": time.time()}
 
 
 

@@ -1,6 +1,7 @@
-"""Start-up overhead of Ray inside a Slurm job, for 1 and 2 nodes (or --nodes 1,2,4,...).
+"""Start-up overhead of Ray inside a Slurm job, for 1 and 2 nodes (or --nodes 1,2,4,8).
 
     python jobs/bench_slurm.py --cluster cluster_configs/local-slurm.yaml --nodes 1,2
+    bash .ci/slurm-cluster start --nodes 8 && python jobs/bench_slurm.py --nodes 1,2,4,8
 
 Ray's own start: a Slurm job of the same nodes times Ray's own commands back to back:
 `ray start --head` (which returns once the node is up), then `ray start --address` on every
@@ -43,17 +44,22 @@ OWN_START = """#!/bin/bash
 #SBATCH --output={log}
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="{log}.token" T=/tmp/rh-bench-$SLURM_JOB_ID
 (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > "$RAY_AUTH_TOKEN_PATH")
+# free ports on the head, as the platform takes them (no fixed port another job could hold)
+read -r port dashboard < <(python -c 'import socket
+socks = [socket.socket() for _ in range(2)]
+[s.bind(("", 0)) for s in socks]
+print(*[s.getsockname()[1] for s in socks])')
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1)
 ip=$(getent ahostsv4 "$head" | awk 'NR==1{{print $1}}')
 t0=$(date +%s.%N)
 # the head in the batch step, so that it outlives `ray start`; it returns once the node is up
-ray start --head --node-ip-address="$ip" --port={port} --dashboard-port={dashboard} --temp-dir="$T-$head" \\
+ray start --head --node-ip-address="$ip" --port="$port" --dashboard-port="$dashboard" --temp-dir="$T-$head" \\
     --num-cpus={cpus} --disable-usage-stats --include-dashboard=true >/dev/null 2>&1 || echo "ray start failed on $head"
 # then every other node at once, each `ray start` returning once its node has joined
 for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +2); do
     srun --overlap -N1 -n1 -w "$node" bash -c 'exec ray start --address="$0" --temp-dir="$1-$(hostname -s)" \\
         --node-ip-address="$(getent ahostsv4 "$(hostname -s)" | awk "NR==1{{print \\$1}}")" --num-cpus={cpus} \\
-        --disable-usage-stats' "$ip:{port}" "$T" >/dev/null 2>&1 || echo "ray start failed on $node" &
+        --disable-usage-stats' "$ip:$port" "$T" >/dev/null 2>&1 || echo "ray start failed on $node" &
 done
 wait
 t1=$(date +%s.%N)
@@ -70,7 +76,7 @@ def ray_own_start(cluster, nodes: int) -> float:
     """Seconds Ray's own commands take to bring up `nodes` nodes in a Slurm job: `ray start --head`
     (head and dashboard, as the platform starts them), then `ray start --address` on the others."""
     log = Path(cluster.log_dir) / f"bench-ray-start-{time.time_ns()}.log"
-    text = OWN_START.format(log=log, nodes=nodes, cpus=cluster.slurm.cpus_per_task or 1, port=29400, dashboard=29403)
+    text = OWN_START.format(log=log, nodes=nodes, cpus=cluster.slurm.cpus_per_task or 1)
     partition = [f"--partition={cluster.slurm.partition}"] if cluster.slurm.partition else []
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # this venv's ray
     job = sbatch(partition, script=text, env=env)
@@ -95,11 +101,16 @@ def main() -> None:
     cluster = load_cluster(a.cluster)
     cluster.log_dir.mkdir(parents=True, exist_ok=True)
     print(f"{'nodes':>5} {'Ray own start s':>16} {'head port open s':>17} {'all joined s':>13} {'overhead s':>11}")
+    overhead = {}
     for nodes in [int(n) for n in a.nodes.split(",")]:
         own = median([ray_own_start(cluster, nodes) for _ in range(a.repeats)])
         ready = median([run_job(cluster, nodes) for _ in range(a.repeats)])
-        print(f"{nodes:>5} {own:>16.1f} {ready[1]:>17.1f} {ready[2]:>13.1f} {ready[2] - own:>11.1f}", flush=True)
+        overhead[nodes] = ready[2] - own
+        print(f"{nodes:>5} {own:>16.1f} {ready[1]:>17.1f} {ready[2]:>13.1f} {overhead[nodes]:>11.1f}", flush=True)
     print(f"(median of {a.repeats} jobs each; overhead = all joined - Ray's own start)")
+    if 2 in overhead and max(overhead) > 2:
+        n = max(overhead)
+        print(f"overhead at {n} nodes - at 2 nodes: {overhead[n] - overhead[2]:+.1f} s")
 
 
 def median(runs: list):

@@ -2,6 +2,10 @@
 
     python jobs/bench_sweep.py [--trials 16] [--epochs 30] [--cpus 2]
     python jobs/bench_sweep.py --adaptive --trials 128     # random, ASHA, Optuna: packed and unpacked
+    python jobs/bench_sweep.py --scale [--sizes 16,128,1024,10000] [--kill-after 120]
+        # the default sweep at each size, one fresh driver each: wall, driver CPU per trial, peak driver
+        # memory, files and bytes per trial, the results table's write; --kill-after: a sweep of the
+        # largest size whose driver is SIGKILLed that many seconds in, then resumed
 
 (a) array job: one fresh Python process per trial, `--cpus` at a time (what
     `sbatch --array=0-15%2` does), each running the plain PyTorch loop;
@@ -102,7 +106,14 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true", help="instead: random, ASHA and Optuna sweeps of "
                         "--trials trials (default sweep, --epochs, default 10 here), packed and unpacked")
     parser.add_argument("--no-unpacked", action="store_true", help="with --adaptive: packed rows only")
+    parser.add_argument("--scale", action="store_true", help="instead: the default sweep at --sizes trials "
+                        "(--epochs, default 10 here), each from a fresh driver")
+    parser.add_argument("--sizes", default="16,128,1024,10000", help="with --scale: comma-separated trial counts")
+    parser.add_argument("--kill-after", type=float, help="with --scale: also kill the largest sweep's driver this "
+                        "many seconds in and resume it")
     args = parser.parse_args()
+    if args.scale:
+        return scale(args)
     if args.adaptive:
         import ray
 
@@ -143,6 +154,25 @@ def main() -> None:
     print(f"{'approach':42s} {'makespan':>9s} {'in-trial sum':>13s} {'makespan/ideal':>15s}")
     for name, makespan, summed in rows:
         print(f"{name:42s} {makespan:8.1f}s {summed:12.1f}s {makespan / ideal:14.2f}x")
+
+
+def scale(args) -> None:
+    import ray
+
+    from rayhpc.bench.scale_sweeps import HEADER, print_row, resumed_row, scale_rows
+
+    epochs = args.epochs if "--epochs" in sys.argv else 10
+    sizes = [int(n) for n in args.sizes.split(",")]
+    ctx = ray.init(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+    print(f"scale: the default sweep at {sizes} trials, {epochs} epochs each, {args.cpus} CPUs\n\n{HEADER}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_scale_") as work:
+        scale_rows(sizes, epochs, ctx.address_info["gcs_address"], Path(work))
+        if args.kill_after:
+            r = resumed_row(sizes[-1], epochs, ctx.address_info["gcs_address"], Path(work) / "killed", args.kill_after)
+            print(f"\nkilled after {r['killed_after_s']:g} s with {r['finished_before_kill']:,} trials finished; resumed: "
+                  f"{r['kept']:,} of them kept (same train_seconds), {r['finished']:,} of {r['trials']:,} finished; "
+                  f"the resumed driver:\n{HEADER}")
+            print_row(r, epochs)
 
 
 if __name__ == "__main__":

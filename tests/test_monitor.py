@@ -257,3 +257,33 @@ def test_a_trial_that_has_not_reported_gets_no_series():
     reported = trial("a", {"epoch": 3, "val_loss": 0.5, "node": "node7", "train_seconds": 1.0})
     table = results_table([reported, trial("b", {})], None, 10, ["lr"], ["val_loss"])
     assert [(r["trial_id"], r["node"], r["iterations"]) for r in reported_rows(table)] == [("a", "node7", 3)]
+
+
+def test_a_large_sweep_exports_series_for_its_running_and_best_trials_and_quantiles_for_all(ray_cluster):
+    """200 trials, 5 of them running: per-trial series for those 5 and the 20 best only (not 200), and
+    the quantiles of every trial's best objective, scraped from the node's real endpoint."""
+    import numpy as np
+    import pandas as pd
+
+    from rayhpc.monitor.metrics import QUANTILES, SERIES_BEST, SweepMetrics
+
+    rng = np.random.default_rng(0)
+    best = rng.uniform(0.01, 1.0, 200)
+    table = pd.DataFrame({"trial_id": [f"t{i:03d}" for i in range(200)],
+                          "status": ["running"] * 5 + ["finished"] * 195, "val_loss": best + 0.01,
+                          "best_val_loss": best, "iterations": 10, "node": "node1"})
+    SweepMetrics("large").record(table)
+    expected = {f"t{i:03d}" for i in range(5)} | set(table.sort_values("best_val_loss")["trial_id"][:SERIES_BEST])
+    deadline = time.monotonic() + 40
+    while not [s for s in scrape(ray_cluster).get("rayhpc_sweep_best_objective", []) if s.labels["sweep"] == "large"]:
+        assert time.monotonic() < deadline, "no series of the large sweep within 40 s (Ray's agents export every 10 s)"
+        time.sleep(2)
+    samples = scrape(ray_cluster)
+    series = {s.labels["trial_id"] for s in samples["rayhpc_trial_best_val_loss"] if s.labels["sweep"] == "large"}
+    assert series == expected and len(series) <= 5 + SERIES_BEST, sorted(series ^ expected)
+    quantiles = {float(s.labels["quantile"]): s.value for s in samples["rayhpc_sweep_best_objective"]
+                 if s.labels["sweep"] == "large" and s.labels["objective"] == "val_loss"}
+    assert sorted(quantiles) == list(QUANTILES)
+    np.testing.assert_allclose([quantiles[q] for q in QUANTILES], np.quantile(best, QUANTILES), rtol=1e-6)
+    states = {s.labels["state"]: s.value for s in samples["rayhpc_trials"] if s.labels["sweep"] == "large"}
+    assert states["running"] == 5 and states["finished"] == 195

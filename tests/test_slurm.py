@@ -19,16 +19,17 @@ from conftest import ROOT, SUBMITTED
 from rayhpc.config import validate
 from rayhpc.slurm.config import ClusterConfig, load_cluster
 from rayhpc.slurm.render import render_sbatch
+from rayhpc.tune.results import read_results
 
 RAYHPC = str(Path(sys.executable).with_name("rayhpc"))
 CLUSTER = str(ROOT / "cluster_configs" / "local-slurm.yaml")
 LOGS = Path("/tmp/rayhpc-slurm-logs")  # the log_dir of local-slurm.yaml
 
 
-def submit(*command: str) -> str:
-    """`rayhpc submit` on the test cluster; the job id."""
-    proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, "--", *command], capture_output=True, text=True,
-                          cwd=ROOT)
+def submit(*command: str, nodes: int | None = None) -> str:
+    """`rayhpc submit [--nodes N]` on the test cluster; the job id."""
+    proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, *(["--nodes", str(nodes)] if nodes else []), "--",
+                           *command], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     SUBMITTED.append(proc.stdout.split()[2].rstrip(":"))  # "submitted job N: log ..."
     return SUBMITTED[-1]
@@ -246,9 +247,10 @@ def test_requeue_mid_sweep_resumes_without_rerunning_finished_trials(how, slurm)
     storage = f"/tmp/rayhpc-slurm-results-{uuid.uuid4().hex[:8]}"
     job = submit("python", "-u", "jobs/tune_mlp.py", "--num-samples", "6", "--pack", "1", "--epochs", "60",
                  "--storage-path", storage)
-    results = Path(storage) / "mlp-sweep" / "results.parquet"
+    exp_dir = Path(storage) / "mlp-sweep"
+    results = exp_dir / "results.parquet"
     deadline = time.monotonic() + 300
-    while not (results.is_file() and (before := finished(results)).shape[0] >= 2):
+    while (before := finished(exp_dir)).shape[0] < 2:  # from results.parts/ while the sweep runs
         assert time.monotonic() < deadline, job_log(job)
         time.sleep(0.5)
     subprocess.run(PREEMPT[how](job), check=True)
@@ -281,9 +283,9 @@ def skip_requeue_delay(job: str, timeout_s: float = 120) -> None:
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
 
 
-def finished(results: Path) -> pd.DataFrame:
-    table = pd.read_parquet(results)
-    return table[table["status"] == "finished"].set_index("trial_id")
+def finished(exp_dir: Path) -> pd.DataFrame:
+    table = read_results(exp_dir)
+    return table[table["status"] == "finished"].set_index("trial_id") if len(table) else table
 
 
 # the Ray sweep's columns for this task: searched parameters, losses, the task's metric

@@ -23,6 +23,7 @@ from rayhpc.models import MLP, PackedMLP
 from rayhpc.task import task_for
 from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.plan import load_plan
+from rayhpc.tune.results import read_results
 from rayhpc.tune.sweep import run_sweep
 from test_packed import mlp_split, plain_trial
 
@@ -235,23 +236,26 @@ def test_resume_after_the_driver_is_killed_keeps_finished_trials(ray_address, tm
     config = tmp_path / "sweep.yaml"
     config.write_text(f"name: resumed\nstorage_path: {tmp_path}\nnum_samples: 6\npack: 1\nmax_concurrent: 1\n"
                       "epochs: 5\ndata: {synthetic: {num_samples: 6000}}\n")
-    results = tmp_path / "resumed" / "results.parquet"
+    exp_dir = tmp_path / "resumed"
+    results = exp_dir / "results.parquet"
     args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
     driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.monotonic() + 180
-    while not (results.exists() and (pd.read_parquet(results)["status"] == "finished").any()):
+    # while the sweep runs, the rows of trials that ended go to results.parts/, each part written once
+    while not (len(before := read_results(exp_dir)) and (before["status"] == "finished").any()):
         assert driver.poll() is None and time.monotonic() < deadline, "no trial finished before the deadline"
         time.sleep(0.2)
     driver.kill()
     driver.wait()
-    before = pd.read_parquet(results)
+    assert not results.exists(), "the whole table was written before the sweep ended"
+    before = read_results(exp_dir)
     finished_before = before[before["status"] == "finished"].set_index("trial_id")
     assert len(finished_before) < 6, "the sweep ended before the driver was killed"
 
     proc = run_job("tune_mlp.py", "--config", str(config), "--address", ray_address, "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     final = pd.read_parquet(results)
-    assert len(final) == 6 and final["trial_id"].is_unique
+    assert len(final) == 6 and final["trial_id"].is_unique and not (exp_dir / "results.parts").exists()
     assert set(final["status"]) == {"finished"}
     again = final.set_index("trial_id").loc[finished_before.index]
     # finished trials were not run again: their rows, timings included, are unchanged

@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 import time
 
+import pandas as pd
 from ray.tune import Callback
 
-from rayhpc.monitor.metrics import SweepMetrics
+from rayhpc.monitor.metrics import SERIES_BEST, SweepMetrics
 
 NAMESPACE = "rayhpc"
 PREFIX = "sweep:"
@@ -20,13 +21,14 @@ class SweepBoard:
     """Actor: the latest trial table of one sweep."""
 
     def __init__(self, sweep: str):
-        self.sweep, self.rows, self.updated = sweep, [], None
+        self.sweep, self.rows, self.counts, self.updated = sweep, [], {}, None
 
-    def update(self, rows: list[dict]) -> None:
-        self.rows, self.updated = rows, time.time()
+    def update(self, rows: list[dict], counts: dict[str, int]) -> None:
+        """`rows`: the trials worth a line (running, and the best); `counts`: every trial, by state."""
+        self.rows, self.counts, self.updated = rows, counts, time.time()
 
     def read(self) -> dict:
-        return {"sweep": self.sweep, "rows": self.rows, "updated": self.updated}
+        return {"sweep": self.sweep, "rows": self.rows, "counts": self.counts, "updated": self.updated}
 
 
 def open_board(sweep: str):
@@ -57,7 +59,7 @@ class SweepMonitor(Callback):
 
     def __init__(self, recorder, sweep: str, interval_s: float = 2.0):
         self.recorder, self.sweep, self.interval_s = recorder, sweep, interval_s
-        self._metrics, self._board, self._last = SweepMetrics(sweep), None, -math.inf
+        self._metrics, self._board, self._last = SweepMetrics(sweep, recorder.objective), None, -math.inf
 
     def on_step_end(self, iteration, trials, **info):
         if time.monotonic() - self._last >= self.interval_s:
@@ -80,7 +82,9 @@ class SweepMonitor(Callback):
         self._metrics.record(table)
         if self._board is None:
             self._board = open_board(self.sweep)
-        self._board.update.remote(table.to_dict("records"))
+        # a board of every trial would be 10,000 rows at scale: it shows those with series, and counts
+        shown = table if len(table) <= SERIES_BEST else pd.DataFrame(self._metrics.series_rows(table))
+        self._board.update.remote(shown.to_dict("records"), table["status"].value_counts().to_dict())
 
     def __getstate__(self):  # pickled with the tuner for --resume: no actor handle, no gauges
         return {**self.__dict__, "_board": None, "_last": -math.inf}

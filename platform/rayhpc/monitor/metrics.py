@@ -22,6 +22,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
                                 ("sweep", "trial_id", "node", "metric")),
     "rayhpc_trials": ("Trials of a sweep by state (pending, running, finished, early-stopped, error)",
                       ("sweep", "state")),
+    "rayhpc_sweep_best_objective": ("Quantiles (0, 0.1, 0.5, 0.9, 1) of the best objective value (e.g. val_loss) "
+                                    "over every trial of a sweep that reported one", ("sweep", "objective", "quantile")),
     "rayhpc_train_loss": ("Training loss over all ranks since the last report", ("run", "rank", "node")),
     "rayhpc_train_samples_per_second": ("Training samples this worker processed per second", ("run", "rank", "node")),
     "rayhpc_train_step_seconds": ("Mean time of one training step on this worker", ("run", "rank", "node")),
@@ -41,6 +43,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rayhpc_ps_server_updates": ("Optimizer steps this parameter server has applied", ("run", "server", "node")),
 }
 TRIAL_STATES = ("pending", "running", "finished", "early-stopped", "error")
+# per-trial series: for every running trial and the SERIES_BEST best by the objective; every other trial
+# is in the aggregates (`rayhpc_trials`, `rayhpc_sweep_best_objective`). A series no longer recorded ages
+# out of Ray's exporter (Ray 2.60 keeps a gauge value for a TTL after its last record), so at 10,000
+# trials Prometheus holds about (running + 20) x 3 series rather than 30,000.
+SERIES_BEST = 20
+QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
 
 
 class _Gauges:
@@ -71,15 +79,15 @@ def reported_rows(table) -> list[dict]:
 class SweepMetrics:
     """Per-trial and per-state gauges of one sweep, set by the driver from its trial table."""
 
-    def __init__(self, sweep: str):
-        self.sweep = sweep
+    def __init__(self, sweep: str, objective: tuple[str, str] = ("val_loss", "min")):
+        self.sweep, self.objective = sweep, objective
         self._gauges = _Gauges(("rayhpc_trial_val_loss", "rayhpc_trial_best_val_loss", "rayhpc_trial_iterations",
-                                "rayhpc_trial_val_metric", "rayhpc_trials"))
+                                "rayhpc_trial_val_metric", "rayhpc_trials", "rayhpc_sweep_best_objective"))
 
     def record(self, table) -> None:
         """`table`: the sweep's results table (`rayhpc.tune.results.results_table`)."""
         metrics = [c for c in table.columns if c.startswith("val_") and c != "val_loss"]
-        for row in reported_rows(table):
+        for row in self.series_rows(table):
             tags = {"sweep": self.sweep, "trial_id": str(row["trial_id"]), "node": str(row["node"])}
             values = [("rayhpc_trial_val_loss", row["val_loss"], tags),
                       ("rayhpc_trial_best_val_loss", row["best_val_loss"], tags),
@@ -91,6 +99,19 @@ class SweepMetrics:
         counts = table["status"].value_counts() if len(table) else {}
         for state in TRIAL_STATES:
             self._gauges.set("rayhpc_trials", counts.get(state, 0), {"sweep": self.sweep, "state": state})
+        best = table[f"best_{self.objective[0]}"].dropna() if len(table) else []
+        for q in QUANTILES if len(best) else ():
+            self._gauges.set("rayhpc_sweep_best_objective", best.quantile(q),
+                             {"sweep": self.sweep, "objective": self.objective[0], "quantile": f"{q:g}"})
+
+    def series_rows(self, table) -> list[dict]:
+        """The rows that get per-trial series: running trials and the `SERIES_BEST` best that reported."""
+        column, mode = f"best_{self.objective[0]}", self.objective[1]
+        reported = table[table["node"].map(lambda n: isinstance(n, str) and bool(n))] if len(table) else table
+        if len(reported) <= SERIES_BEST:
+            return reported_rows(reported)
+        best = reported[column].dropna().sort_values(ascending=mode == "min").index[:SERIES_BEST]
+        return reported_rows(reported[(reported["status"] == "running") | reported.index.isin(best)])
 
 
 @dataclass

@@ -33,8 +33,11 @@ def format_sweep(board: dict) -> str:
     table = pd.DataFrame(board["rows"])
     if table.empty:
         return f"sweep {board['sweep']}: no trials yet"
-    counts = table["status"].value_counts()
-    head = f"sweep {board['sweep']}: {len(table)} trials (" + ", ".join(f"{n} {s}" for s, n in counts.items()) + ")"
+    counts = board.get("counts") or table["status"].value_counts().to_dict()
+    total = sum(counts.values())
+    head = f"sweep {board['sweep']}: {total} trials (" + ", ".join(f"{n} {s}" for s, n in counts.items()) + ")"
+    if len(table) < total:
+        head += f"; shown: the {len(table)} running or best"
     cols = ["trial_id", "status", *[c for c in table.columns if c.startswith("config.")],
             "iterations", "best_val_loss", "node"]
     shown = table[cols].rename(columns=lambda c: c.removeprefix("config."))

@@ -62,6 +62,8 @@ class SweepConfig(TaskJobConfig):
     workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is a "
                                    "Ray Train TorchTrainer (DDP) and cpus/gpus_per_trial are per worker")
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")
+    keep_checkpoints: int = Field(1, ge=1, description="checkpoints kept per trial (the latest is what resume "
+                                  "needs; at 10,000 trials each more is 10,000 more folders)")
     asha: AshaConfig = AshaConfig()
     pbt: PbtConfig = PbtConfig()
     space: dict[str, Any] | None = Field(None, description="search space; unset: the task's own, else lr")

@@ -1,8 +1,12 @@
-"""The sweep's results table: one row per trial, kept up to date in `results.parquet`."""
+"""The sweep's results table: one row per trial. While the sweep runs, the rows of the trials that
+ended go to `results.parts/` in batches, each file written once (a 10,000-trial sweep never rewrites
+its whole table as trials end); when it ends, the whole table is written once as `results.parquet`
+and the parts are removed. `read_results` reads whichever is there."""
 
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -12,6 +16,7 @@ from ray.tune import Callback
 from rayhpc.tune.trainable import members_of
 
 RESULTS_FILE = "results.parquet"
+PARTS_DIR = "results.parts"
 _STATUS = {"TERMINATED": "finished", "ERROR": "error", "RUNNING": "running", "PENDING": "pending", "PAUSED": "pending"}
 
 
@@ -56,12 +61,25 @@ def results_table(trials, packs, epochs: int, searched: list[str], columns: list
     return pd.DataFrame(rows)
 
 
-def write_results(table: pd.DataFrame, exp_dir: Path) -> Path:
-    path = exp_dir / RESULTS_FILE
+def write_results(table: pd.DataFrame, exp_dir: Path, name: str = RESULTS_FILE) -> Path:
+    path = exp_dir / name
     tmp = path.with_suffix(".parquet.tmp")
     table.to_parquet(tmp, index=False)
     tmp.replace(path)  # atomic: a reader never sees half a file
     return path
+
+
+def read_results(exp_dir: Path) -> pd.DataFrame:
+    """The sweep's table: `results.parquet` once the sweep has ended; while it runs, or after its driver
+    was killed, the rows of the trials that ended so far (`results.parts/`; a trial written again by a
+    resumed driver counts once)."""
+    if (exp_dir / RESULTS_FILE).exists():
+        return pd.read_parquet(exp_dir / RESULTS_FILE)
+    parts = sorted((exp_dir / PARTS_DIR).glob("part-*.parquet"))
+    if not parts:
+        return pd.DataFrame()
+    table = pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True)
+    return table.drop_duplicates("trial_id", keep="last").reset_index(drop=True)
 
 
 def _error_line(trial) -> str | None:
@@ -75,11 +93,12 @@ def _error_line(trial) -> str | None:
 
 
 class ResultsRecorder(Callback):
-    """Keeps the latest view of every trial and rewrites `results.parquet` as trials end.
+    """Keeps the latest view of every trial; writes the rows of trials that ended to `results.parts/`
+    (a part at most every `min_interval_s`, so a sweep of thousands of trials does not spend its
+    driver on Parquet) and the whole table once at the end.
 
-    Writing is throttled, so a sweep of thousands of trials does not spend its
-    driver on Parquet; the final table is written once more at the end.
-    """
+    The rows of a trial that ended are made once and kept: building the table, which the progress
+    line and the monitor do every second or two, costs the running trials, not every trial."""
 
     def __init__(self, exp_dir: Path, packs, epochs: int, searched: list[str], info, min_interval_s: float = 5.0):
         """`info`: the task's `TaskInfo` (its metric names and objective make columns)."""
@@ -89,26 +108,69 @@ class ResultsRecorder(Callback):
         self.min_interval_s = min_interval_s
         self.trials: list = []
         self._last_write = -math.inf
-        self._dirty = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ended: dict[str, list[dict]] = {}  # Tune trial id -> rows, for trials that ended
+        self._ended_frame: pd.DataFrame | None = None
+        self._pending: dict[str, list[dict]] = {}  # the rows of trials not started yet
+        self._unwritten: list[str] = []  # ended since the last part
+
+    def __getstate__(self):  # pickled with the tuner for --resume: rows are made again from the trials
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")} | {"_last_write": -math.inf}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reset()
+
+    def _rows(self, trial) -> list[dict]:
+        return trial_rows(trial, self.packs, self.epochs, self.searched, self.columns)
 
     def table(self) -> pd.DataFrame:
-        return results_table(self.trials, self.packs, self.epochs, self.searched, self.columns)
+        """Every trial's rows: those of trials that ended as kept, the others made now."""
+        live = []
+        for trial in self.trials:
+            if trial.trial_id in self._ended:
+                continue
+            if trial.status == "TERMINATED":  # an errored trial may be started again: it stays live
+                self._ended[trial.trial_id] = self._rows(trial)
+                self._unwritten.append(trial.trial_id)
+                self._ended_frame = None
+            elif trial.status == "PENDING" and not trial.last_result:  # unchanged until it starts
+                live += self._pending.get(trial.trial_id) or self._pending.setdefault(trial.trial_id, self._rows(trial))
+            else:
+                self._pending.pop(trial.trial_id, None)
+                live += self._rows(trial)
+        if self._ended_frame is None:
+            self._ended_frame = pd.DataFrame([row for rows in self._ended.values() for row in rows])
+        if not live:
+            return self._ended_frame
+        live = pd.DataFrame(live)
+        return live if self._ended_frame.empty else pd.concat([self._ended_frame, live], ignore_index=True)
+
+    def write_part(self) -> Path | None:
+        """The rows of the trials that ended since the last part, as a new part (written once)."""
+        self.table()
+        if not self._unwritten:
+            return None
+        self._last_write = time.monotonic()  # the first trial to end is written at once, then in batches
+        rows = [row for tid in self._unwritten for row in self._ended[tid]]
+        self._unwritten = []
+        parts = self.exp_dir / PARTS_DIR
+        parts.mkdir(exist_ok=True)
+        return write_results(pd.DataFrame(rows), parts, f"part-{time.time_ns()}.parquet")
 
     def write(self) -> Path:
-        self._dirty = False
-        self._last_write = time.monotonic()
-        return write_results(self.table(), self.exp_dir)
+        """The whole table, in the trials' order, once; the parts it replaces are removed."""
+        path = write_results(results_table(self.trials, self.packs, self.epochs, self.searched, self.columns),
+                             self.exp_dir)
+        shutil.rmtree(self.exp_dir / PARTS_DIR, ignore_errors=True)
+        return path
 
     def on_step_end(self, iteration, trials, **info):
         self.trials = trials
-        if self._dirty and time.monotonic() - self._last_write >= self.min_interval_s:
-            self.write()
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        self.trials, self._dirty = trials, True
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        self.trials, self._dirty = trials, True
+        if time.monotonic() - self._last_write >= self.min_interval_s:
+            self.write_part()
 
     def on_experiment_end(self, trials, **info):
         self.trials = trials

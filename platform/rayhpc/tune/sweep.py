@@ -18,7 +18,7 @@ from rayhpc.tune.packing import pack_key, packing_problem, shared_keys
 from rayhpc.tune.pbt import PbtRules, mutable
 from rayhpc.tune.plan import MAX_PACK, PLAN_FILE, can_pack, load_plan, make_plan, pack_size, save_plan, slots
 from rayhpc.tune.progress import ProgressPrinter
-from rayhpc.tune.results import RESULTS_FILE, ResultsRecorder
+from rayhpc.tune.results import ResultsRecorder, read_results
 from rayhpc.tune.space import searched, tune_domains
 from rayhpc.tune.trainable import TrialSettings, train_pack
 
@@ -39,7 +39,7 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     packs = _plan(job)
     _describe(cfg, packs, gpus)
     _tuner(job, packs, gpus, callbacks).fit()
-    table = pd.read_parquet(cfg.experiment_dir / RESULTS_FILE)
+    table = read_results(cfg.experiment_dir)
     table.attrs["objective"] = job.info.objective  # (reported name, "min" or "max"): what "best" means
     return table
 
@@ -142,9 +142,9 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
         run_config=tune.RunConfig(
             name=cfg.name, storage_path=str(cfg.storage_path.resolve()), verbose=0,
             failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
-            # keeping one checkpoint makes Tune save the experiment state after every trial
+            # keeping few checkpoints makes Tune save the experiment state after every trial
             # checkpoint, so a killed driver's --resume never re-runs an epoch already done
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             callbacks=[recorder, ProgressPrinter(recorder), SweepMonitor(recorder, cfg.name), *callbacks],
         ),
     )

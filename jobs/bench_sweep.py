@@ -6,6 +6,8 @@
         # the default sweep at each size, one fresh driver each: wall, driver CPU per trial, peak driver
         # memory, files and bytes per trial, the results table's write; --kill-after: a sweep of the
         # largest size whose driver is SIGKILLed that many seconds in, then resumed
+    python jobs/bench_sweep.py --distributed [--trials 16] [--workers 2] [--epochs 5]
+        # trials of 2 workers each, on warm worker groups and with a TorchTrainer per trial, side by side
 
 (a) array job: one fresh Python process per trial, `--cpus` at a time (what
     `sbatch --array=0-15%2` does), each running the plain PyTorch loop;
@@ -111,9 +113,14 @@ def main() -> None:
     parser.add_argument("--sizes", default="16,128,1024,10000", help="with --scale: comma-separated trial counts")
     parser.add_argument("--kill-after", type=float, help="with --scale: also kill the largest sweep's driver this "
                         "many seconds in and resume it")
+    parser.add_argument("--distributed", action="store_true", help="instead: --trials trials of --workers workers "
+                        "(--epochs, default 5 here), on warm worker groups and with a TorchTrainer per trial")
+    parser.add_argument("--workers", type=int, default=2, help="with --distributed: workers per trial")
     args = parser.parse_args()
     if args.scale:
         return scale(args)
+    if args.distributed:
+        return distributed(args)
     if args.adaptive:
         import ray
 
@@ -154,6 +161,20 @@ def main() -> None:
     print(f"{'approach':42s} {'makespan':>9s} {'in-trial sum':>13s} {'makespan/ideal':>15s}")
     for name, makespan, summed in rows:
         print(f"{name:42s} {makespan:8.1f}s {summed:12.1f}s {makespan / ideal:14.2f}x")
+
+
+def distributed(args) -> None:
+    import ray
+
+    from rayhpc.bench.warm_sweeps import HEADER, distributed_row, print_row
+
+    epochs = args.epochs if "--epochs" in sys.argv else 5
+    ray.init(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+    print(f"distributed trials: the default sweep, {args.trials} trials of {args.workers} workers (1 CPU each), "
+          f"{epochs} epochs, {args.cpus} CPUs\n\n{HEADER}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_warm_") as work:
+        for runner in ("warm", "trainer"):
+            print_row(distributed_row(runner, args.trials, epochs, args.workers, Path(work)))
 
 
 def scale(args) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import socket
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ class Worker:
     progress: checkpoint.Progress
     first_step_time: float | None = None  # unix time
     first_batch: int = 0  # samples of the first step (the one whose FLOPs were counted)
+    # where reports go: Ray Train's `report` (with a checkpoint) by default; a warm worker group's
+    # trial collects them for its Tune trial process instead (`rayhpc.tune.warm`)
+    sink: Callable[["Worker", dict, bool], None] | None = None
 
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
@@ -62,13 +66,32 @@ class Worker:
     def report(self, metrics: dict, with_checkpoint: bool) -> None:
         self.gauges.record(metrics["loss"], metrics["worker_samples_per_s"], metrics["step_ms"] / 1000, self.device,
                            {k: v for k, v in metrics.items() if k.startswith("val_") and k != "val_loss"})
-        if with_checkpoint:
-            checkpoint.report(metrics, strategy=self.cfg.strategy, model=self.model, optimizer=self.optimizer,
-                              progress=self.progress, rank=self.rank)
-        else:
-            import ray.train
+        (self.sink or _ray_train_report)(self, metrics, with_checkpoint)
 
-            ray.train.report(metrics)
+
+def _ray_train_report(w: Worker, metrics: dict, with_checkpoint: bool) -> None:
+    if with_checkpoint:
+        checkpoint.report(metrics, strategy=w.cfg.strategy, model=w.model, optimizer=w.optimizer,
+                          progress=w.progress, rank=w.rank)
+    else:
+        import ray.train
+
+        ray.train.report(metrics)
+
+
+def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.device, rank: int, world: int,
+                restore: Callable) -> Worker:
+    """One rank's training state in a process group that is up: the task's data split, the model
+    from the trial's seed wrapped for `cfg.strategy`, its optimizer, and `restore(model, optimizer)`'s
+    Progress (None: a fresh start)."""
+    torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker)))
+    train, val = task.split_data(hp, cfg.data)  # before seeding the model: data() may draw
+    model = parallelize(task.initial_model(hp), cfg.strategy, device, cfg.use_bf16)
+    optimizer = make_optimizer(hp, model.parameters())
+    progress = restore(model, optimizer) or checkpoint.Progress()
+    workers = loader_workers(device, cfg.compute.cpus_per_worker)
+    return Worker(cfg, task, hp, model, optimizer, Batches(train, device, workers),
+                  Batches(val, device, workers) if val is not None else None, device, rank, world, progress)
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -80,18 +103,12 @@ def train_loop_per_worker(config: dict) -> None:
     _quiet_report_logs()
     cfg, task, hp = config["cfg"], config["task"], config["hp"]
     ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker)))
     device = get_device()
-    train, val = task.split_data(hp, cfg.data)  # before seeding the model: data() may draw
-    model = parallelize(task.initial_model(hp), cfg.strategy, device, cfg.use_bf16)
-    optimizer = make_optimizer(hp, model.parameters())
-    progress = checkpoint.restore(ray.train.get_checkpoint(), strategy=cfg.strategy, model=model,
-                                  optimizer=optimizer, device=device) or checkpoint.Progress()
-    workers = loader_workers(device, cfg.compute.cpus_per_worker)
-    worker = Worker(cfg, task, hp, model, optimizer, Batches(train, device, workers),
-                    Batches(val, device, workers) if val is not None else None, device, rank, world, progress)
-    for epoch in range(progress.epoch, cfg.epochs):
+    worker = make_worker(cfg, task, hp, device, ctx.get_world_rank(), ctx.get_world_size(),
+                         lambda model, optimizer: checkpoint.restore(
+                             ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
+                             device=device))
+    for epoch in range(worker.progress.epoch, cfg.epochs):
         run_epoch(worker, epoch)
 
 

@@ -13,7 +13,7 @@ def parallelize(model: nn.Module, strategy: str, device: torch.device, bf16: boo
     model.to(device)
     if strategy == "fsdp":
         return apply_fsdp(model, default_units(model), mesh=world_mesh(device), bf16=bf16)
-    return apply_ddp(model)
+    return apply_ddp(model, device)
 
 
 def world_mesh(device: torch.device):
@@ -25,11 +25,17 @@ def world_mesh(device: torch.device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def apply_ddp(model: nn.Module) -> nn.Module:
-    """DistributedDataParallel through Ray Train (it picks device_ids; a single worker stays unwrapped)."""
-    from ray.train.torch import prepare_model
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """DistributedDataParallel over the process group that is up (a single worker stays unwrapped):
+    torch's own wrapper, so that Ray Train's workers and the platform's warm worker groups
+    (`rayhpc.tune.warm`, outside any Ray Train session) wrap alike."""
+    import torch.distributed as dist
 
-    return prepare_model(model, move_to_device=False, parallel_strategy="ddp")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return model
+    if device.type == "cuda":
+        return nn.parallel.DistributedDataParallel(model, device_ids=[device], output_device=device)
+    return nn.parallel.DistributedDataParallel(model)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -59,8 +59,13 @@ class SweepConfig(TaskJobConfig):
                                                       "early (asha), or evolve each pack's members (pbt)")
     pack: int | None = Field(None, ge=1, description="trials trained together as one batched model; "
                              "unset: enough to fill the cluster once (optuna: 2 batches per slot)")
-    workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is a "
-                                   "Ray Train TorchTrainer (DDP) and cpus/gpus_per_trial are per worker")
+    workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is "
+                                   "data-parallel (strategy) and cpus/gpus_per_trial are per worker")
+    trial_runner: Literal["warm", "trainer"] = Field("warm", description="with workers_per_trial > 1: warm "
+                                                     "worker groups kept for the whole sweep, one per trial slot, "
+                                                     "or a Ray Train TorchTrainer started per trial")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="with workers_per_trial > 1: DDP, or FSDP2 "
+                                             "(parameters sharded over the trial's workers)")
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")
     keep_checkpoints: int = Field(1, ge=1, description="checkpoints kept per trial (the latest is what resume "
                                   "needs; at 10,000 trials each more is 10,000 more folders)")

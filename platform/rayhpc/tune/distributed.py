@@ -20,7 +20,7 @@ from rayhpc.tune.trainable import members_of
 def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -> TrainConfig:
     """The training run of one trial: its hyperparameters, the sweep's task, shape and data."""
     return TrainConfig(
-        name=f"train-trial_id={trial_id}", storage_path=sweep.experiment_dir, task=sweep.task, strategy="ddp",
+        name=f"train-trial_id={trial_id}", storage_path=sweep.experiment_dir, task=sweep.task, strategy=sweep.strategy,
         compute=Compute(num_workers=sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial, gpu=gpu),
         epochs=sweep.epochs, global_batch_size=hp["batch_size"], seed=hp["seed"],
         optim=Optim(optimizer=hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"]),

@@ -126,19 +126,23 @@ class WorkerGroup:
     """
 
     def __init__(self, num_workers: int, *, cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0,
-                 timeout_s: float = 120.0, start: bool = True):
+                 timeout_s: float = 120.0, start: bool = True, placement_group=None):
+        """`placement_group`: one that already holds a bundle of `cpus_per_worker` (+ `gpus_per_worker`)
+        per rank at indices 0..num_workers-1 (a Tune trial's), used and left in place at shutdown;
+        else the group reserves its own."""
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self.cpus_per_worker, self.gpus_per_worker = cpus_per_worker, gpus_per_worker
         self.backend = "nccl" if gpus_per_worker > 0 else "gloo"
         self.actors: list = []  # by rank
-        self.pg = None
+        self.pg, self.own_pg = placement_group, placement_group is None
         self.describe_rank: Callable[[int], str] = lambda rank: f"rank {rank}"
         if start:
             self.start()
 
     def start(self) -> "WorkerGroup":
         bundle = {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})}
-        self.pg = placement_group([bundle] * self.num_workers, strategy="PACK")
+        if self.own_pg:
+            self.pg = placement_group([bundle] * self.num_workers, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -238,7 +242,7 @@ class WorkerGroup:
                 for actor in self.actors:
                     ray.kill(actor)
                 self.actors = []
-        if self.pg is not None:
+        if self.pg is not None and self.own_pg:
             remove_placement_group(self.pg)
             self.pg = None
 

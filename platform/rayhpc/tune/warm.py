@@ -1,0 +1,271 @@
+"""Distributed trials on warm worker groups: N workers per trial slot, started once per sweep.
+
+A `TorchTrainer` per trial starts a controller, worker processes that import torch, and a
+process group: tens of seconds before the first step, paid by every trial. Here each trial slot
+is one Tune trial process that Tune keeps for the whole sweep (`reuse_actors`), and the process
+keeps a `WorkerGroup` of N ranks (one gloo or NCCL process group, GPUs pinned for good):
+
+- resources: the trial's placement group has an empty head (the trial process holds nothing)
+  and one bundle per worker, so Tune counts every worker's CPUs and GPUs and the group's
+  ranks live in the trial's own bundles (`resources`);
+- each trial builds its model, optimizer and data shard on the warm ranks with the training
+  job's code (`make_worker`: DDP or FSDP2, `DistributedSampler` order, seeded initialisation),
+  after dropping the previous trial's state, and runs the training job's epoch (`run_epoch`);
+- rank 0's rows come back with the state as bytes (DDP's `model.pt` layout, FSDP gathered to
+  full tensors), and the trial process writes the checkpoint and calls `tune.report`: ASHA,
+  Optuna, `--resume` and requeue see an ordinary function trial;
+- Tune's function trials report synchronously: a trial ASHA stops ends inside `tune.report`,
+  between two epochs, with the group idle; the next trial on this process takes it as it is;
+- a rank that dies fails the group's call (`WorkerGroupError`): the group is started again in
+  the same bundles and the trial goes on from its last checkpoint (counted against
+  `max_failures`); a trial process that dies is Tune's retry, from the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import io
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rayhpc.task.load import LoadedTask
+from rayhpc.train import checkpoint
+from rayhpc.train.config import TrainConfig
+from rayhpc.train.loop import Worker, make_worker, run_epoch
+from rayhpc.train.metrics import MetricsRecorder
+from rayhpc.train.parallelize import unwrap
+from rayhpc.tune.config import SweepConfig
+from rayhpc.tune.distributed import trial_train_config
+from rayhpc.tune.trainable import members_of
+from rayhpc.workers import WorkerContext, WorkerGroup, WorkerGroupError
+
+log = logging.getLogger(__name__)
+
+
+def resources(sweep: SweepConfig, gpu: bool):
+    """A trial's placement group: an empty head for the trial process, one bundle per worker."""
+    from ray.tune import PlacementGroupFactory
+
+    worker = {"CPU": sweep.cpus_per_trial, **({"GPU": 1.0} if gpu else {})}
+    return PlacementGroupFactory([{}] + [worker] * sweep.workers_per_trial)
+
+
+@dataclasses.dataclass
+class Warm:
+    """This trial process's group, kept between the trials Tune runs in it."""
+
+    group: WorkerGroup
+    start_s: float  # seconds its start took
+    trials: int = 0  # trials begun on it
+
+
+_WARM: Warm | None = None
+RNG_FILE = "rng.pt"  # every rank's torch RNG states, beside the DDP layout's model.pt and progress.json
+
+
+def _warm_group(sweep: SweepConfig, gpu: bool) -> Warm:
+    global _WARM
+    if _WARM is None:
+        from ray.util import get_current_placement_group
+
+        started = time.perf_counter()
+        group = WorkerGroup(sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial,
+                            gpus_per_worker=1.0 if gpu else 0.0, placement_group=get_current_placement_group())
+        _WARM = Warm(group, time.perf_counter() - started)
+    return _WARM
+
+
+def _drop_group() -> None:
+    global _WARM
+    if _WARM is not None:
+        _WARM.group.shutdown(graceful=False)  # the ranks may be stuck in a collective with a dead one
+        _WARM = None
+
+
+@dataclasses.dataclass
+class Saved:
+    """A trial's latest checkpoint as the trial process holds it."""
+
+    state: bytes  # torch.save({"model", "optim"}): `checkpoint.DDP_FILE`'s layout
+    progress: dict  # `checkpoint.Progress` as a dict
+    rng: bytes  # torch.save of every rank's RNG states, by rank: dropout after a resume draws as before
+
+
+def train_warm_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfig, defaults: dict,
+                     gpu: bool) -> None:
+    """One Tune trial with `workers_per_trial` workers, on this trial process's warm group."""
+    from ray import tune
+
+    # Ray Train logs every persisted checkpoint at INFO; a sweep makes one per trial-epoch.
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    (member,) = members_of(config, packs)
+    hp = {**defaults, **member}
+    cfg = trial_train_config(sweep, hp, tune.get_context().get_trial_id(), gpu)
+    cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
+    trial = Trial(cfg, task, hp, _load(tune.get_checkpoint()), MetricsRecorder(cfg.experiment_dir, cfg.epochs,
+                                                                               verbose=False))
+    failures = 0
+    while True:
+        warm = _warm_group(sweep, gpu)
+        try:
+            return trial.run(warm)
+        except WorkerGroupError as exc:
+            failures += 1
+            _drop_group()
+            if failures > sweep.max_failures:
+                raise
+            epoch = trial.saved.progress["epoch"] if trial.saved else 0
+            log.warning(f"{cfg.name}: {str(exc).splitlines()[0]}; starting the worker group again, the trial "
+                        f"goes on after epoch {epoch} (failure {failures} of at most {sweep.max_failures})")
+
+
+@dataclasses.dataclass
+class Trial:
+    """One trial's run on a warm group; `saved` follows its checkpoints (what a restarted group resumes)."""
+
+    cfg: TrainConfig
+    task: LoadedTask
+    hp: dict
+    saved: Saved | None
+    recorder: MetricsRecorder  # the trial's metrics.parquet and TensorBoard, as on the TorchTrainer path
+
+    def run(self, warm: Warm) -> None:
+        import ray
+
+        warm.trials += 1
+        first = warm.trials == 1
+        extra = {"group_trial": warm.trials, "group_start_s": warm.start_s if first else 0.0}
+        saved = ray.put(self.saved) if self.saved else None  # one copy, read by every rank
+        started = time.perf_counter()
+        warm.group.run(_setup, self.cfg, self.task, self.hp, [saved])
+        extra["setup_s"] = time.perf_counter() - started
+        for epoch in range(self.saved.progress["epoch"] if self.saved else 0, self.cfg.epochs):
+            by_rank = warm.group.run(_epoch, epoch)
+            for reports in zip(*by_rank):  # one report, as every rank saw it
+                metrics, blob, progress, _ = reports[0]
+                rng = _to_bytes([r[3] for r in reports]) if blob is not None else None
+                self._report({**metrics, **extra}, Saved(blob, progress, rng) if blob is not None else None)
+
+    def _report(self, metrics: dict, saved: Saved | None) -> None:
+        from ray import tune
+
+        self.recorder.after_report(None, [metrics], None)
+        if saved is None:
+            tune.report(metrics)
+            return
+        self.saved = saved
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / checkpoint.DDP_FILE).write_bytes(saved.state)
+            (Path(tmp) / RNG_FILE).write_bytes(saved.rng)
+            (Path(tmp) / checkpoint.PROGRESS_FILE).write_text(json.dumps(saved.progress))
+            # a trial that ASHA stopped ends in here (SystemExit from Tune), its group idle
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+
+def _load(ckpt) -> Saved | None:
+    """The checkpoint a resumed or retried trial starts from (None: a fresh trial)."""
+    if ckpt is None:
+        return None
+    with ckpt.as_directory() as d:
+        return Saved((Path(d) / checkpoint.DDP_FILE).read_bytes(),
+                     json.loads((Path(d) / checkpoint.PROGRESS_FILE).read_text()), (Path(d) / RNG_FILE).read_bytes())
+
+
+def _to_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+# --- on every rank of the group
+
+
+class Collected:
+    """A rank's reports of one epoch call: (metrics, state bytes, progress, its RNG states); the first
+    three on rank 0 only, the state and the rest only for a report with a checkpoint."""
+
+    def __init__(self):
+        self.reports: list[tuple] = []
+
+    def __call__(self, w: Worker, metrics: dict, with_checkpoint: bool) -> None:
+        blob = _state_bytes(w) if with_checkpoint else None  # a collective under FSDP: every rank
+        rng = _rng_states(w.device) if with_checkpoint else None
+        progress = dataclasses.asdict(w.progress) if with_checkpoint else None
+        self.reports.append((metrics, blob, progress, rng) if w.rank == 0 else (None, None, None, rng))
+
+
+def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, saved: list):
+    """Drop the previous trial (model, optimizer, batches), then build this one; restore its state."""
+    import ray
+
+    ctx.state.clear()
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    (ref,) = saved  # in a list, so that Ray hands the reference over instead of resolving it per call
+    saved = ray.get(ref) if ref is not None else None
+
+    def restore(model, optimizer):
+        if saved is None:
+            return None
+        _load_state(model, optimizer, saved.state, cfg.strategy, ctx.device)
+        return checkpoint.Progress(**saved.progress)
+
+    worker = make_worker(cfg, task, hp, ctx.device, ctx.rank, ctx.world_size, restore)
+    if saved is not None:  # after the model's seeded initialisation: the stream goes on where it stopped
+        _set_rng_states(torch.load(io.BytesIO(saved.rng), weights_only=True)[ctx.rank], ctx.device)
+    worker.sink = ctx.state["sink"] = Collected()
+    ctx.state["trial"] = worker
+
+
+def _epoch(ctx: WorkerContext, epoch: int) -> list[tuple]:
+    sink = ctx.state["sink"]
+    sink.reports = []
+    run_epoch(ctx.state["trial"], epoch)
+    return sink.reports
+
+
+def _rng_states(device: torch.device) -> dict:
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _set_rng_states(states: dict, device: torch.device) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def _state_bytes(w: Worker) -> bytes | None:
+    """Model and optimizer state, whole, as `torch.save` bytes on rank 0 (None elsewhere)."""
+    if w.cfg.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # every rank takes part in the gather; rank 0 ends with the full tensors on the CPU
+        model, optim = get_state_dict(w.model, w.optimizer,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif w.rank == 0:
+        model, optim = unwrap(w.model).state_dict(), w.optimizer.state_dict()
+    if w.rank != 0:
+        return None
+    return _to_bytes({"model": model, "optim": optim})  # a copy: training goes on after this report
+
+
+def _load_state(model, optimizer, blob: bytes, strategy: str, device: torch.device) -> None:
+    state = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
+    if strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+    else:
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])

@@ -1,0 +1,193 @@
+"""Sweeps of distributed trials (2 workers each, gloo) on warm worker groups, on a real local Ray.
+
+Every trial is checked against a plain-PyTorch two-rank reference with dropout (each rank its own
+DistributedSampler shard and its own random stream) and against the same trial on the
+`TorchTrainer` path: the second and third trials on the same warm group included, so that
+anything one trial left on the group (model, optimizer state, RNG, sampler epoch) would show.
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import ray
+import torch
+import torch.nn.functional as F
+from ray.tune import Callback
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from conftest import ROOT
+from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
+from rayhpc.tune.sweep import run_sweep
+from test_sweep import sweep
+
+sys.path.insert(0, str(ROOT / "tests" / "tasks"))
+from dropout import Dropout  # noqa: E402  (the task file the sweeps load, imported here for the reference)
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+EPOCHS = 3
+TASK = f"{ROOT / 'tests' / 'tasks' / 'dropout.py'}:Dropout"
+LRS = [0.1, 0.03, 0.3]
+FIXED = {"batch_size": 32, "optimizer": "sgd", "momentum": 0.9, "step_ms": 30.0}
+
+
+def dist_sweep(tmp_path, name: str, runner: str, lrs=LRS, **kw):
+    # one slot (max_concurrent 1): every trial of the warm sweep runs on the same group, one after another
+    return run_sweep(sweep(tmp_path, name=name, task=TASK, search="grid", epochs=EPOCHS, workers_per_trial=2,
+                           max_concurrent=1, trial_runner=runner, space={"lr": {"grid": lrs}, **FIXED}, **kw))
+
+
+def two_ranks(lr: float, seed: int = 0) -> dict:
+    """The trial as two plain DDP ranks train it, in one process: rank r's DistributedSampler batches of
+    16 (32 global) and its own RNG stream (both ranks seed alike, then draw their own dropout masks and
+    DataLoader seeds), the two gradients averaged, SGD with momentum; a validation pass per epoch."""
+    task, hp = Dropout(), {"width": 16, "p": 0.25, "step_ms": 0.0}
+    data, _ = task.data(hp)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+    n_val = round(0.25 * len(data))
+    train, val = Subset(data, order[n_val:]), Subset(data, order[:n_val])
+    torch.manual_seed(seed)
+    model = task.model(hp)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    rng = [torch.get_rng_state()] * 2
+    samplers = [DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=seed) for r in (0, 1)]
+
+    def as_rank(r, fn):
+        torch.set_rng_state(rng[r])
+        out = fn()
+        rng[r] = torch.get_rng_state()
+        return out
+
+    for epoch in range(EPOCHS):
+        model.train()
+        for s in samplers:
+            s.set_epoch(epoch)
+        loaders = [as_rank(r, lambda r=r: iter(DataLoader(train, batch_size=16, sampler=samplers[r]))) for r in (0, 1)]
+        for batches in zip(*loaders):
+            grads = []
+            for r, (bx, by) in enumerate(batches):
+                model.zero_grad()
+                as_rank(r, lambda: F.mse_loss(model(bx), by).backward())
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for p, g0, g1 in zip(model.parameters(), *grads):
+                p.grad = (g0 + g1) / 2
+            opt.step()
+        model.eval()
+        for r in (0, 1):  # each rank's validation pass (no dropout; its DataLoader draws a seed)
+            as_rank(r, lambda: [F.mse_loss(model(bx), by) for bx, by in DataLoader(val, batch_size=64)])
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def trial_folder(exp: Path, trial_id: str, runner: str) -> Path:
+    """Where a trial's checkpoints are: Tune's trial folder (warm), Ray Train's run folder (trainer)."""
+    if runner == "trainer":
+        return exp / f"train-trial_id={trial_id}"
+    return next(p for p in exp.iterdir() if p.is_dir() and trial_id in p.name and (p / "params.json").exists())
+
+
+def final_weights(exp: Path, table: pd.DataFrame, runner: str) -> dict[float, dict]:
+    """lr -> the weights of that trial's last checkpoint, which must be its last epoch's."""
+    out = {}
+    for trial_id, lr in zip(table["trial_id"], table["config.lr"]):
+        ckpt = latest_checkpoint(trial_folder(exp, trial_id, runner))
+        assert load_progress(ckpt).epoch == EPOCHS, ckpt
+        out[lr] = load_full_state_dict(ckpt)
+    return out
+
+
+def group_rows(exp: Path, trial_id: str) -> pd.DataFrame:
+    return pd.read_parquet(exp / f"train-trial_id={trial_id}" / "metrics.parquet")
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=lambda m: f"{key}: {m}")
+
+
+@pytest.fixture(scope="module")
+def runs(ray_address, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("warm")
+    return {runner: (tmp / runner, dist_sweep(tmp, runner, runner)) for runner in ("warm", "trainer")}
+
+
+def test_trials_on_one_warm_group_equal_the_torch_trainer_path_and_plain_ddp(runs):
+    weights = {}
+    for runner, (exp, table) in runs.items():
+        assert len(table) == 3 and set(table["status"]) == {"finished"} and set(table["iterations"]) == {EPOCHS}
+        weights[runner] = final_weights(exp, table, runner)
+    for lr in LRS:
+        reference = two_ranks(lr)
+        assert_same_weights(weights["warm"][lr], reference)
+        assert_same_weights(weights["trainer"][lr], reference)
+    # the three warm trials ran one after another on one group, started once
+    exp, table = runs["warm"]
+    rows = {tid: group_rows(exp, tid) for tid in table["trial_id"]}
+    assert sorted(int(r["group_trial"].iloc[0]) for r in rows.values()) == [1, 2, 3]
+    for r in rows.values():
+        assert r["epoch"].tolist() == list(range(1, EPOCHS + 1)) and set(r["world_size"]) == {2}
+        assert (r["group_start_s"] > 0).all() == (r["group_trial"].iloc[0] == 1)
+    best = rows[table.loc[table["best_val_loss"].idxmin(), "trial_id"]]
+    assert best["val_loss"].iloc[-1] < 0.9 * best["val_loss"].iloc[0]  # it learned
+
+
+class KillRankOnce(Callback):
+    """In the sweep's driver: after the first trial's epoch-1 result, SIGKILL one rank of the warm
+    group a little later (while it trains epoch 2); logs the killed PID."""
+
+    def __init__(self, log: str, delay_s: float = 0.2):
+        self.log, self.delay_s, self.done = log, delay_s, False
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if self.done or result.get("epoch") != 1:
+            return
+        self.done = True
+        threading.Timer(self.delay_s, self._kill).start()
+
+    def _kill(self):
+        from ray.util.state import list_actors
+
+        ranks = list_actors(filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")])
+        pid = max(r.pid for r in ranks)
+        os.kill(pid, signal.SIGKILL)
+        Path(self.log).write_text(json.dumps({"pid": pid, "ranks": len(ranks)}))
+
+
+def test_a_killed_rank_restarts_the_group_and_the_trial_ends_equal(ray_address, runs, tmp_path):
+    log = tmp_path / "killed.json"
+    lrs = LRS[:2]
+    table = run_sweep(sweep(tmp_path, name="killed", task=TASK, search="grid", epochs=EPOCHS, workers_per_trial=2,
+                            max_concurrent=1, space={"lr": {"grid": lrs}, **FIXED}, trial_runner="warm"),
+                      callbacks=(KillRankOnce(str(log)),))
+    killed = json.loads(log.read_text())
+    assert killed["ranks"] == 2
+    with pytest.raises(ProcessLookupError):
+        os.kill(killed["pid"], 0)
+    assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {EPOCHS}
+    exp = tmp_path / "killed"
+    warm_exp, warm_table = runs["warm"]
+    want = final_weights(warm_exp, warm_table, "warm")
+    for lr, got in final_weights(exp, table, "warm").items():
+        assert_same_weights(got, want[lr])  # equal to the uninterrupted trials (and so to the reference)
+    # the first trial's epochs after the kill ran on a group started again; the sweep went on on it
+    first, second = (group_rows(exp, tid) for tid in table["trial_id"])
+    assert first["epoch"].tolist() == [1, 2, 3]
+    assert first["group_trial"].tolist() == [1, 1, 1] and (first["group_start_s"] > 0).all()
+    assert set(second["group_trial"]) == {2} and (second["group_start_s"] == 0).all()
+
+
+def test_trials_that_asha_stops_hand_their_group_to_the_next(ray_address, tmp_path):
+    lrs = [0.1, 1e-4, 0.3, 1e-5]  # the tiny rates lose at the first rung
+    table = run_sweep(sweep(tmp_path, name="asha", task=TASK, search="grid", epochs=EPOCHS, workers_per_trial=2,
+                            max_concurrent=1, scheduler="asha", asha={"grace_period": 1, "reduction_factor": 2},
+                            space={"lr": {"grid": lrs}, **FIXED, "step_ms": 0.0}, trial_runner="warm"))
+    assert "early-stopped" in set(table["status"]), table[["config.lr", "status", "iterations"]]
+    starts = [group_rows(tmp_path / "asha", tid) for tid in table["trial_id"]]
+    # one group for the whole sweep: started by the first trial, taken over by each next one
+    assert sorted(int(r["group_trial"].iloc[0]) for r in starts) == [1, 2, 3, 4]
+    assert sum(bool((r["group_start_s"] > 0).any()) for r in starts) == 1

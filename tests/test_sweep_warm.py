@@ -191,3 +191,17 @@ def test_trials_that_asha_stops_hand_their_group_to_the_next(ray_address, tmp_pa
     # one group for the whole sweep: started by the first trial, taken over by each next one
     assert sorted(int(r["group_trial"].iloc[0]) for r in starts) == [1, 2, 3, 4]
     assert sum(bool((r["group_start_s"] > 0).any()) for r in starts) == 1
+
+
+def test_fsdp_trials_on_a_warm_group_equal_the_ddp_ones(runs, tmp_path):
+    table = dist_sweep(tmp_path, "fsdp", "warm", lrs=LRS[:2], strategy="fsdp")
+    assert set(table["status"]) == {"finished"}
+    warm_exp, warm_table = runs["warm"]
+    want = final_weights(warm_exp, warm_table, "warm")
+    for lr, got in final_weights(tmp_path / "fsdp", table, "warm").items():  # gathered from both ranks' shards
+        assert_same_weights(got, want[lr])
+    # rank 0 held about half of the parameters (FSDP2 shards dim 0; a DDP rank holds all 3 * 16 + 16 + 16 + 1)
+    whole = sum(t.numel() for t in want[LRS[0]].values())
+    for tid in table["trial_id"]:
+        held = group_rows(tmp_path / "fsdp", tid)["rank0_param_elements"].iloc[0]
+        assert whole // 2 <= held < whole, (held, whole)

@@ -198,6 +198,29 @@ def check_digits(work: Path) -> Line:
     return Line("digits CNN sweep on GPU", "PASS" if best > 0.9 else "FAIL", f"best val accuracy {best:.3f}")
 
 
+def check_warm_sweep(work: Path, gpus: int) -> Line:
+    """Distributed trials (2 NCCL ranks, a GPU each) on warm worker groups: the group starts once per slot."""
+    import pandas as pd
+
+    if gpus < 2:
+        return Line("warm distributed-trial sweep", "SKIP", f"needs 2 GPUs (one NCCL rank each), found {gpus}")
+    proc = run_job("tune_mlp.py", "--workers-per-trial", "2", "--num-samples", "6", "--max-concurrent", "2",
+                   "--epochs", "3",
+                   "--storage-path", str(work / "warm"), "--name", "warm")
+    if proc.returncode:
+        return Line("warm distributed-trial sweep", "FAIL", _failed(proc))
+    exp = work / "warm" / "warm"
+    table = pd.read_parquet(exp / "results.parquet")
+    rows = [pd.read_parquet(exp / f"train-trial_id={t}" / "metrics.parquet") for t in table["trial_id"]]
+    starts = sum(bool((r["group_start_s"] > 0).any()) for r in rows)
+    ok = set(table["status"]) == {"finished"} and starts <= 2 and all(
+        set(r["world_size"]) == {2} for r in rows)
+    return Line("warm distributed-trial sweep", "PASS" if ok else "FAIL",
+                f"{len(table)} trials, {starts} group start(s), setup per trial "
+                f"{sum(r['setup_s'].iloc[0] for r in rows) / len(rows):.2f} s, best val_loss "
+                f"{table['best_val_loss'].min():.4g}")
+
+
 def check_array_task() -> Line:
     """An array task asking for a GPU trains on it."""
     from rayhpc.data import DataConfig
@@ -238,7 +261,7 @@ def run_checks(out: Path, only: str | None = None) -> tuple[list[Line], str]:
     checks = [(lambda: check_packed_sweep(work, gpus), "packed sweep"), (lambda: check_strategies(work), "DDP/FSDP2"),
               (lambda: check_model_parallel(work, gpus), "TP/PP"), (lambda: check_collectives(work, gpus), "NCCL"),
               (lambda: check_bubble(gpus), "bubble"), (lambda: check_digits(work), "digits"),
-              (check_array_task, "array task")]
+              (lambda: check_warm_sweep(work, gpus), "warm sweep"), (check_array_task, "array task")]
     for check, name in checks:
         if only is not None and only not in name:
             continue

@@ -143,8 +143,8 @@ class Trial:
         extra = {"group_trial": warm.trials, "group_start_s": warm.start_s if first else 0.0}
         saved = ray.put(self.saved) if self.saved else None  # one copy, read by every rank
         started = time.perf_counter()
-        warm.group.run(_setup, self.cfg, self.task, self.hp, [saved])
-        extra["setup_s"] = time.perf_counter() - started
+        local = warm.group.run(_setup, self.cfg, self.task, self.hp, [saved])
+        extra |= {"setup_s": time.perf_counter() - started, "rank0_param_elements": local[0]}
         for epoch in range(self.saved.progress["epoch"] if self.saved else 0, self.cfg.epochs):
             by_rank = warm.group.run(_epoch, epoch)
             for reports in zip(*by_rank):  # one report, as every rank saw it
@@ -200,13 +200,17 @@ class Collected:
         self.reports.append((metrics, blob, progress, rng) if w.rank == 0 else (None, None, None, rng))
 
 
-def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, saved: list):
-    """Drop the previous trial (model, optimizer, batches), then build this one; restore its state."""
+def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, saved: list) -> int:
+    """Drop the previous trial (model, optimizer, batches), then build this one; restore its state.
+    Returns the parameter elements the rank holds."""
     import ray
 
     ctx.state.clear()
-    gc.collect()
     if ctx.device.type == "cuda":
+        # a DDP model's reference cycles would keep its GPU memory until Python's collector runs; the
+        # full collection costs about 0.15 s a trial, which on CPUs (where memory is plentiful) is
+        # most of a warm trial's overhead, so only GPU ranks pay it
+        gc.collect()
         torch.cuda.empty_cache()
     (ref,) = saved  # in a list, so that Ray hands the reference over instead of resolving it per call
     saved = ray.get(ref) if ref is not None else None
@@ -222,6 +226,14 @@ def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, sav
         _set_rng_states(torch.load(io.BytesIO(saved.rng), weights_only=True)[ctx.rank], ctx.device)
     worker.sink = ctx.state["sink"] = Collected()
     ctx.state["trial"] = worker
+    return _local_elements(worker.model)
+
+
+def _local_elements(model) -> int:
+    """Parameter elements this rank holds: all of them under DDP, its shards under FSDP2."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
 
 def _epoch(ctx: WorkerContext, epoch: int) -> list[tuple]:

@@ -9,8 +9,10 @@ anything one trial left on the group (model, optimizer state, RNG, sampler epoch
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from ray.tune import Callback
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from conftest import ROOT
+from conftest import ROOT, run_job
 from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.tune.sweep import run_sweep
 from test_sweep import sweep
@@ -205,3 +207,40 @@ def test_fsdp_trials_on_a_warm_group_equal_the_ddp_ones(runs, tmp_path):
     for tid in table["trial_id"]:
         held = group_rows(tmp_path / "fsdp", tid)["rank0_param_elements"].iloc[0]
         assert whole // 2 <= held < whole, (held, whole)
+
+
+def test_a_warm_sweep_resumed_after_its_driver_is_killed_ends_equal(ray_address, runs, tmp_path):
+    """The driver dies after the first trial's second epoch (its trial processes and their groups die
+    with it); `--resume` starts new groups, and the trial goes on from its checkpoint, RNG included."""
+    config = tmp_path / "sweep.yaml"
+    config.write_text(json.dumps({"name": "killed", "storage_path": str(tmp_path), "task": TASK, "search": "grid",
+                                  "epochs": EPOCHS, "workers_per_trial": 2, "max_concurrent": 1,
+                                  "space": {"lr": {"grid": LRS[:2]}, **FIXED}}))
+    args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
+    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 180
+    while not (reports := list((tmp_path / "killed").glob("*/result.json"))) or \
+            len(reports[0].read_text().splitlines()) < 2:
+        assert driver.poll() is None and time.monotonic() < deadline, "no trial reached epoch 2"
+        time.sleep(0.05)
+    driver.kill()
+    driver.wait()
+    proc = run_job("tune_mlp.py", "--config", str(config), "--address", ray_address, "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = pd.read_parquet(tmp_path / "killed" / "results.parquet")
+    assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {EPOCHS}
+    first = group_rows(tmp_path / "killed", table["trial_id"].iloc[0])
+    assert first["epoch"].tolist() == [1, 2, 3] and first["group_trial"].tolist()[-1] == 1  # a new group
+    warm_exp, warm_table = runs["warm"]
+    want = final_weights(warm_exp, warm_table, "warm")
+    for lr, got in final_weights(tmp_path / "killed", table, "warm").items():
+        assert_same_weights(got, want[lr])
+
+
+def test_optuna_proposes_distributed_trials_on_one_warm_group(ray_address, tmp_path):
+    table = run_sweep(sweep(tmp_path, name="tpe", task=TASK, search="optuna", num_samples=4, epochs=2,
+                            workers_per_trial=2, max_concurrent=1, trial_runner="warm",
+                            space={"lr": {"loguniform": [0.01, 0.3]}, **FIXED, "step_ms": 0.0}))
+    assert len(table) == 4 and set(table["status"]) == {"finished"} and table["config.lr"].nunique() == 4
+    rows = [group_rows(tmp_path / "tpe", tid) for tid in table["trial_id"]]
+    assert sorted(int(r["group_trial"].iloc[0]) for r in rows) == [1, 2, 3, 4]

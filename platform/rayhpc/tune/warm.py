@@ -12,7 +12,8 @@ keeps a `WorkerGroup` of N ranks (one gloo or NCCL process group, GPUs pinned fo
   job's code (`make_worker`: DDP or FSDP2, `DistributedSampler` order, seeded initialisation),
   after dropping the previous trial's state, and runs the training job's epoch (`run_epoch`);
 - rank 0's rows come back with the state as bytes (DDP's `model.pt` layout, FSDP gathered to
-  full tensors), and the trial process writes the checkpoint and calls `tune.report`: ASHA,
+  full tensors) and every rank's RNG states (so that dropout after a resume draws what it would
+  have), and the trial process writes the checkpoint and calls `tune.report`: ASHA,
   Optuna, `--resume` and requeue see an ordinary function trial;
 - Tune's function trials report synchronously: a trial ASHA stops ends inside `tune.report`,
   between two epochs, with the group idle; the next trial on this process takes it as it is;

@@ -290,15 +290,7 @@ def killed_and_resumed(tmp_path, ray_address, settings: str, reference: bool = T
     body = f"storage_path: {tmp_path}\nnum_samples: 8\n{settings}data: {{synthetic: {{num_samples: 6000}}}}\n"
     config = tmp_path / "sweep.yaml"
     config.write_text(f"name: killed\n{body}")
-    args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
-    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    deadline = time.monotonic() + 180
-    while not (reports := list((tmp_path / "killed").glob("*/result.json"))) or \
-            len(reports[0].read_text().splitlines()) < 3:
-        assert driver.poll() is None and time.monotonic() < deadline, "no pack reached epoch 3"
-        time.sleep(0.05)
-    driver.kill()
-    driver.wait()
+    reports = kill_driver_after(config, ray_address, tmp_path / "killed", epochs=3)
     proc = run_job("tune_mlp.py", "--config", str(config), "--address", ray_address, "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = json.loads(reports[0].read_text().splitlines()[-1])
@@ -306,6 +298,20 @@ def killed_and_resumed(tmp_path, ray_address, settings: str, reference: bool = T
     table = pd.read_parquet(tmp_path / "killed" / "results.parquet")
     whole = run_sweep(validate(SweepConfig, {**yaml.safe_load(body), "name": "whole"})) if reference else None
     return table, whole
+
+
+def kill_driver_after(config, ray_address: str, exp_dir, epochs: int) -> list:
+    """Run `jobs/tune_mlp.py --config config` and SIGKILL its driver once its first trial (pack) has
+    reported `epochs` epochs; the trials' result.json files."""
+    args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
+    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 180
+    while not (reports := list(exp_dir.glob("*/result.json"))) or len(reports[0].read_text().splitlines()) < epochs:
+        assert driver.poll() is None and time.monotonic() < deadline, f"no trial reached epoch {epochs}"
+        time.sleep(0.05)
+    driver.kill()
+    driver.wait()
+    return reports
 
 
 def by_member(table: pd.DataFrame) -> pd.DataFrame:

@@ -9,10 +9,8 @@ anything one trial left on the group (model, optimizer state, RNG, sampler epoch
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -26,7 +24,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from conftest import ROOT, run_job
 from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.tune.sweep import run_sweep
-from test_sweep import sweep
+from test_sweep import kill_driver_after, sweep
+from test_train import assert_same_weights
 
 sys.path.insert(0, str(ROOT / "tests" / "tasks"))
 from dropout import Dropout  # noqa: E402  (the task file the sweeps load, imported here for the reference)
@@ -104,12 +103,6 @@ def final_weights(exp: Path, table: pd.DataFrame, runner: str) -> dict[float, di
 
 def group_rows(exp: Path, trial_id: str) -> pd.DataFrame:
     return pd.read_parquet(exp / f"train-trial_id={trial_id}" / "metrics.parquet")
-
-
-def assert_same_weights(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], msg=lambda m: f"{key}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -216,15 +209,7 @@ def test_a_warm_sweep_resumed_after_its_driver_is_killed_ends_equal(ray_address,
     config.write_text(json.dumps({"name": "killed", "storage_path": str(tmp_path), "task": TASK, "search": "grid",
                                   "epochs": EPOCHS, "workers_per_trial": 2, "max_concurrent": 1,
                                   "space": {"lr": {"grid": LRS[:2]}, **FIXED}}))
-    args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
-    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    deadline = time.monotonic() + 180
-    while not (reports := list((tmp_path / "killed").glob("*/result.json"))) or \
-            len(reports[0].read_text().splitlines()) < 2:
-        assert driver.poll() is None and time.monotonic() < deadline, "no trial reached epoch 2"
-        time.sleep(0.05)
-    driver.kill()
-    driver.wait()
+    kill_driver_after(config, ray_address, tmp_path / "killed", epochs=2)
     proc = run_job("tune_mlp.py", "--config", str(config), "--address", ray_address, "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = pd.read_parquet(tmp_path / "killed" / "results.parquet")

@@ -205,16 +205,14 @@ def check_warm_sweep(work: Path, gpus: int) -> Line:
     if gpus < 2:
         return Line("warm distributed-trial sweep", "SKIP", f"needs 2 GPUs (one NCCL rank each), found {gpus}")
     proc = run_job("tune_mlp.py", "--workers-per-trial", "2", "--num-samples", "6", "--max-concurrent", "2",
-                   "--epochs", "3",
-                   "--storage-path", str(work / "warm"), "--name", "warm")
+                   "--epochs", "3", "--storage-path", str(work / "warm"), "--name", "warm")
     if proc.returncode:
         return Line("warm distributed-trial sweep", "FAIL", _failed(proc))
     exp = work / "warm" / "warm"
     table = pd.read_parquet(exp / "results.parquet")
     rows = [pd.read_parquet(exp / f"train-trial_id={t}" / "metrics.parquet") for t in table["trial_id"]]
     starts = sum(bool((r["group_start_s"] > 0).any()) for r in rows)
-    ok = set(table["status"]) == {"finished"} and starts <= 2 and all(
-        set(r["world_size"]) == {2} for r in rows)
+    ok = set(table["status"]) == {"finished"} and starts <= 2 and all(set(r["world_size"]) == {2} for r in rows)
     return Line("warm distributed-trial sweep", "PASS" if ok else "FAIL",
                 f"{len(table)} trials, {starts} group start(s), setup per trial "
                 f"{sum(r['setup_s'].iloc[0] for r in rows) / len(rows):.2f} s, best val_loss "

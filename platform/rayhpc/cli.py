@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 import types
 import typing
@@ -18,7 +17,7 @@ from typing import Callable, NoReturn, Sequence, TypeVar
 import yaml
 from pydantic import BaseModel
 
-from rayhpc import cluster
+from rayhpc import cluster, interrupt
 from rayhpc import log as rayhpc_log
 from rayhpc.config import ConfigError, explicit_keys, field_at, is_model, load_yaml, merge, unwrap_annotation, validate
 
@@ -118,20 +117,19 @@ def _kind(annotation) -> type | None:
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> NoReturn:
-    """Run `main`, turning user-input errors into `error: ...` and exit status 2.
-
-    SIGUSR1 (Slurm's warning before a time limit or preemption, forwarded by the sbatch
-    startup) stops the job like Ctrl-C: checkpoints already written are kept, and a resumed
-    run continues from them. Ray Tune installs its own USR1 handler while a sweep runs.
-    """
-    signal.signal(signal.SIGUSR1, signal.default_int_handler)
+    """Run `main`, turning user-input errors into `error: ...` and exit status 2, and a stop signal
+    (Ctrl-C, SIGTERM, Slurm's SIGUSR1 warning: `rayhpc.interrupt`) into one line and 128 + its number;
+    checkpoints already written are kept, and a resumed run continues from them."""
     rayhpc_log.show()  # the platform's progress lines, as plain lines on stdout
     try:
+        interrupt.install()
         cluster.use_token_if_present()
         code = main(argv)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(USAGE_ERROR)
+    except KeyboardInterrupt:
+        sys.exit(interrupt.report())
     sys.exit(code or 0)
 
 
@@ -150,7 +148,7 @@ def tune_main(argv: Sequence[str] | None = None) -> int:
     parser = ArgParser(prog="tune_mlp.py", description="Hyperparameter sweep of a task (the built-in MLP by "
                        "default) on Ray Tune.")
     cfg, explicit = parse_config(parser, SweepConfig, argv)
-    with ray_session():
+    with ray_session(cfg):
         table = run_sweep(cfg, explicit=explicit)
     print(format_best(table, table.attrs["objective"]))
     print(f"results: {cfg.experiment_dir / 'results.parquet'} ({len(table)} trials)")
@@ -159,10 +157,13 @@ def tune_main(argv: Sequence[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def ray_session():
-    """Disconnect from (and stop, if this process started it) a Ray connection made inside."""
+def ray_session(cfg=None):
+    """Disconnect from (and stop, if this process started it) a Ray connection made inside; a stop
+    signal inside ends the job `cfg` with the line that says how to resume it (`interrupt.report`)."""
     import ray
 
+    if cfg is not None:
+        interrupt.running(cfg)
     was_connected = ray.is_initialized()
     try:
         yield
@@ -235,7 +236,7 @@ def scaling_main(argv: Sequence[str] | None = None) -> int:
 def _run_job(parser: ArgParser, argv, model: type[M], run: Callable, summary: Callable) -> int:
     """Parse flags into the job's config, run it in a Ray session, print its summary."""
     cfg, explicit = parse_config(parser, model, argv)
-    with ray_session():
+    with ray_session(cfg):
         result = run(cfg, explicit=explicit)
     print(summary(result))
     return 0

@@ -9,11 +9,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from rayhpc import interrupt
 from rayhpc.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -173,7 +172,7 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     except (OSError, RuntimeError, ValueError) as exc:  # OSError: also a too-long RAY_TMPDIR socket path
         what = f"address (--address) {address}: cannot connect to" if address else "cannot start"
         raise ConfigError(f"{what} a Ray cluster: {exc}".splitlines()[0]) from None
-    stop_like_ctrl_c_on_sigterm()
+    interrupt.install()  # ray.init makes SIGTERM exit at once; ours stops the job as Ctrl-C does
     res = _current()
     dashboard = getattr(ctx, "dashboard_url", None)
     started = f"started local Ray at {res.address}" if address is None else f"joined Ray at {address}"
@@ -181,24 +180,6 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     log.info(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
              + (f"; dashboard http://{dashboard} (token: `ray get-auth-token`)" if dashboard else ""))
     return res
-
-
-def stop_like_ctrl_c_on_sigterm() -> None:
-    """SIGTERM (scancel, a requeue, the end of a Slurm job) stops this job as Ctrl-C does: a sweep saves
-    its state one last time (Tune's SIGINT handling), other jobs keep their checkpoints. `ray.init`
-    makes SIGTERM exit at once (`sys.exit`), and Tune then skips that save: a resumed sweep could find
-    its state pointing at a checkpoint already replaced by a newer one (`num_to_keep=1`). Only the
-    first SIGTERM counts: a second SIGINT would tell Tune to skip the save."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    received = []
-
-    def interrupt(signum, _frame):
-        if not received:
-            received.append(signum)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _current() -> Resources:

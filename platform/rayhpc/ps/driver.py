@@ -15,6 +15,7 @@ workers (all restarting at k) compute again: async SGD tolerates that, and it is
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -58,6 +59,7 @@ class Fleet:
     calls: dict  # object ref of a worker's running `run_epoch` -> worker index
     evaluator: object = None
     evals: dict = dataclasses.field(default_factory=dict)  # object ref of a validation -> epoch
+    eval_queue: collections.deque = dataclasses.field(default_factory=collections.deque)  # epochs not yet asked
 
 
 def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
@@ -127,15 +129,29 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
                                  str(cfg.experiment_dir), str(checkpoint) if checkpoint else None)
                for j in range(cfg.compute.num_servers)]
     fleet = Fleet(servers, [None] * cfg.compute.num_workers, {})
-    if made["validates"]:  # the validation of every epoch still to end, queued: each waits for its epoch
+    if made["validates"]:  # the validations of the epochs still to end: each waits for its epoch
         gpu = cfg.compute.gpu
         fleet.evaluator = ray.remote(PSEvaluator).options(num_cpus=0, num_gpus=0.01 if gpu else 0).remote(
             cfg, task, made["hp"], made["layout"], servers, "cuda" if gpu else "cpu")
-        fleet.evals = {fleet.evaluator.evaluate.remote(e, ends[e]): e for e in run.validations_due(step)}
+        fleet.eval_queue.extend(run.validations_due(step))
+        for _ in range(EVALS_AHEAD):
+            ask_validation(fleet, per_epoch)
     if step < cfg.epochs * made["steps_per_epoch"]:
         for w in range(cfg.compute.num_workers):
             start_worker(cfg, task, made, fleet, w, step)
     return fleet
+
+
+# validations asked of the evaluator ahead of time (the rest wait in the driver): enough to keep it busy,
+# few enough that a long run does not hold a call per epoch (each a task the driver owns until it ends)
+EVALS_AHEAD = 2
+
+
+def ask_validation(fleet: Fleet, per_epoch: int) -> None:
+    """The evaluator's next validation: of the next epoch in the queue, once the servers reach its end."""
+    if fleet.eval_queue:
+        epoch = fleet.eval_queue.popleft()
+        fleet.evals[fleet.evaluator.evaluate.remote(epoch, (epoch + 1) * per_epoch)] = epoch
 
 
 def start_worker(cfg: PSConfig, task, made: dict, fleet: Fleet, w: int, step: int) -> None:
@@ -182,6 +198,7 @@ def validated(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, fail
         run.add(ray.get(ref))
     except ray.exceptions.RayError as exc:
         return recover(cfg, task, made, run, fleet, failures, None, exc, say)
+    ask_validation(fleet, made["steps_per_epoch"])
     return fleet
 
 
@@ -232,6 +249,7 @@ def stop_fleet(fleet: Fleet) -> None:
             ray.kill(actor)
     fleet.calls.clear()
     fleet.evals.clear()
+    fleet.eval_queue.clear()
 
 
 def format_summary(result: PSResult) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from rayhpc import interrupt
 from rayhpc.job import start_job
 from rayhpc.train.config import TrainConfig, bind_train, train_hparams
 from rayhpc.train.loop import train_loop_per_worker
@@ -39,7 +40,14 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     cfg = job.cfg
     trainer = make_trainer(cfg, job.task, train_hparams(cfg, job.task.hp_model), callbacks)
     fit_started, started = time.time(), time.perf_counter()
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except SystemExit:
+        # Ray Train's own SIGINT handler (installed by fit(), reached by our SIGTERM and SIGUSR1 too)
+        # aborts the run, removing its workers and placement group, then exits with status 0: a stop
+        raise KeyboardInterrupt from None
+    finally:
+        interrupt.install()  # Ray Train's handler stays installed after fit()
     fit_seconds = time.perf_counter() - started
     metrics = pd.read_parquet(cfg.experiment_dir / METRICS_FILE)
     checkpoint = Path(result.checkpoint.path) if result.checkpoint is not None else None

@@ -44,7 +44,8 @@ class ProgressPrinter(Callback):
         if table.empty:
             return "waiting for trials"
         counts = Counter(table["status"])
-        states = ", ".join(f"{counts[s]} {s}" for s in ("pending", "running", "finished", "early-stopped", "error"))
+        states = ", ".join(f"{counts[s]} {s}" for s in ("pending", "running", "finished", "early-stopped", "error")
+                           + (("interrupted",) if counts["interrupted"] else ()))
         line = f"{len(table)} trials: {states}"
         name, mode = self.recorder.objective
         done = table.dropna(subset=[f"best_{name}"])

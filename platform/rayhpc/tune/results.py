@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 from ray.tune import Callback
 
+from rayhpc import interrupt
 from rayhpc.tune.trainable import members_of
 
 RESULTS_FILE = "results.parquet"
@@ -27,15 +28,16 @@ def value_columns(metric_names: tuple[str, ...], objective: tuple[str, str]) -> 
 
 
 def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: list[str],
-               columns: list[str]) -> list[dict]:
-    """One row per member of a Tune trial (a pack of one is a plain trial)."""
+               columns: list[str], interrupted: frozenset[str] = frozenset()) -> list[dict]:
+    """One row per member of a Tune trial (a pack of one is a plain trial); `interrupted`: the trials a
+    stop signal ended (Tune stops them as if they had finished; `--resume` runs them on)."""
     members = members_of(trial.config, packs)
     last = trial.last_result or {}
     per_member = last.get("members", {})
     iterations = int(last.get("epoch", 0))
     status = _STATUS.get(trial.status, trial.status.lower())
     if status == "finished" and iterations < epochs:
-        status = "early-stopped"
+        status = "interrupted" if trial.trial_id in interrupted else "early-stopped"
     error = _error_line(trial) if status == "error" else None
     rows = []
     for j, hp in enumerate(members):
@@ -56,8 +58,9 @@ def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: lis
     return rows
 
 
-def results_table(trials, packs, epochs: int, searched: list[str], columns: list[str]) -> pd.DataFrame:
-    rows = [row for t in trials for row in trial_rows(t, packs, epochs, searched, columns)]
+def results_table(trials, packs, epochs: int, searched: list[str], columns: list[str],
+                  interrupted: frozenset[str] = frozenset()) -> pd.DataFrame:
+    rows = [row for t in trials for row in trial_rows(t, packs, epochs, searched, columns, interrupted)]
     return pd.DataFrame(rows)
 
 
@@ -107,6 +110,7 @@ class ResultsRecorder(Callback):
         self.columns = value_columns(info.metric_names, info.objective)
         self.min_interval_s = min_interval_s
         self.trials: list = []
+        self.interrupted: frozenset[str] = frozenset()  # the trials a stop signal ended
         self._last_write = -math.inf
         self._reset()
 
@@ -124,7 +128,7 @@ class ResultsRecorder(Callback):
         self._reset()
 
     def _rows(self, trial) -> list[dict]:
-        return trial_rows(trial, self.packs, self.epochs, self.searched, self.columns)
+        return trial_rows(trial, self.packs, self.epochs, self.searched, self.columns, self.interrupted)
 
     def table(self) -> pd.DataFrame:
         """Every trial's rows: those of trials that ended as kept, the others made now."""
@@ -162,8 +166,8 @@ class ResultsRecorder(Callback):
 
     def write(self) -> Path:
         """The whole table, in the trials' order, once; the parts it replaces are removed."""
-        path = write_results(results_table(self.trials, self.packs, self.epochs, self.searched, self.columns),
-                             self.exp_dir)
+        path = write_results(results_table(self.trials, self.packs, self.epochs, self.searched, self.columns,
+                                           self.interrupted), self.exp_dir)
         shutil.rmtree(self.exp_dir / PARTS_DIR, ignore_errors=True)
         return path
 
@@ -174,6 +178,8 @@ class ResultsRecorder(Callback):
 
     def on_experiment_end(self, trials, **info):
         self.trials = trials
+        if interrupt.received():  # the trials that had not ended a second ago were stopped by the signal
+            self.interrupted = frozenset(t.trial_id for t in trials if t.trial_id not in self._ended)
         self.write()
 
 

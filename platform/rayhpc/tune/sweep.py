@@ -8,8 +8,9 @@ import math
 import os
 
 import pandas as pd
+from ray.tune import Callback
 
-from rayhpc import cluster
+from rayhpc import cluster, interrupt
 from rayhpc.config import ConfigError
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
@@ -38,7 +39,12 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     gpus = trial_gpus(cfg, job.resources)
     packs = _plan(job)
     _describe(cfg, packs, gpus)
-    _tuner(job, packs, gpus, callbacks).fit()
+    try:
+        _tuner(job, packs, gpus, callbacks).fit()
+    finally:
+        interrupt.install()  # Tune's handlers stay installed after fit()
+    if interrupt.received():  # Tune stopped the sweep early, its state and the results so far saved
+        raise KeyboardInterrupt
     table = read_results(cfg.experiment_dir)
     table.attrs["objective"] = job.info.objective  # (reported name, "min" or "max"): what "best" means
     return table
@@ -145,9 +151,19 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
             # keeping few checkpoints makes Tune save the experiment state after every trial
             # checkpoint, so a killed driver's --resume never re-runs an epoch already done
             checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-            callbacks=[recorder, ProgressPrinter(recorder), SweepMonitor(recorder, cfg.name), *callbacks],
+            callbacks=[recorder, ProgressPrinter(recorder), SweepMonitor(recorder, cfg.name), WatchStopSignals(),
+                       *callbacks],
         ),
     )
+
+
+class WatchStopSignals(Callback):
+    """Tune installs its SIGINT and SIGUSR1 handlers when fit() starts, then sets up the callbacks: this
+    one makes its SIGINT handler remember the signal first (`interrupt.watch_tune`), so that the job
+    ends with the line and exit status of the signal that stopped it."""
+
+    def setup(self, **info):
+        interrupt.watch_tune()
 
 
 def _keeper(job: Started[SweepConfig], packed: bool):

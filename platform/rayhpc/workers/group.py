@@ -153,7 +153,7 @@ class WorkerGroup:
             self._start_actors(bundle)
             self._rendezvous()
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise
         return self
 
@@ -249,8 +249,9 @@ class WorkerGroup:
     def __enter__(self) -> "WorkerGroup":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *_) -> None:
+        # after an error or Ctrl-C, ranks may be mid-step or in a collective: kill them at once
+        self.shutdown(graceful=exc_type is None)
 
 
 def _name(fn: Callable) -> str:

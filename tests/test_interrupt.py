@@ -125,6 +125,12 @@ def assert_nothing_left(address: str, pid: int, timeout_s: float = 10) -> None:
         time.sleep(0.5)
 
 
+# the kinds whose printed resume command is run too, and stopped by SIGTERM: Tune's restore and the PS
+# driver's own; Ray Train's and the worker group's resume are test_train's and test_parallel's, and
+# SIGTERM reaches every kind the same way (as SIGINT)
+RESUMED = ("tune", "ps")
+
+
 @pytest.mark.parametrize("kind", JOBS)
 def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_address, tmp_path):
     (script, *flags), checkpoints = JOBS[kind]
@@ -139,6 +145,8 @@ def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_addres
     if kind == "tune":  # the results table is written, the trials the signal stopped marked so
         table = read_results(folder)
         assert len(table) == 2 and set(table["status"]) == {"interrupted"}, table
+    if kind not in RESUMED:
+        return
 
     resume = shlex.split(line.split("resume with: ", 1)[1])
     assert resume[0] == "python" and resume[-1] == "--resume", line

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from conftest import CPUS, ROOT, run_job, too_many_gpu_workers
+from conftest import CPUS, ROOT, run_job, run_job_warm, too_many_gpu_workers
 from rayhpc.bench.parallel_layouts import GPT_LAYOUTS as GPT_BENCH
 from rayhpc.bench.parallel_reference import reference_run
 from rayhpc.config import ConfigError, validate
@@ -162,8 +162,8 @@ def test_mesh_mismatch_names_every_factor():
     (["--hp", "dim=128"], "error: hparams (--hp): only with a task (--task)"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
-    proc = run_job("train_parallel.py", "--storage-path", str(tmp_path), *args,
-                   env={"RAY_TMPDIR": str(tmp_path / "ray")}, timeout=60)
+    proc = run_job_warm("train_parallel.py", "--storage-path", str(tmp_path), *args,
+                        env={"RAY_TMPDIR": str(tmp_path / "ray")})
     assert proc.returncode == 2 and proc.stderr.strip().startswith(expected), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "ray").exists(), "Ray was started before the input was rejected"

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import ROOT, run_job, tensorboard_scalars
+from conftest import ROOT, run_job, run_job_warm, tensorboard_scalars
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.models import MLP
@@ -153,9 +153,9 @@ def test_a_killed_server_restarts_everything_from_the_checkpoint(ray_address, tm
     assert_same_weights(result.weights, two_ranks(cfg))  # sync from a checkpoint with Adam's state: no difference
 
 
-def test_resume_after_the_driver_is_killed(tmp_path):
-    args = ["--storage-path", str(tmp_path), "--name", "ps", "--epochs", "6", "--hp", "hidden=16", "--lr", "0.05",
-            "--checkpoint-every-steps", "5", "--num-servers", "2"]
+def test_resume_after_the_driver_is_killed(ray_address, tmp_path):
+    args = ["--storage-path", str(tmp_path), "--name", "ps", "--address", ray_address, "--epochs", "6", "--hp",
+            "hidden=16", "--lr", "0.05", "--checkpoint-every-steps", "5", "--num-servers", "2"]
     job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "train_ps.py"), *args], cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -167,7 +167,7 @@ def test_resume_after_the_driver_is_killed(tmp_path):
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-    proc = run_job("train_ps.py", *args[:4], "--resume", timeout=300)
+    proc = run_job("train_ps.py", *args[:6], "--resume", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout
     table = pd.read_parquet(tmp_path / "ps" / "metrics.parquet")
@@ -234,6 +234,6 @@ def test_workers_and_servers_export_their_series(ray_cluster, tmp_path):
     (["--hp", "lr=0.1"], "error: hparams.lr (--hp): a platform hyperparameter; set it with --lr"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
-    proc = run_job("train_ps.py", "--storage-path", str(tmp_path), *args, timeout=60)
+    proc = run_job_warm("train_ps.py", "--storage-path", str(tmp_path), *args)
     assert proc.returncode == 2 and proc.stderr.startswith(expected), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "ray: started" not in proc.stdout

@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT, SUBMITTED
+from test_collectives import assert_speedup_and_efficiency
 from rayhpc.config import validate
 from rayhpc.slurm.config import ClusterConfig, load_cluster
 from rayhpc.slurm.render import render_sbatch
@@ -98,6 +99,8 @@ def test_the_scaling_study_runs_inside_the_startup_and_marks_the_two_node_run(sl
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
     table = pd.read_parquet(Path(storage) / "scaling" / "scaling.parquet")
     assert table["workers"].tolist() == [1, 2] and table["nodes"].tolist() == [1, 2], table
+    assert set(table["global_batch"]) == {512} and (table["samples_per_s"] > 0).all(), table  # strong: one batch
+    assert_speedup_and_efficiency(table.set_index("workers"))
     assert (Path(storage) / "scaling" / "scaling.png").stat().st_size > 10_000
     assert "* = the workers spanned several nodes" in log
     assert_nothing_left(job)

@@ -1,9 +1,9 @@
 """Sweeps of distributed trials (2 workers each, gloo) on warm worker groups, on a real local Ray.
 
 Every trial is checked against a plain-PyTorch two-rank reference with dropout (each rank its own
-DistributedSampler shard and its own random stream) and against the same trial on the
-`TorchTrainer` path: the second and third trials on the same warm group included, so that
-anything one trial left on the group (model, optimizer state, RNG, sampler epoch) would show.
+DistributedSampler shard and its own random stream), the second and third trials on the same warm
+group included, so that anything one trial left on the group (model, optimizer state, RNG, sampler
+epoch) would show; the first also against the same trial on the `TorchTrainer` path.
 """
 
 import json
@@ -107,19 +107,24 @@ def group_rows(exp: Path, trial_id: str) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def runs(ray_address, tmp_path_factory):
+    """Three trials one after another on one warm group (10 s on 2 CPUs); the first as a TorchTrainer (15 s
+    for each such trial: its own Train run, so more of them would add time and no check)."""
     tmp = tmp_path_factory.mktemp("warm")
-    return {runner: (tmp / runner, dist_sweep(tmp, runner, runner)) for runner in ("warm", "trainer")}
+    return {runner: (tmp / runner, dist_sweep(tmp, runner, runner, lrs=lrs))
+            for runner, lrs in (("warm", LRS), ("trainer", LRS[:1]))}
 
 
 def test_trials_on_one_warm_group_equal_the_torch_trainer_path_and_plain_ddp(runs):
     weights = {}
     for runner, (exp, table) in runs.items():
-        assert len(table) == 3 and set(table["status"]) == {"finished"} and set(table["iterations"]) == {EPOCHS}
+        assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {EPOCHS}
         weights[runner] = final_weights(exp, table, runner)
+    assert sorted(weights["warm"]) == sorted(LRS) and list(weights["trainer"]) == LRS[:1]
     for lr in LRS:
         reference = two_ranks(lr)
         assert_same_weights(weights["warm"][lr], reference)
-        assert_same_weights(weights["trainer"][lr], reference)
+        if lr in weights["trainer"]:
+            assert_same_weights(weights["trainer"][lr], reference)
     # the three warm trials ran one after another on one group, started once
     exp, table = runs["warm"]
     rows = {tid: group_rows(exp, tid) for tid in table["trial_id"]}

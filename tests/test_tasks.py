@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ray.tune import Callback
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import ROOT, run_job
+from conftest import ROOT, run_job, run_job_warm
 from rayhpc.config import validate
 from rayhpc.data import DataConfig
 from rayhpc.task import task_for
@@ -340,9 +340,9 @@ def _yaml(p: Path, text: str) -> str:
 def test_a_bad_task_is_one_error_line_before_ray_starts(case, bad_tasks, tmp_path):
     args, expected = BAD[case]
     ray_tmp = tmp_path / "ray"
-    proc = run_job("tune_mlp.py", *args(bad_tasks), "--storage-path", str(tmp_path / "results"),
-                   env={"RAY_TMPDIR": str(ray_tmp)}, timeout=120) if case != "storage is a file" else \
-        run_job("tune_mlp.py", *args(bad_tasks), env={"RAY_TMPDIR": str(ray_tmp)}, timeout=120)
+    proc = run_job_warm("tune_mlp.py", *args(bad_tasks), "--storage-path", str(tmp_path / "results"),
+                        env={"RAY_TMPDIR": str(ray_tmp)}) if case != "storage is a file" else \
+        run_job_warm("tune_mlp.py", *args(bad_tasks), env={"RAY_TMPDIR": str(ray_tmp)})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected.format(p=bad_tasks, d=bad_tasks.parent)), proc.stderr
@@ -350,12 +350,12 @@ def test_a_bad_task_is_one_error_line_before_ray_starts(case, bad_tasks, tmp_pat
 
 
 def test_the_train_job_checks_the_task_too(bad_tasks, tmp_path):
-    proc = run_job("train_mlp.py", "--task", f"{bad_tasks}:VectorLoss", "--storage-path", str(tmp_path),
-                   env={"RAY_TMPDIR": str(tmp_path / "ray")}, timeout=120)
+    proc = run_job_warm("train_mlp.py", "--task", f"{bad_tasks}:VectorLoss", "--storage-path", str(tmp_path),
+                        env={"RAY_TMPDIR": str(tmp_path / "ray")})
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: task (--task) {bad_tasks}:VectorLoss: loss"), \
         proc.stderr
-    proc = run_job("train_mlp.py", "--task", f"{bad_tasks}:Good", "--hp", "width=wide", "--storage-path",
-                   str(tmp_path), env={"RAY_TMPDIR": str(tmp_path / "ray")}, timeout=120)
+    proc = run_job_warm("train_mlp.py", "--task", f"{bad_tasks}:Good", "--hp", "width=wide", "--storage-path",
+                        str(tmp_path), env={"RAY_TMPDIR": str(tmp_path / "ray")})
     assert proc.returncode == 2 and proc.stderr.strip() == "error: hparams.width (--hp): Input should be a valid " \
                                                             "integer (got 'wide')", proc.stderr
     assert not (tmp_path / "ray").exists()
@@ -365,8 +365,8 @@ def test_resume_of_a_sweep_that_never_ran_lists_the_ones_that_exist(ray_address,
     for name in ("alpha", "beta"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "sweep.yaml").write_text(f"name: {name}\n")
-    proc = run_job("tune_mlp.py", "--name", "gamma", "--resume", "--storage-path", str(tmp_path),
-                   env={"RAY_TMPDIR": str(tmp_path / "ray")})
+    proc = run_job_warm("tune_mlp.py", "--name", "gamma", "--resume", "--storage-path", str(tmp_path),
+                        env={"RAY_TMPDIR": str(tmp_path / "ray")})
     assert proc.returncode == 2 and proc.stderr.strip() == (f"error: resume (--resume): no sweep named gamma under "
                                                             f"{tmp_path}; sweeps there: alpha, beta"), proc.stderr
     # a requeued Slurm job (RAYHPC_RESUME=1) resumes what is there, and starts what is not

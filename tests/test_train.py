@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ray.train import UserCallback
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import CPUS, ROOT, run_job, tensorboard_scalars, too_many_gpu_workers
+from conftest import CPUS, ROOT, run_job, run_job_warm, tensorboard_scalars, too_many_gpu_workers
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.models import MLP
@@ -176,8 +176,8 @@ def test_shards_partition_the_data_and_reshuffle_every_epoch():
 ])
 def test_bad_input_exits_2_within_seconds(args, expected, tmp_path):
     started = time.monotonic()
-    proc = run_job("train_mlp.py", "--storage-path", str(tmp_path), *args,
-                   env={"RAY_TMPDIR": str(tmp_path / "ray")}, timeout=60)
+    proc = run_job_warm("train_mlp.py", "--storage-path", str(tmp_path), *args,
+                        env={"RAY_TMPDIR": str(tmp_path / "ray")})
     assert proc.returncode == 2 and proc.stderr.strip().startswith(expected), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert time.monotonic() - started < 30 and not (tmp_path / "ray").exists()

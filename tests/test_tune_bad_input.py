@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import CPUS, GPUS, run_job
+from conftest import CPUS, GPUS, run_job_warm
 
 WORKERS = min(CPUS, GPUS) if GPUS else CPUS  # distributed-trial workers this machine places
 
@@ -79,8 +79,8 @@ CASES = {
 def test_bad_input_exits_2_with_one_error_line_before_ray_starts(case, tmp_path):
     make_args, expected = CASES[case]
     ray_tmp = tmp_path / "ray"
-    proc = run_job("tune_mlp.py", *make_args(tmp_path), "--storage-path", str(tmp_path / "results"),
-                   env={"RAY_TMPDIR": str(ray_tmp)}, timeout=120)
+    proc = run_job_warm("tune_mlp.py", *make_args(tmp_path), "--storage-path", str(tmp_path / "results"),
+                        env={"RAY_TMPDIR": str(ray_tmp)})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
@@ -93,7 +93,7 @@ def test_existing_sweep_is_not_overwritten_without_resume(tmp_path):
     storage = tmp_path / "results"
     (storage / "mlp-sweep").mkdir(parents=True)
     (storage / "mlp-sweep" / "sweep.yaml").write_text("name: mlp-sweep\n")
-    proc = run_job("tune_mlp.py", "--storage-path", str(storage), env={"RAY_TMPDIR": str(tmp_path / "ray")})
+    proc = run_job_warm("tune_mlp.py", "--storage-path", str(storage), env={"RAY_TMPDIR": str(tmp_path / "ray")})
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: name (--name) mlp-sweep: a sweep already exists at "), proc.stderr
     assert "pass --resume" in proc.stderr

@@ -85,10 +85,23 @@ def _note(signum: int) -> bool:
         return False
     _received.append(signum)
     logging.getLogger("ray").setLevel(logging.CRITICAL)
+    quiet_workers()
     timer = threading.Timer(grace_s(), _force_exit)
     timer.daemon = True  # a job that ends in time does not wait for it
     timer.start()
     return True
+
+
+def quiet_workers() -> None:
+    """Stop printing what the job's Ray workers write: they are being stopped with the job, and Ray's
+    SIGTERM handler in a dying worker can print "Exception ignored ... Traceback" (its SystemExit raised
+    inside a weakref callback), which Ray would forward to this terminal after our one line. Ray has no
+    public switch for `log_to_driver` once it is connected, so the driver's private log dispatcher loses
+    its printing handler; the workers' logs stay in Ray's session folder."""
+    with contextlib.suppress(Exception):
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher
+
+        global_worker_stdstream_dispatcher.remove_handler("ray_print_logs")
 
 
 def _force_exit() -> None:

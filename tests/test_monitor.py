@@ -5,6 +5,7 @@ headless Chromium), and `rayhpc status` reading the sweep from the cluster."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -100,6 +102,10 @@ def test_training_workers_export_loss_throughput_and_step_time_per_rank(ray_clus
             # the task's validation metric, after each epoch, on every rank
             metric = {s.labels["rank"]: s.value for s in samples.get("rayhpc_train_val_metric", [])
                       if s.labels["run"] == "watched" and s.labels["metric"] == "abs_error"}
+        loss = next(s.value for s in samples["rayhpc_train_loss"] if s.labels["run"] == "watched"
+                    and s.labels["rank"] == "0")
+        assert_recorded(tmp_path / "watched" / "metrics.parquet", [("loss", loss), *(("abs_error", v) for v in
+                                                                                    metric.values())])
     finally:
         job.send_signal(signal.SIGINT)
         job.wait(timeout=60)
@@ -107,8 +113,24 @@ def test_training_workers_export_loss_throughput_and_step_time_per_rank(ray_clus
     for name in ("rayhpc_train_loss", "rayhpc_train_step_seconds"):
         mine = {s.labels["rank"]: s.value for s in samples[name] if s.labels["run"] == "watched"}
         assert set(mine) == {"0", "1"} and all(v > 0 for v in mine.values()), (name, mine)
-    assert all(0 < v < 1 for v in metric.values()), metric
     assert "rayhpc_gpu_memory_allocated_bytes" not in samples  # only where there is a GPU
+
+
+def assert_recorded(path: Path, exported: list[tuple[str, float]]) -> None:
+    """Each exported value is one the run recorded (rank 0's reports, in its own metrics.parquet; every
+    rank validates the whole split with the same weights, so each rank's metric is one of rank 0's);
+    the record may trail the gauges by a report."""
+    deadline = time.monotonic() + 20
+    while True:
+        table = pd.read_parquet(path) if path.exists() else pd.DataFrame({"loss": [], "val_abs_error": []})
+        recorded = {"loss": table["loss"].tolist(), "abs_error": table["val_abs_error"].dropna().tolist()}
+        wrong = [(name, value) for name, value in exported
+                 if not any(math.isclose(value, r, rel_tol=1e-6) for r in recorded[name])]
+        if not wrong:
+            return
+        assert time.monotonic() < deadline, f"exported values the run never recorded: {wrong}; recorded (last 5): " \
+            f"{ {k: v[-5:] for k, v in recorded.items()} }"
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -152,11 +174,54 @@ def test_the_metrics_endpoint_has_the_platforms_metrics_and_they_move(ray_cluste
         assert len(mine) == 4 and {s.labels["node"] for s in mine} == {socket.gethostname()}, "; ".join(
             [name] + [str(dict(sorted(set(s.labels.items()) - common)) | {"value": s.value}) for s in mine])
         assert all(set(METRICS[name][1]) <= set(s.labels) for s in mine)
-    assert all(0 < s.value < 1 for s in samples["rayhpc_trial_val_loss"] if s.labels["sweep"] == SWEEP)
+    assert_series_are_reported_values(samples, ray_cluster)
     assert {s.labels["metric"] for s in samples["rayhpc_trial_val_metric"] if s.labels["sweep"] == SWEEP} == \
         {"abs_error"}
     states = {s.labels["state"]: s.value for s in samples["rayhpc_trials"] if s.labels["sweep"] == SWEEP}
     assert states["running"] == 4 and states["error"] == 0, states
+
+
+# each per-trial series and the value of Tune's own result (result.json) it must be one of
+REPORTED = {"rayhpc_trial_val_loss": "val_loss", "rayhpc_trial_best_val_loss": "best_val_loss",
+            "rayhpc_trial_iterations": "epoch", "rayhpc_trial_val_metric": "val_abs_error"}
+
+
+def reported(cluster: dict) -> dict[tuple[str, str], list[float]]:
+    """Every value each trial of the sweep reported so far, by (results-table trial id, key), read from the
+    result.json lines Tune's own logger writes on the driver (in the cluster's session folder), not
+    through the platform's metrics code: a packed trial reports its members under "members"."""
+    found: dict[tuple[str, str], list[float]] = {}
+    for path in Path(cluster["session_dir"]).glob(f"artifacts/*/{SWEEP}/driver_artifacts/*/result.json"):
+        for line in path.read_text().splitlines():
+            try:
+                result = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            members = result.get("members") or {"0": result}
+            for j, values in members.items():
+                trial = result["trial_id"] if len(members) == 1 else f"{result['trial_id']}-{j}"
+                for key in REPORTED.values():
+                    value = result["epoch"] if key == "epoch" else values.get(key)
+                    if value is not None:
+                        found.setdefault((trial, key), []).append(value)
+    return found
+
+
+def assert_series_are_reported_values(samples: dict, cluster: dict) -> None:
+    """Each exported series holds a value its trial reported (a gauge set to anything else, or to another
+    trial's value, fails); Tune's result file may trail the gauges by a moment."""
+    series = [(name, s) for name in REPORTED for s in samples[name] if s.labels["sweep"] == SWEEP]
+    deadline = time.monotonic() + 30
+    while True:
+        found = reported(cluster)
+        missing = [(name, s.labels["trial_id"], s.value) for name, s in series
+                   if not any(math.isclose(s.value, v, rel_tol=1e-9)
+                              for v in found.get((s.labels["trial_id"], REPORTED[name]), []))]
+        if not missing:
+            return
+        assert time.monotonic() < deadline, f"series whose value their trial never reported: {missing}; " \
+            f"reported: { {k: v[-3:] for k, v in found.items()} }"
+        time.sleep(1)
 
 
 def test_prometheus_scrapes_the_trial_loss_with_the_shipped_config(ray_cluster, sweep, tmp_path):

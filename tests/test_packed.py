@@ -218,18 +218,23 @@ def test_pbt_exploit_copies_weights_and_optimizer_state_then_explore_perturbs_lr
     state = {"hp": [{"lr": m["lr"]} for m in members], "pbt": []}
     rules = PbtRules(interval=1, quantile=0.34, resample=0.0, space={"lr": ParamSpec(loguniform=(1e-4, 1.0))},
                      metric="val_loss", mode="min", seed=0)
-    before = pack.member(1).state_dict()
+    # every member's weights and Adam moments taken before the round: the best one's are what the worst
+    # must hold after it (a copy the wrong way would leave the two equal, but equal to the worst's)
+    before = [pack.member(i).state_dict() for i in range(3)]
+    moments = {name: [t.clone() for t in opt.state[name]] for name in ("exp_avg", "exp_avg_sq")}
     exploit_explore(pack, opt, state, {"val_loss": torch.tensor([0.1, 0.5, 0.9])}, rules, epoch=1, pack_id=0)
     assert [(e["member"], e["copied"]) for e in state["pbt"]] == [(2, 0)]
-    copied, source = pack.member(2).state_dict(), pack.member(0).state_dict()
-    assert sorted(copied) == sorted(source)
-    for key in source:
-        torch.testing.assert_close(copied[key], source[key], msg=key)
-    for key, value in pack.member(1).state_dict().items():  # a middle member is left alone
-        torch.testing.assert_close(value, before[key])
-    for name in ("exp_avg", "exp_avg_sq"):
-        for t in opt.state[name]:
-            torch.testing.assert_close(t[2], t[0])
+    after = [pack.member(i).state_dict() for i in range(3)]
+    assert sorted(after[2]) == sorted(before[0])
+    for key in before[0]:
+        torch.testing.assert_close(after[2][key], before[0][key], msg=lambda m: f"worst member's {key} is not the "
+                                   f"best one's from before the round: {m}")
+        torch.testing.assert_close(after[0][key], before[0][key], msg=lambda m: f"the best member's {key} changed: {m}")
+        torch.testing.assert_close(after[1][key], before[1][key], msg=lambda m: f"a middle member's {key} changed: {m}")
+    for name, tensors in moments.items():
+        for t, was in zip(opt.state[name], tensors):
+            torch.testing.assert_close(t[2], was[0], msg=lambda m: f"worst member's Adam {name}: {m}")
+            torch.testing.assert_close(t[0], was[0], msg=lambda m: f"best member's Adam {name} changed: {m}")
     lr = state["hp"][2]["lr"]
     assert lr == pytest.approx(0.05 * 0.8) or lr == pytest.approx(0.05 * 1.2), lr
     assert float(opt.hyper["lr"][2]) == pytest.approx(lr) and float(opt.hyper["lr"][0]) == pytest.approx(0.05)

@@ -167,11 +167,14 @@ def test_resume_after_the_driver_is_killed(ray_address, tmp_path):
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
+    before = pd.read_parquet(tmp_path / "ps" / "metrics.parquet")
+    assert before["epoch"].max() < 6, "the run ended before the driver was killed: nothing was left to resume"
     proc = run_job("train_ps.py", *args[:6], "--resume", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout
     table = pd.read_parquet(tmp_path / "ps" / "metrics.parquet")
     assert table["epoch"].tolist() == list(range(1, 7))
+    pd.testing.assert_frame_equal(table.iloc[:len(before)], before)  # the epochs before the kill were not run again
     last = sorted((tmp_path / "ps").glob("checkpoint_*"))[-1]
     shards = [torch.load(last / f"server_{j}.pt", weights_only=True) for j in (0, 1)]
     assert shards[0]["step"] == table["global_step"].iloc[-1]

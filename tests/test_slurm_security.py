@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SUBMITTED
+from rayhpc.slurm.submit import log_dir
 from test_slurm import (CLUSTER, LOGS, RAYHPC, TWO_NODES, assert_nothing_left, job_log, job_processes,
                         skip_requeue_delay, submit, submit_held, wait_cluster, wait_done, with_changes)
 
@@ -69,6 +72,35 @@ def test_a_job_folder_another_user_created_first_stops_the_job_and_the_token_nev
     assert (logs / job / "auth_token").read_text() == "", "the job wrote its token into the attacker's file"
     assert "ray start" not in log and not list(logs.glob(f"{job}/ray-*.log")), "Ray started anyway"
     assert job_processes(job) == []
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_a_log_dir_in_a_folder_others_may_write_without_the_sticky_bit_is_refused(attacker, tmp_path, world_tmp, mode):
+    """In a folder others may write to without the sticky bit, another user could rename the log folder away
+    and put one of theirs in its place (the job folders, the token): `rayhpc submit` refuses before it
+    writes anything, naming the folder, its mode and the fix. With the sticky bit (as /tmp) the folder is
+    accepted, the log folder made 0700, and the other user cannot move it."""
+    shared = world_tmp("rayhpc-open")
+    shared.mkdir()
+    shared.chmod(mode)
+    config = tmp_path / "cluster.yaml"
+    config.write_text(json.dumps(with_changes(log_dir=shared / "logs").model_dump(mode="json")))  # JSON is YAML
+    proc = subprocess.run([RAYHPC, "submit", "--cluster", str(config), "--", "true"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    if proc.returncode == 0:  # the refusal is broken: the job went in
+        SUBMITTED.append(proc.stdout.split()[2].rstrip(":"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, \
+        f"a log_dir in a folder of mode {mode:04o} was not refused: {proc.stdout}{proc.stderr}"
+    assert proc.stderr.startswith(f"error: log_dir {shared}/logs: {shared} (mode {mode:04o}) can be written by other "
+                                  f"users and has no sticky bit: they could replace what is inside; chmod go-w {shared}"), \
+        proc.stderr
+    assert not (shared / "logs").exists(), "the refused log folder was made anyway"
+
+    shared.chmod(mode | stat.S_ISVTX)
+    assert log_dir(with_changes(log_dir=shared / "logs")) == shared / "logs"
+    assert stat.S_IMODE((shared / "logs").stat().st_mode) == 0o700
+    assert as_attacker("mv", str(shared / "logs"), str(shared / "theirs")).returncode != 0
+    assert (shared / "logs").is_dir()
 
 
 def listening_ports(pid: int) -> set[int]:

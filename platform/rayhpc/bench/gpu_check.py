@@ -142,7 +142,7 @@ def check_model_parallel(work: Path, gpus: int) -> list[Line]:
         cfg = ParallelConfig(storage_path=work / "parallel", name=re.sub(r"\W+", "-", name), steps=4,
                              precision="fp32", compute={"gpu": True, "num_workers": world}, **layout)
         result = run_parallel(cfg, verbose=False)
-        losses, _ = reference_run(cfg)
+        losses, _, _ = reference_run(cfg)
         try:
             torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=1e-4, atol=1e-5)
             status, figures = "PASS", f"4 steps equal one process; loss {losses[0]:.4f} -> {losses[-1]:.4f}"

@@ -8,7 +8,7 @@ import torch
 from rayhpc.data import step_indices
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.trainer import make_recipe
-from rayhpc.task.hparams import make_optimizer
+from rayhpc.task.hparams import PlatformHParams
 
 
 def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Tensor], dict[str, float] | None]:
@@ -18,7 +18,7 @@ def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Ten
     x, y = data["train"]
     torch.manual_seed(cfg.seed)
     model = recipe.build()
-    optimizer = make_optimizer(recipe.hp, model.parameters())
+    optimizer = plain_optimizer(cfg, model.parameters())
     losses = []
     for step in range(cfg.steps):
         idx = step_indices(len(x), cfg.batch_size, cfg.seed, step)
@@ -29,6 +29,15 @@ def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Ten
         losses.append(loss.item())
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     return losses, weights, validation(recipe, model, data["val"])
+
+
+def plain_optimizer(cfg: ParallelConfig, params) -> torch.optim.Optimizer:
+    """The optimizer the user chose, made here from the config itself (not from the run's recipe), so a
+    run that trained with another optimizer, or without its state, differs from this reference."""
+    defaults = PlatformHParams()  # momentum and weight decay: not part of a model-parallel config
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=defaults.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=defaults.momentum, weight_decay=defaults.weight_decay)
 
 
 @torch.no_grad()

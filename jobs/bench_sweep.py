@@ -33,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from rayhpc.cluster import disconnect, start_local
 from rayhpc.task import task_for
 from rayhpc.tune.config import SweepConfig, bind_sweep
 from rayhpc.tune.plan import save_plan
@@ -122,12 +123,10 @@ def main() -> None:
     if args.distributed:
         return distributed(args)
     if args.adaptive:
-        import ray
-
         from rayhpc.bench.adaptive_sweeps import adaptive_rows, print_adaptive
 
         epochs = args.epochs if "--epochs" in sys.argv else 10
-        ray.init(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+        start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
         print_adaptive(adaptive_rows(args.trials, epochs, not args.no_unpacked), args.trials, epochs)
         return
     lrs = [0.001 * 3 ** (i / 2) for i in range(args.trials // 4)]
@@ -146,15 +145,13 @@ def main() -> None:
     ideal = reference_seconds(cfg, configs) / args.cpus
     rows = [("(a) array job, one process per trial", *array_style(cfg_file, n, args.cpus, work / "array"))]
 
-    import ray
-
     t = time.perf_counter()
-    ray.init(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+    start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
     ray_start = time.perf_counter() - t
     rows.append(("(b) plain Ray Tune (defaults)", *plain_tune(cfg, configs, work)))
     ours, in_trial, packs = rayhpc_sweep(cfg)
     rows.append((f"(c) rayhpc sweep ({packs} packs)", ours, in_trial))
-    ray.shutdown()
+    disconnect()
 
     print(f"\nray start: {ray_start:.1f} s (before (b) and (c), not in their makespans)")
     print(f"ideal: {ideal:.2f} s = summed in-trial seconds of the trials run alone / {args.cpus} CPUs\n")
@@ -164,12 +161,10 @@ def main() -> None:
 
 
 def distributed(args) -> None:
-    import ray
-
     from rayhpc.bench.warm_sweeps import HEADER, distributed_row, print_row
 
     epochs = args.epochs if "--epochs" in sys.argv else 5
-    ray.init(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+    start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
     print(f"distributed trials: the default sweep, {args.trials} trials of {args.workers} workers (1 CPU each), "
           f"{epochs} epochs, {args.cpus} CPUs\n\n{HEADER}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_warm_") as work:
@@ -178,13 +173,11 @@ def distributed(args) -> None:
 
 
 def scale(args) -> None:
-    import ray
-
     from rayhpc.bench.scale_sweeps import HEADER, print_row, resumed_row, scale_rows
 
     epochs = args.epochs if "--epochs" in sys.argv else 10
     sizes = [int(n) for n in args.sizes.split(",")]
-    ctx = ray.init(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+    ctx = start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
     print(f"scale: the default sweep at {sizes} trials, {epochs} epochs each, {args.cpus} CPUs\n\n{HEADER}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as work:
         scale_rows(sizes, epochs, ctx.address_info["gcs_address"], Path(work))

@@ -169,7 +169,7 @@ def ray_session(cfg=None):
         yield
     finally:
         if not was_connected and ray.is_initialized():
-            ray.shutdown()
+            cluster.disconnect()
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:

@@ -6,9 +6,14 @@ the way Ray counts them), so bad requests fail before a cluster is started.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import math
 import os
+import shutil
+import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,20 +171,92 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     # switches it off.
     if address is None:  # on by default too, but only if ray[default] is there: say so when it is not
         init_kwargs.setdefault("include_dashboard", True)
-        private_local_token()
     try:
-        ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
+        if address is None:
+            ctx = start_local(logging_level=logging.WARNING, **init_kwargs)
+        else:
+            ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
     except (OSError, RuntimeError, ValueError) as exc:  # OSError: also a too-long RAY_TMPDIR socket path
         what = f"address (--address) {address}: cannot connect to" if address else "cannot start"
         raise ConfigError(f"{what} a Ray cluster: {exc}".splitlines()[0]) from None
     interrupt.install()  # ray.init makes SIGTERM exit at once; ours stops the job as Ctrl-C does
     res = _current()
     dashboard = getattr(ctx, "dashboard_url", None)
-    started = f"started local Ray at {res.address}" if address is None else f"joined Ray at {address}"
+    started = f"started local Ray at {res.address} in {_local_temp[-1]}" if address is None else \
+        f"joined Ray at {address}"
     # the dashboard asks for the cluster's token once per browser: `ray get-auth-token` prints it
     log.info(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
              + (f"; dashboard http://{dashboard} (token: `ray get-auth-token`)" if dashboard else ""))
     return res
+
+
+_local_temp: list[Path] = []  # the private temp folder of the local Ray this process started
+
+
+def start_local(**init_kwargs):
+    """Start a Ray of this process's own on this machine and connect to it; returns `ray.init`'s context.
+
+    Never Ray's default: `ray.init()` joins the cluster that `<tmp>/ray/ray_current_cluster` names, a
+    folder Ray makes 0777 where any user can start a head or write that file first, and would hand it the
+    token, the task's code and data. So: `address="local"` (always a new cluster), its sockets, logs and
+    session files inside a new folder of a random name made 0700 (`tempfile.mkdtemp`), and its GCS on a port
+    chosen here, which the processes Ray starts are told as RAY_ADDRESS: Ray's state API in a worker (Ray
+    Train's placement-group cleaner) otherwise looks for "the" cluster in `<tmp>/ray` and among every
+    user's processes. The folder goes when the process disconnects (`disconnect`) or exits."""
+    import ray
+
+    private_local_token()
+    for attempt in range(3):  # the port is free when chosen; another process may take it before the GCS does
+        temp = Path(tempfile.mkdtemp(prefix="rayhpc-"))
+        port = free_port()
+        try:
+            with environment(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
+                # in a folder of its own inside ours: Ray makes its temp dir 0777, ours stays 0700
+                ctx = ray.init(address="local", _temp_dir=str(temp / "ray"), **init_kwargs)
+        except Exception:
+            shutil.rmtree(temp, ignore_errors=True)
+            if attempt == 2 or ray.is_initialized():
+                raise
+            continue
+        atexit.unregister(disconnect)
+        atexit.register(disconnect)  # once; Ray stops before its folder goes, whichever exit handler runs first
+        _local_temp.append(temp)
+        return ctx
+
+
+def disconnect() -> None:
+    """Leave Ray; a local Ray this process started stops, and its private folder is removed."""
+    import ray
+
+    ray.shutdown()
+    remove_local_temp()
+
+
+def remove_local_temp() -> None:
+    """Remove the private folder of the local Ray this process started (once its processes are gone)."""
+    while _local_temp:
+        shutil.rmtree(_local_temp.pop(), ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """`values` in os.environ inside (what processes started inside inherit), as before outside."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _current() -> Resources:

@@ -117,6 +117,9 @@ def _force_exit() -> None:
     for pid in descendants(os.getpid()):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+    from rayhpc import cluster  # imported here: cluster imports this module
+
+    cluster.remove_local_temp()
     os._exit(exit_code())
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SUBMITTED
+from rayhpc.slurm.private import UnsafePath, check_ancestors
 from rayhpc.slurm.submit import log_dir
 from test_slurm import (CLUSTER, LOGS, RAYHPC, TWO_NODES, assert_nothing_left, job_log, job_processes,
                         skip_requeue_delay, submit, submit_held, wait_cluster, wait_done, with_changes)
@@ -83,12 +84,7 @@ def test_a_log_dir_in_a_folder_others_may_write_without_the_sticky_bit_is_refuse
     shared = world_tmp("rayhpc-open")
     shared.mkdir()
     shared.chmod(mode)
-    config = tmp_path / "cluster.yaml"
-    config.write_text(json.dumps(with_changes(log_dir=shared / "logs").model_dump(mode="json")))  # JSON is YAML
-    proc = subprocess.run([RAYHPC, "submit", "--cluster", str(config), "--", "true"], capture_output=True, text=True,
-                          cwd=tmp_path)
-    if proc.returncode == 0:  # the refusal is broken: the job went in
-        SUBMITTED.append(proc.stdout.split()[2].rstrip(":"))
+    proc = submit_with_log_dir(shared / "logs", tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, \
         f"a log_dir in a folder of mode {mode:04o} was not refused: {proc.stdout}{proc.stderr}"
     assert proc.stderr.startswith(f"error: log_dir {shared}/logs: {shared} (mode {mode:04o}) can be written by other "
@@ -101,6 +97,41 @@ def test_a_log_dir_in_a_folder_others_may_write_without_the_sticky_bit_is_refuse
     assert stat.S_IMODE((shared / "logs").stat().st_mode) == 0o700
     assert as_attacker("mv", str(shared / "logs"), str(shared / "theirs")).returncode != 0
     assert (shared / "logs").is_dir()
+
+
+def test_a_path_through_a_symbolic_link_is_checked_where_it_really_is(attacker, tmp_path, world_tmp):
+    """What `check_ancestors` is given unresolved (a cluster config's log_dir is resolved when loaded; the
+    temp folder `rayhpc doctor` checks is not): a link in a folder of one's own that leads into a folder
+    others may write without the sticky bit is refused, naming that folder; a link the other user made
+    (in a sticky shared folder, pointing at /tmp, which passes every check itself) is refused, naming
+    the link."""
+    shared = world_tmp("rh-open")
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "inner").mkdir(mode=0o700)
+    (tmp_path / "logs").symlink_to(shared / "inner")
+    with pytest.raises(UnsafePath, match=f"^{shared} \\(mode 0777\\) can be written by other users and has no sticky"):
+        check_ancestors(tmp_path / "logs" / "job")
+
+    sticky = world_tmp("rh-sticky")
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    assert as_attacker("ln", "-s", "/tmp", f"{sticky}/logs").returncode == 0
+    uid = int(subprocess.run(["id", "-u", attacker], capture_output=True, text=True, check=True).stdout)
+    with pytest.raises(UnsafePath, match=f"^{sticky}/logs is a symbolic link of uid {uid}, not yours"):
+        check_ancestors(sticky / "logs" / "job")
+
+
+def submit_with_log_dir(log_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """`rayhpc submit -- true` on the test cluster's config with `log_dir` (a job it submits is cancelled
+    after the test)."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(json.dumps(with_changes(log_dir=log_dir).model_dump(mode="json")))  # JSON is YAML
+    proc = subprocess.run([RAYHPC, "submit", "--cluster", str(config), "--", "true"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    if proc.returncode == 0:  # a refusal is broken: the job went in
+        SUBMITTED.append(proc.stdout.split()[2].rstrip(":"))
+    return proc
 
 
 def listening_ports(pid: int) -> set[int]:

@@ -20,8 +20,21 @@ class UnsafePath(Exception):
 
 def check_ancestors(path: Path) -> None:
     """Every existing folder from / down to `path` is owned by root or this user, and one that others
-    may write to has the sticky bit (as /tmp), so no other user can rename or replace what is inside."""
+    may write to has the sticky bit (as /tmp), so no other user can rename or replace what is inside.
+    Symbolic links are followed: the folders checked are those the path really goes through (a link
+    in a folder of one's own may lead into a folder others can write), and a link another user owns
+    is refused (they can point it anywhere, at any time)."""
     uid = os.getuid()
+    path = Path(os.path.abspath(path))
+    for entry in [*reversed(path.parents), path]:
+        try:
+            st = os.lstat(entry)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, uid):
+            raise UnsafePath(f"{entry} is a symbolic link of uid {st.st_uid}, not yours (uid {uid}) or root's: "
+                             f"they can point it anywhere; choose a folder of your own (log_dir)")
+    path = path.resolve()
     for folder in [*reversed(path.parents), path]:
         try:
             st = os.stat(folder)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from rayhpc.slurm.config import load_cluster
-from rayhpc.slurm.submit import sbatch, submit
+from rayhpc.slurm.submit import log_dir, sbatch, submit
 
 TIMING = re.compile(r"rayhpc: timing: head launched ([\d.]+) s, head port open ([\d.]+) s, "
                     r"all nodes joined ([\d.]+) s")
@@ -42,8 +42,13 @@ OWN_START = """#!/bin/bash
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task={cpus}
 #SBATCH --output={log}
-export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="{log}.token" T=/tmp/rh-bench-$SLURM_JOB_ID
-(umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > "$RAY_AUTH_TOKEN_PATH")
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="{log}.token"
+# the token and Ray's folders as the platform's startup makes them: created exclusively (0600, never
+# through a link), and on each node a new 0700 folder of a random name, Ray's temp dir inside it
+# (Ray makes its own 0777)
+python -c 'import os, secrets; from rayhpc.slurm.private import write_private
+write_private(os.environ["RAY_AUTH_TOKEN_PATH"], secrets.token_hex(32), replace=False)' || exit 1
+D=$(mktemp -d "/tmp/rh-bench-$SLURM_JOB_ID-XXXXXXXX") || exit 1
 # free ports on the head, as the platform takes them (no fixed port another job could hold)
 read -r port dashboard < <(python -c 'import socket
 socks = [socket.socket() for _ in range(2)]
@@ -53,13 +58,14 @@ head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1)
 ip=$(getent ahostsv4 "$head" | awk 'NR==1{{print $1}}')
 t0=$(date +%s.%N)
 # the head in the batch step, so that it outlives `ray start`; it returns once the node is up
-ray start --head --node-ip-address="$ip" --port="$port" --dashboard-port="$dashboard" --temp-dir="$T-$head" \\
+ray start --head --node-ip-address="$ip" --port="$port" --dashboard-port="$dashboard" --temp-dir="$D/ray" \\
     --num-cpus={cpus} --disable-usage-stats --include-dashboard=true >/dev/null 2>&1 || echo "ray start failed on $head"
 # then every other node at once, each `ray start` returning once its node has joined
 for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +2); do
-    srun --overlap -N1 -n1 -w "$node" bash -c 'exec ray start --address="$0" --temp-dir="$1-$(hostname -s)" \\
+    srun --overlap -N1 -n1 -w "$node" bash -c 'D=$(mktemp -d "/tmp/rh-bench-$1-XXXXXXXX") && exec ray start \\
+        --address="$0" --temp-dir="$D/ray" \\
         --node-ip-address="$(getent ahostsv4 "$(hostname -s)" | awk "NR==1{{print \\$1}}")" --num-cpus={cpus} \\
-        --disable-usage-stats' "$ip:$port" "$T" >/dev/null 2>&1 || echo "ray start failed on $node" &
+        --disable-usage-stats' "$ip:$port" "$SLURM_JOB_ID" >/dev/null 2>&1 || echo "ray start failed on $node" &
 done
 wait
 t1=$(date +%s.%N)
@@ -67,7 +73,7 @@ awk -v a="$t0" -v b="$t1" 'BEGIN{{printf "ray-own-start %.2f\\n", b-a}}'
 # only this job's Ray (`ray stop` stops every Ray on the node); KILL, since the GCS server
 # outlives a TERM once its session dir is gone
 srun --overlap --ntasks-per-node=1 bash -c 'for _ in $(seq 50); do pkill -KILL -f "/tmp/[r]h-bench-$0-" || break
-    sleep 0.1; done; cd /tmp && rm -rf "rh-bench-$0-$(hostname -s)"' "$SLURM_JOB_ID"  # relative: no pkill match
+    sleep 0.1; done; cd /tmp && rm -rf "rh-bench-$0-"*' "$SLURM_JOB_ID"  # relative: no pkill match
 rm -f "$RAY_AUTH_TOKEN_PATH"
 """
 
@@ -99,7 +105,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="jobs per node count (the median is shown)")
     a = p.parse_args()
     cluster = load_cluster(a.cluster)
-    cluster.log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir(cluster)  # made 0700 if missing; refused if another user controls it
     print(f"{'nodes':>5} {'Ray own start s':>16} {'head port open s':>17} {'all joined s':>13} {'overhead s':>11}")
     overhead = {}
     for nodes in [int(n) for n in a.nodes.split(",")]:

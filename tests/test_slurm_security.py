@@ -322,6 +322,17 @@ def test_doctor_in_a_two_node_allocation_checks_the_nodes_and_names_problems(slu
     assert next(line for line in lines if "versions" in line).endswith("on 2 node(s)")
 
 
+def test_stop_of_another_users_job_is_one_error_line_and_the_job_runs_on(slurm, attacker):
+    job = subprocess.run(["sbatch", "--parsable", "--job-name=rayhpc-theirs", "--output=/dev/null", "--wrap=sleep 600"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    SUBMITTED.append(job)
+    stop = rayhpc_as_attacker("stop", job)
+    assert stop.returncode == 2 and stop.stderr.startswith(f"error: job {job}: scancel: "), stop.stderr
+    assert len(stop.stderr.strip().splitlines()) == 1 and "Traceback" not in stop.stderr, stop.stderr
+    assert subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(), \
+        "another user's `rayhpc stop` ended the job"
+
+
 def rayhpc_as_attacker(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`rayhpc ARGS` as the other user. This interpreter may live where that user cannot read (a
     pyenv under /root), so it starts as root, imports what the command needs, then drops to the

@@ -69,7 +69,9 @@ def stop(job_id: str, timeout_s: float = 120.0) -> tuple[str, bool]:
         raise ConfigError(f"job {job_id}: Slurm does not know it (not in the queue, nor recently ended)")
     folder, nodes = job_dir(job_id, fields), nodes_of(fields["NodeList"]) if fields.get("NodeList") else []
     started = time.time()
-    subprocess.run(["scancel", job_id], check=True, capture_output=True)
+    cancel = subprocess.run(["scancel", job_id], capture_output=True, text=True)
+    if cancel.returncode:  # e.g. another user's job: "Access/permission denied"
+        raise ConfigError(f"job {job_id}: scancel: {(cancel.stderr.strip() or 'failed').splitlines()[-1]}")
     deadline = time.monotonic() + timeout_s
     while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip():
         if time.monotonic() > deadline:

@@ -104,8 +104,10 @@ def test_training_workers_export_loss_throughput_and_step_time_per_rank(ray_clus
                       if s.labels["run"] == "watched" and s.labels["metric"] == "abs_error"}
         loss = next(s.value for s in samples["rayhpc_train_loss"] if s.labels["run"] == "watched"
                     and s.labels["rank"] == "0")
-        assert_recorded(tmp_path / "watched" / "metrics.parquet", [("loss", loss), *(("abs_error", v) for v in
-                                                                                    metric.values())])
+        # every rank validates the whole split with the same weights: each rank's metric is one of rank 0's
+        assert_each_was_recorded([("loss", loss), *(("abs_error", v) for v in metric.values())],
+                                 lambda: recorded_by_the_run(tmp_path / "watched" / "metrics.parquet"), rel_tol=1e-6,
+                                 timeout_s=20, what="exported values the run never recorded")
     finally:
         job.send_signal(signal.SIGINT)
         job.wait(timeout=60)
@@ -116,20 +118,24 @@ def test_training_workers_export_loss_throughput_and_step_time_per_rank(ray_clus
     assert "rayhpc_gpu_memory_allocated_bytes" not in samples  # only where there is a GPU
 
 
-def assert_recorded(path: Path, exported: list[tuple[str, float]]) -> None:
-    """Each exported value is one the run recorded (rank 0's reports, in its own metrics.parquet; every
-    rank validates the whole split with the same weights, so each rank's metric is one of rank 0's);
-    the record may trail the gauges by a report."""
-    deadline = time.monotonic() + 20
+def recorded_by_the_run(path: Path) -> dict[str, list[float]]:
+    """The run's own record (rank 0's reports, in its metrics.parquet) of its loss and validation metric."""
+    table = pd.read_parquet(path) if path.exists() else pd.DataFrame({"loss": [], "val_abs_error": []})
+    return {"loss": table["loss"].tolist(), "abs_error": table["val_abs_error"].dropna().tolist()}
+
+
+def assert_each_was_recorded(exported: list, read_recorded, rel_tol: float, timeout_s: float, what: str) -> None:
+    """Each (key, value) in `exported` is one of the values `read_recorded()` lists under its key; the
+    record is read again for up to `timeout_s`, as it may trail the gauges by a report."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        table = pd.read_parquet(path) if path.exists() else pd.DataFrame({"loss": [], "val_abs_error": []})
-        recorded = {"loss": table["loss"].tolist(), "abs_error": table["val_abs_error"].dropna().tolist()}
-        wrong = [(name, value) for name, value in exported
-                 if not any(math.isclose(value, r, rel_tol=1e-6) for r in recorded[name])]
-        if not wrong:
+        recorded = read_recorded()
+        missing = [(key, value) for key, value in exported
+                   if not any(math.isclose(value, r, rel_tol=rel_tol) for r in recorded.get(key, []))]
+        if not missing:
             return
-        assert time.monotonic() < deadline, f"exported values the run never recorded: {wrong}; recorded (last 5): " \
-            f"{ {k: v[-5:] for k, v in recorded.items()} }"
+        assert time.monotonic() < deadline, f"{what}: {missing}; recorded (last 3): " \
+            f"{ {k: v[-3:] for k, v in recorded.items()} }"
         time.sleep(1)
 
 
@@ -210,18 +216,10 @@ def reported(cluster: dict) -> dict[tuple[str, str], list[float]]:
 def assert_series_are_reported_values(samples: dict, cluster: dict) -> None:
     """Each exported series holds a value its trial reported (a gauge set to anything else, or to another
     trial's value, fails); Tune's result file may trail the gauges by a moment."""
-    series = [(name, s) for name in REPORTED for s in samples[name] if s.labels["sweep"] == SWEEP]
-    deadline = time.monotonic() + 30
-    while True:
-        found = reported(cluster)
-        missing = [(name, s.labels["trial_id"], s.value) for name, s in series
-                   if not any(math.isclose(s.value, v, rel_tol=1e-9)
-                              for v in found.get((s.labels["trial_id"], REPORTED[name]), []))]
-        if not missing:
-            return
-        assert time.monotonic() < deadline, f"series whose value their trial never reported: {missing}; " \
-            f"reported: { {k: v[-3:] for k, v in found.items()} }"
-        time.sleep(1)
+    exported = [((s.labels["trial_id"], REPORTED[name]), s.value) for name in REPORTED for s in samples[name]
+                if s.labels["sweep"] == SWEEP]
+    assert_each_was_recorded(exported, lambda: reported(cluster), rel_tol=1e-9, timeout_s=30,
+                             what="series whose value their trial never reported")
 
 
 def test_prometheus_scrapes_the_trial_loss_with_the_shipped_config(ray_cluster, sweep, tmp_path):

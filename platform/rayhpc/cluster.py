@@ -169,11 +169,9 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     # other user can submit code to it. RAY_AUTH_MODE is read when ray is imported,
     # so it cannot be switched on from here (see use_token_if_present); rayhpc never
     # switches it off.
-    if address is None:  # on by default too, but only if ray[default] is there: say so when it is not
-        init_kwargs.setdefault("include_dashboard", True)
     try:
-        if address is None:
-            ctx = start_local(logging_level=logging.WARNING, **init_kwargs)
+        if address is None:  # the dashboard is on by default too, but only if ray[default] is there: say so when not
+            ctx = start_local(logging_level=logging.WARNING, **{"include_dashboard": True, **init_kwargs})
         else:
             ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
     except (OSError, RuntimeError, ValueError) as exc:  # OSError: also a too-long RAY_TMPDIR socket path

@@ -10,9 +10,10 @@ import sys
 import time
 
 import pytest
+import ray
 
 from conftest import ROOT, job_env
-from test_slurm_security import ATTACKER, as_attacker, attacker, world_tmp  # noqa: F401 (fixtures)
+from test_slurm_security import ATTACKER, as_attacker, attacker, python_as_attacker, world_tmp  # noqa: F401
 
 
 JOBS = {"sweep": ["tune_mlp.py", "--num-samples", "2", "--epochs", "2"],
@@ -67,3 +68,44 @@ def test_a_local_job_never_joins_the_cluster_another_user_named_first(kind, atta
     assert theirs == ["ray_current_cluster"], f"the {kind} wrote into the other user's Ray folder: {theirs}"
     left = [p.name for p in shared.iterdir() if p.name.startswith("rayhpc-")]
     assert left == [], f"the local Ray's folder was left behind: {left}"
+
+
+ATTACK_STORE = """
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=10))
+# gloo's rendezvous keys (the default group's, then the next new group's): rank addresses, fixed names
+keys = [f"0//{group}cpu//0/{rank}" for group in ["", "1//", "2//"] for rank in (0, 1)]
+print("read:", [key for key in keys if store.check([key])])
+for key in keys:
+    store.set(key, b"attacker's address")
+print("planted")
+"""
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank functions defined here
+
+
+def new_group_sum(ctx) -> float:
+    """A rendezvous after the other user's visit: a new process group (its addresses go through the store)."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(total, group=dist.new_group([0, 1]))
+    return total.item()
+
+
+def test_another_user_on_the_node_can_neither_read_nor_steer_the_worker_groups_rendezvous(ray_cluster, attacker):
+    """The store of a worker group has no authentication. The attack: the other user connects to it (its port
+    is in /proc/net/tcp), reads the ranks' addresses and plants their own under the keys gloo uses. Keys under
+    the group's random prefix give them nothing to read, and what they plant is never asked for."""
+    from rayhpc.workers.group import WorkerGroup
+
+    with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=60) as group:
+        listening = subprocess.run(["ss", "-Hltn", f"sport = :{group.store_port}"], capture_output=True, text=True)
+        assert [line.split()[3] for line in listening.stdout.splitlines()] == [f"127.0.0.1:{group.store_port}"], \
+            f"the store of a one-node group listens beyond loopback:\n{listening.stdout}"
+        attack = python_as_attacker(ATTACK_STORE, str(group.store_port), imports="import datetime, torch.distributed as dist",
+                                    timeout=60)
+        assert "planted" in attack.stdout, attack.stderr[-2000:]
+        assert "read: []" in attack.stdout, f"the other user read the ranks' rendezvous keys: {attack.stdout}"
+        assert group.run(new_group_sum, timeout_s=30) == [3.0, 3.0]

@@ -333,16 +333,23 @@ def test_stop_of_another_users_job_is_one_error_line_and_the_job_runs_on(slurm, 
         "another user's `rayhpc stop` ended the job"
 
 
-def rayhpc_as_attacker(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`rayhpc ARGS` as the other user. This interpreter may live where that user cannot read (a
-    pyenv under /root), so it starts as root, imports what the command needs, then drops to the
-    other user before running it."""
-    code = ("import os, pwd, shutil, sys, json, subprocess, pathlib\n"
-            "import rayhpc.cli, rayhpc.cluster, rayhpc.slurm.submit\n"
-            f"user = pwd.getpwnam({ATTACKER!r}); os.setgroups([]); os.setgid(user.pw_gid); os.setuid(user.pw_uid)\n"
-            f"rayhpc.cli.main({list(args)!r})")
+def python_as_attacker(code: str, *args: str, imports: str = "", env: dict | None = None,
+                       timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS` as the other user. This interpreter may live where that user cannot read (a
+    pyenv under /root), so it starts as root, imports `imports` (what the code needs), then drops to the
+    other user before running the code."""
+    prelude = (f"import os, pwd, sys\n{imports}\n"
+               f"user = pwd.getpwnam({ATTACKER!r}); os.setgroups([]); os.setgid(user.pw_gid); os.setuid(user.pw_uid)\n")
     env = {"PATH": os.environ["PATH"], "HOME": "/tmp", **(env or {})}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/tmp")
+    return subprocess.run([sys.executable, "-c", prelude + code, *args], capture_output=True, text=True, env=env,
+                          cwd="/tmp", timeout=timeout)
+
+
+def rayhpc_as_attacker(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`rayhpc ARGS` as the other user."""
+    return python_as_attacker(f"rayhpc.cli.main({list(args)!r})", env=env,
+                              imports="import shutil, json, subprocess, pathlib, rayhpc.cli, rayhpc.cluster, "
+                                      "rayhpc.slurm.submit")
 
 
 def test_status_shows_other_users_private_jobs_and_odd_names_without_a_traceback(slurm, attacker):

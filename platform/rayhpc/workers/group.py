@@ -8,6 +8,11 @@ What it does, and the traps it avoids (see ../shared/notes/worker-group-design.m
 - rendezvous without a port race: rank 0 opens a `TCPStore` on port 0, the OS
   picks a free port, and the driver hands that port to the other ranks (picking
   a "free" port and binding it later lets another program take it first);
+- a rendezvous other users on the node cannot steer: the store (which has no
+  authentication) listens only on the address the ranks use (loopback when they
+  share a node), and every key lives under a random 128-bit prefix that only the
+  ranks learn, through Ray; a stranger who connects can neither read the ranks'
+  addresses nor plant their own (gloo's keys are otherwise fixed: `0//cpu//0/1`);
 - every call waits with a timeout: a rank that fails is reported with its
   traceback, ranks that do not answer are named, and the group is torn down
   instead of leaving survivors blocked in a collective.
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
+import socket
 import time
 import traceback
 from datetime import timedelta
@@ -65,29 +72,35 @@ class RankWorker:
         import torch
 
         torch.set_num_threads(threads)
-        self.store = None
+        self.store = self.listener = None
         self.ctx: WorkerContext | None = None
 
     def info(self) -> dict:
         return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
-    def start_store(self, world_size: int, timeout_s: float) -> int:
-        """Rank 0: open the rendezvous store on a port the OS picks; return the port."""
+    def start_store(self, address: str, world_size: int, timeout_s: float) -> int:
+        """Rank 0: open the rendezvous store on `address` only (TCPStore alone would listen on every
+        interface), on a port the OS picks; return the port."""
         import torch.distributed as dist
 
-        self.store = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True,
-                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        return self.store.port
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.listener = socket.create_server((address, 0), family=family)
+        port = self.listener.getsockname()[1]
+        self.store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                                   wait_for_workers=False, master_listen_fd=self.listener.fileno())
+        return port
 
-    def init(self, rank: int, local_rank: int, world_size: int, master_addr: str, port: int, backend: str,
-             timeout_s: float, visible_gpus: str | None, device_index: int | None) -> None:
+    def init(self, rank: int, local_rank: int, world_size: int, master_addr: str, port: int, prefix: str,
+             backend: str, timeout_s: float, visible_gpus: str | None, device_index: int | None) -> None:
         import torch
         import torch.distributed as dist
 
         env = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size,
                "MASTER_ADDR": master_addr, "MASTER_PORT": port}
         os.environ.update({k: str(v) for k, v in env.items()})
+        if master_addr == "127.0.0.1":  # one node: gloo's own sockets on loopback too, off the network
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if visible_gpus is not None:
             # every rank on a node sees the node's GPUs (NCCL's peer-to-peer paths need that)
             # and uses its own by index
@@ -99,8 +112,9 @@ class RankWorker:
         if self.store is None:
             self.store = dist.TCPStore(master_addr, port, world_size, is_master=False,
                                        timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, store=self.store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        # every key under the ranks' secret prefix: a stranger connected to the store can neither read nor plant any
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
         self.ctx = WorkerContext(rank, world_size, local_rank, device)
 
     def execute(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
@@ -135,6 +149,7 @@ class WorkerGroup:
         self.backend = "nccl" if gpus_per_worker > 0 else "gloo"
         self.actors: list = []  # by rank
         self.pg, self.own_pg = placement_group, placement_group is None
+        self.store_port: int | None = None  # the rendezvous store's, once started
         self.describe_rank: Callable[[int], str] = lambda rank: f"rank {rank}"
         if start:
             self.start()
@@ -173,7 +188,9 @@ class WorkerGroup:
         nodes = [info["node_id"] for info in self.infos]
         single_node = len(set(nodes)) == 1
         master_addr = "127.0.0.1" if single_node else self.infos[0]["node_ip"]
-        port = self._wait([self.actors[0].start_store.remote(self.num_workers, self.timeout_s)], "start_store", [0])[0]
+        self.store_port = self._wait([self.actors[0].start_store.remote(master_addr, self.num_workers, self.timeout_s)],
+                                     "start_store", [0])[0]
+        prefix = secrets.token_hex(16)  # the ranks' shared secret: known to them and this driver only
         calls = []
         for rank, (actor, info) in enumerate(zip(self.actors, self.infos)):
             local_rank = nodes[:rank].count(info["node_id"])
@@ -181,8 +198,8 @@ class WorkerGroup:
                                key=gpu_key)
             visible = ",".join(node_gpus) if info["gpu_ids"] else None
             index = node_gpus.index(info["gpu_ids"][0]) if info["gpu_ids"] else None
-            calls.append(actor.init.remote(rank, local_rank, self.num_workers, master_addr, port, self.backend,
-                                           self.timeout_s, visible, index))
+            calls.append(actor.init.remote(rank, local_rank, self.num_workers, master_addr, self.store_port, prefix,
+                                           self.backend, self.timeout_s, visible, index))
         self._wait(calls, "init_process_group", list(range(self.num_workers)))
 
     def run(self, fn: Callable, *args, timeout_s: float | None = None, **kwargs) -> list:

@@ -3,6 +3,8 @@ a Ray of its own in a private folder, and never joins the cluster someone else n
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import stat
 import subprocess
@@ -12,7 +14,7 @@ import time
 import pytest
 import ray
 
-from conftest import ROOT, job_env
+from conftest import ROOT, job_env, run_job_warm
 from test_slurm_security import ATTACKER, as_attacker, attacker, python_as_attacker, world_tmp  # noqa: F401
 
 
@@ -27,7 +29,8 @@ def test_a_local_job_never_joins_the_cluster_another_user_named_first(kind, atta
     there with the victim's token, code and data, and so would Ray's state API inside the job's workers
     (Ray Train's placement-group cleaner asks it every second whether the controller lives). The job
     (no --address) must not connect and must write nothing under that folder; its own Ray lives in a new
-    0700 folder the other user cannot enter, removed when the job ends."""
+    0700 folder the other user cannot enter, removed when the job ends. Its results and checkpoints, kept in a
+    folder every user can read, are the user's alone: 0700 folders, 0600 files."""
     shared = world_tmp("rh")  # stands in for /tmp: every user may create entries
     shared.mkdir()
     shared.chmod(0o1777)
@@ -40,7 +43,8 @@ def test_a_local_job_never_joins_the_cluster_another_user_named_first(kind, atta
         assert as_attacker("sh", "-c", f"echo 127.0.0.1:{port} > {shared}/ray/ray_current_cluster").returncode == 0
 
         script, *args = JOBS[kind]
-        job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / script), *args, "--storage-path", str(tmp_path)],
+        storage = shared / "results"
+        job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / script), *args, "--storage-path", str(storage)],
                                cwd=ROOT, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env=job_env({"TMPDIR": str(shared), "RAY_TMPDIR": str(shared)}))
@@ -68,6 +72,13 @@ def test_a_local_job_never_joins_the_cluster_another_user_named_first(kind, atta
     assert theirs == ["ray_current_cluster"], f"the {kind} wrote into the other user's Ray folder: {theirs}"
     left = [p.name for p in shared.iterdir() if p.name.startswith("rayhpc-")]
     assert left == [], f"the local Ray's folder was left behind: {left}"
+    (job_dir,) = storage.iterdir()
+    assert list(job_dir.rglob("checkpoint_*")), f"the {kind} kept no checkpoint: {sorted(job_dir.rglob('*'))}"
+    readable = as_attacker("find", str(storage), "-type", "f")
+    assert readable.stdout == "", f"{ATTACKER} can list the {kind}'s results:\n{readable.stdout}"
+    shared_modes = {str(p.relative_to(storage)): oct(p.lstat().st_mode) for p in [job_dir, *job_dir.rglob("*")]
+                    if p.lstat().st_mode & 0o077}
+    assert shared_modes == {}, f"folders or files of the {kind} that other users may reach: {shared_modes}"
 
 
 ATTACK_STORE = """
@@ -109,3 +120,48 @@ def test_another_user_on_the_node_can_neither_read_nor_steer_the_worker_groups_r
         assert "planted" in attack.stdout, attack.stderr[-2000:]
         assert "read: []" in attack.stdout, f"the other user read the ranks' rendezvous keys: {attack.stdout}"
         assert group.run(new_group_sum, timeout_s=30) == [3.0, 3.0]
+
+
+PLANTED_PICKLE = """
+import os, pickle, sys
+class Plant:
+    def __reduce__(self):  # runs when the victim loads the pickle
+        return (os.system, (f"touch {sys.argv[2]}",))
+open(sys.argv[1], "wb").write(pickle.dumps(Plant()))
+"""
+
+
+def test_a_resume_loads_nothing_another_user_could_have_planted(attacker, world_tmp):
+    """The attack: a finished sweep's folder that others could write (group-writable, say) and the other user's
+    `tuner.pkl` in it, a pickle that runs their command when loaded. `--resume` refuses with one line, while
+    the folder is writable and after the owner narrowed it, and loads nothing."""
+    from rayhpc.tune.config import SweepConfig
+
+    storage = world_tmp("rh-results")
+    job = storage / "sweep-1"
+    job.mkdir(parents=True)
+    job.chmod(0o777)
+    (job / "sweep.yaml").write_text(json.dumps(SweepConfig(name="sweep-1").saved()))
+    marker = storage / "planted-pickle-ran"
+    planted = python_as_attacker(PLANTED_PICKLE, str(job / "tuner.pkl"), str(marker), imports="import pickle")
+    assert planted.returncode == 0, planted.stderr
+    resume = ["--name", "sweep-1", "--resume", "--storage-path", str(storage)]
+    for mode, culprit in [(0o777, f"{job} (mode 0777) can be written by other users"),
+                          (0o700, f"{job / 'tuner.pkl'} belongs to uid")]:
+        job.chmod(mode)
+        out = run_job_warm("tune_mlp.py", *resume)
+        assert out.returncode == 2 and out.stderr.startswith(f"error: resume (--resume): {culprit}"), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and not marker.exists(), out.stderr
+
+
+def test_a_task_file_in_a_folder_others_can_write_is_not_imported(world_tmp):
+    """The task's folder goes on sys.path while it loads, so a module another user plants beside it would run."""
+    shared = world_tmp("rh-tasks")
+    shared.mkdir()
+    shutil.copy(ROOT / "tests" / "tasks" / "dropout.py", shared / "task.py")
+    shared.chmod(0o1777)
+    out = run_job_warm("tune_mlp.py", "--task", f"{shared}/task.py:Dropout", "--num-samples", "1")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (f"error: task (--task) {shared}/task.py:Dropout: {shared} (mode 1777) can be written "
+                          f"by other users, so what it holds may not be yours, and it is not loaded; if it is: "
+                          f"chmod -R go-w {shared}\n"), out.stderr

@@ -99,6 +99,35 @@ def test_a_log_dir_in_a_folder_others_may_write_without_the_sticky_bit_is_refuse
     assert (shared / "logs").is_dir()
 
 
+def test_a_log_dir_others_may_create_files_in_is_refused_before_their_fifos_are_opened(slurm, attacker, tmp_path,
+                                                                                       world_tmp):
+    """The attack: a shared sticky log folder, where the other user makes FIFOs (or files of theirs) under the
+    names the next job's script and Slurm log would take. `rayhpc submit` refuses the folder at once, in one
+    line, opens none of them and submits nothing; with a folder of one's own, the script goes to sbatch on
+    stdin and no file of it is left in the log folder."""
+    logs = world_tmp("rayhpc-shared-logs")
+    logs.mkdir()
+    logs.chmod(0o1777)
+    probe = subprocess.run(["sbatch", "--parsable", "--hold", "--output=/dev/null", "--wrap=true"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(["scancel", probe], check=True)
+    names = [f"rayhpc-local-slurm-{int(probe) + i}.log" for i in range(1, 6)]
+    names += [f"rayhpc-local-slurm-{time.strftime('%Y%m%d-%H%M%S', time.localtime(time.time() + i))}.sbatch"
+              for i in range(30)]
+    for name in names:
+        assert as_attacker("mkfifo", "-m", "666", f"{logs}/{name}").returncode == 0
+    proc = submit_with_log_dir(logs, tmp_path)  # a FIFO opened for writing would block it: the test would hang
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"error: log_dir {logs}: {logs} (mode 1777) lets other users create files in it"), \
+        proc.stderr
+    assert sorted(p.name for p in logs.iterdir()) == sorted(names)
+
+    own = tmp_path / "logs"
+    proc = submit_with_log_dir(own, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in own.iterdir() if p.suffix == ".sbatch"] == [], "the script was written beside the logs"
+
+
 def test_a_path_through_a_symbolic_link_is_checked_where_it_really_is(attacker, tmp_path, world_tmp):
     """What `check_ancestors` is given unresolved (a cluster config's log_dir is resolved when loaded; the
     temp folder `rayhpc doctor` checks is not): a link in a folder of one's own that leads into a folder

@@ -121,6 +121,9 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     (Ctrl-C, SIGTERM, Slurm's SIGUSR1 warning: `rayhpc.interrupt`) into one line and 128 + its number;
     checkpoints already written are kept, and a resumed run continues from them."""
     rayhpc_log.show()  # the platform's progress lines, as plain lines on stdout
+    # what the job writes (results, checkpoints, logs, a local Ray's files: its processes inherit this) is
+    # the user's alone, 0600 files in 0700 folders, on nodes and filesystems other users share
+    os.umask(0o077)
     try:
         interrupt.install()
         cluster.use_token_if_present()

@@ -19,6 +19,8 @@ from typing import Any, ClassVar, Literal, Mapping, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rayhpc.slurm.private import UnsafePath, check_ancestors, check_trusted, owned_dir, private_dir
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -53,8 +55,17 @@ class JobConfig(StrictModel):
         """The fields that define the job, as written next to its results for `--resume`."""
         return self.model_dump(mode="json", exclude={"resume", "address", "storage_path"}, exclude_none=True)
 
+    def make_dir(self) -> Path:
+        """The job's folder, only this user's (0700): other users can neither read its results and
+        checkpoints nor plant anything that a resume would load."""
+        try:
+            owned_dir(self.storage_path.resolve())
+            return private_dir(self.experiment_dir)
+        except UnsafePath as exc:
+            raise ConfigError(f"storage_path (--storage-path): {exc}") from None
+
     def save(self) -> None:
-        self.experiment_dir.mkdir(parents=True, exist_ok=True)
+        self.make_dir()
         tmp = self.saved_file.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(self.saved(), sort_keys=False))
         os.replace(tmp, self.saved_file)
@@ -110,6 +121,7 @@ def reconcile_resume(cfg: J, explicit: set[str]) -> J:
         there = sorted(p.parent.name for p in cfg.storage_path.resolve().glob(f"*/{cfg.kind}.yaml"))
         raise ConfigError(f"resume (--resume): no {cfg.kind} named {cfg.name} under {cfg.storage_path.resolve()}; "
                           f"{cfg.kind}s there: {', '.join(there) or 'none'}")
+    check_trusted_job(cfg.experiment_dir)
     saved = validate(type(cfg), load_yaml(cfg.saved_file))
     now, before = cfg.saved(), saved.saved()
     for key in sorted(explicit):
@@ -119,9 +131,23 @@ def reconcile_resume(cfg: J, explicit: set[str]) -> J:
     return saved.model_copy(update={"resume": True, "address": cfg.address, "storage_path": cfg.storage_path})
 
 
+def check_trusted_job(folder: Path) -> None:
+    """Before a resume loads anything from a job's folder (Tune's pickles, checkpoints, a copied task
+    file): it and everything in it are this user's and nobody else can write them."""
+    try:
+        check_trusted(folder, below=True)
+    except UnsafePath as exc:
+        raise ConfigError(f"resume (--resume): {exc}") from None
+
+
 def check_storage(path: Path) -> None:
-    """`storage_path` must be a folder, or a path whose first existing ancestor is a writable folder."""
+    """`storage_path` must be a folder, or a path whose first existing ancestor is a writable folder, and
+    no other user may be able to swap it (or a folder above it) out."""
     path = path.expanduser().resolve()
+    try:
+        check_ancestors(path)
+    except UnsafePath as exc:
+        raise ConfigError(f"storage_path (--storage-path): {exc}") from None
     for parent in (path, *path.parents):
         if parent.exists():
             if not parent.is_dir():

@@ -75,7 +75,7 @@ def run_collectives(cfg: CollectivesConfig, explicit: set[str] = frozenset(), ve
                 if verbose:
                     log.info(format_row(rows[-1]))
     table = pd.DataFrame(rows)
-    cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
+    cfg.make_dir()
     table.to_parquet(cfg.experiment_dir / RESULTS_FILE, index=False)
     plot(table, cfg.experiment_dir / PLOT_FILE)
     return table

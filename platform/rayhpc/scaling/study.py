@@ -71,7 +71,7 @@ def run_scaling(cfg: ScalingConfig, explicit: set[str] = frozenset()) -> pd.Data
                      "steps_per_epoch": int(epochs["global_step"].iloc[0]),
                      "samples_per_s": float(epochs["samples_per_s"].iloc[1:].median())})  # epoch 1 is warm-up
     table = add_speedup(pd.DataFrame(rows))
-    cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
+    cfg.make_dir()
     table.to_parquet(cfg.experiment_dir / RESULTS_FILE, index=False)
     plot(table, cfg.experiment_dir / PLOT_FILE)
     return table

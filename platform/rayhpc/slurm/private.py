@@ -112,3 +112,25 @@ def ensure_private_file(path: str | Path) -> None:
         return
     if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
         os.chmod(path, 0o600)
+
+
+def check_trusted(path: str | Path, below: bool = False) -> None:
+    """Before loading what `path` holds (a pickle, a checkpoint, Python code): the folders above it pass
+    `check_ancestors`, and `path` itself (with everything inside it, if `below`) belongs to this user or
+    root and no other user can write to it, sticky bit or not: a file another user may have put there or
+    changed is never loaded. Symbolic links are not followed."""
+    path = Path(os.path.abspath(path))
+    check_ancestors(path)
+    entries = [path]
+    if below and path.is_dir() and not path.is_symlink():
+        for folder, dirs, files in os.walk(path):
+            entries += [Path(folder, name) for name in dirs + files]
+    uid = os.getuid()
+    for entry in entries:
+        st = os.lstat(entry)
+        if st.st_uid not in (0, uid):
+            raise UnsafePath(f"{entry} belongs to uid {st.st_uid}, not to you (uid {uid}): another user put it "
+                             f"there, and it is not loaded")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not stat.S_ISLNK(st.st_mode):
+            raise UnsafePath(f"{entry} (mode {stat.S_IMODE(st.st_mode):04o}) can be written by other users, so what "
+                             f"it holds may not be yours, and it is not loaded; if it is: chmod -R go-w {entry}")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
-import time
 from pathlib import Path
 
 from rayhpc.config import ConfigError
@@ -23,9 +23,16 @@ def sbatch(args: list[str], *, script: str | None = None, env: dict | None = Non
 
 
 def log_dir(cfg: ClusterConfig) -> Path:
-    """The cluster's log folder, made if missing; one another user controls is a one-line error."""
+    """The cluster's log folder, made if missing. One another user controls, or may create files in (sticky
+    or not: Slurm appends each job's output to `<log_dir>/%x-%j.log`, a name they could create first as a
+    FIFO or a file of theirs) is a one-line error."""
     try:
-        return owned_dir(cfg.log_dir)
+        folder = owned_dir(cfg.log_dir)
+        mode = folder.stat().st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UnsafePath(f"{folder} (mode {stat.S_IMODE(mode):04o}) lets other users create files in it, such as "
+                             f"the next job's log before Slurm writes it; use a folder of your own, or chmod go-w {folder}")
+        return folder
     except (UnsafePath, OSError) as exc:
         raise ConfigError(f"log_dir {cfg.log_dir}: {exc}") from None
 
@@ -38,9 +45,7 @@ def submit(cfg: ClusterConfig, command: list[str], *, nodes: int | None = None, 
     if dry_run:
         return text
     log_dir(cfg)  # Slurm does not create the --output folder
-    script = cfg.log_dir / f"rayhpc-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-    script.write_text(text)
-    return sbatch([str(script)])
+    return sbatch([], script=text)  # on stdin: no file of a predictable name that someone could have made first
 
 
 def jobs() -> list[dict]:

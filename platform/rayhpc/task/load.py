@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rayhpc.config import ConfigError
+from rayhpc.slurm.private import UnsafePath, check_trusted
 
 BUILTIN = {"mlp": "rayhpc.task.mlp:MLPTask"}
 REQUIRED = ("model", "data", "loss")
@@ -205,6 +206,11 @@ def _import_file(path: Path, where: str):
     path = path.expanduser().resolve()
     if not path.is_file():
         raise ConfigError(f"{where}: no such file {path}")
+    try:  # its folder too: it goes on sys.path, so a module planted beside it would be imported
+        check_trusted(path.parent)
+        check_trusted(path)
+    except UnsafePath as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
     name = f"rayhpc_task_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{digest}"
     if name in sys.modules:  # loaded once per process

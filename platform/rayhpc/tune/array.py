@@ -22,6 +22,7 @@ import pandas as pd
 from rayhpc.config import ConfigError, reconcile_resume
 from rayhpc.job import bind_task
 from rayhpc.slurm.config import ClusterConfig
+from rayhpc.slurm.private import write_private
 from rayhpc.slurm.render import setup_lines
 from rayhpc.slurm.submit import log_dir, sbatch
 from rayhpc.tune.config import SweepConfig, bind_sweep
@@ -81,9 +82,8 @@ def submit_array(cluster: ClusterConfig, sweep: SweepConfig, task, configs: list
     save_plan([[c] for c in configs], exp_dir)
     (exp_dir / COLUMNS_FILE).write_text(json.dumps(columns))
     task.copy_files(exp_dir / TASK_DIR)
-    script = exp_dir / "array.sbatch"
-    script.write_text(text)
-    array_id = sbatch([str(script)])
+    write_private(exp_dir / "array.sbatch", text)  # a record beside the results; Slurm reads it on stdin
+    array_id = sbatch([], script=text)
     collect = f"{shlex.quote(sys.executable)} -m rayhpc.tune.array {shlex.quote(str(exp_dir))}"
     sbatch([f"--dependency=afterany:{array_id}", f"--job-name=rayhpc-{cluster.name}-collect",
             f"--output={cluster.log_dir}/%x-%j.log", "--ntasks=1", f"--time={cluster.slurm.time}",

@@ -77,7 +77,7 @@ def task_device(gpus: float | None) -> torch.device:
 
 def main(argv=None) -> int:
     """`python -m rayhpc.tune.single --config SWEEP.yaml --index I --out DIR [--task SPEC]`: one array task."""
-    from rayhpc.config import load_yaml, validate
+    from rayhpc.config import check_trusted_job, load_yaml, validate
     from rayhpc.task import task_for
     from rayhpc.tune.config import SweepConfig
     from rayhpc.tune.plan import load_plan
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     # one thread per CPU the task was given (Slurm's --cpus-per-task); more threads than
     # cores makes small torch ops many times slower when tasks share a node
     torch.set_num_threads(int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
+    check_trusted_job(Path(args.config).parent)  # the sweep, its plan and its copied task file are the user's
     cfg = validate(SweepConfig, load_yaml(args.config))
     task = task_for(args.task or cfg.task, cfg.data)
     (hp,) = load_plan(Path(args.config).parent)[args.index]  # the trials the submission drew
@@ -104,4 +105,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from rayhpc.cli import run_main
+
+    run_main(main)  # bad input: one `error:` line in the task's log, exit 2

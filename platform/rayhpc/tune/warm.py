@@ -108,7 +108,7 @@ def train_warm_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfi
     (member,) = members_of(config, packs)
     hp = {**defaults, **member}
     cfg = trial_train_config(sweep, hp, tune.get_context().get_trial_id(), gpu)
-    cfg.experiment_dir.mkdir(parents=True, exist_ok=True)
+    cfg.make_dir()
     trial = Trial(cfg, task, hp, _load(tune.get_checkpoint()), MetricsRecorder(cfg.experiment_dir, cfg.epochs,
                                                                                verbose=False))
     failures = 0

@@ -223,11 +223,17 @@ def assert_series_are_reported_values(samples: dict, cluster: dict) -> None:
 
 
 def test_prometheus_scrapes_the_trial_loss_with_the_shipped_config(ray_cluster, sweep, tmp_path):
+    """The shipped config beside a `targets/` folder, where the cluster's service-discovery file is linked
+    as the README says (the config reads no shared path itself)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([shutil.which("prometheus") or "prometheus",
-                               f"--config.file={ROOT / 'cluster_configs' / 'monitoring' / 'prometheus.yml'}",
+    config = tmp_path / "prometheus.yml"
+    shutil.copy(ROOT / "cluster_configs" / "monitoring" / "prometheus.yml", config)
+    (tmp_path / "targets").mkdir()
+    discovery = Path(ray_cluster["session_dir"]).parent / "prom_metrics_service_discovery.json"
+    (tmp_path / "targets" / "local.json").symlink_to(discovery)
+    server = subprocess.Popen([shutil.which("prometheus") or "prometheus", f"--config.file={config}",
                                f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={tmp_path / 'tsdb'}"],
                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
     query = urllib.parse.urlencode({"query": f'rayhpc_trial_val_loss{{sweep="{SWEEP}"}}'})

@@ -4,10 +4,14 @@ operator commands (`rayhpc status JOBID`, `rayhpc stop JOBID`, `rayhpc doctor`).
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -19,7 +23,7 @@ import pytest
 
 from conftest import SUBMITTED
 from rayhpc.slurm.private import UnsafePath, check_ancestors
-from rayhpc.slurm.submit import log_dir
+from rayhpc.slurm.submit import log_dir, slurm_job
 from test_slurm import (CLUSTER, LOGS, RAYHPC, TWO_NODES, assert_nothing_left, job_log, job_processes,
                         skip_requeue_delay, submit, submit_held, wait_cluster, wait_done, with_changes)
 
@@ -229,9 +233,8 @@ def test_a_port_block_someone_holds_on_one_node_is_skipped(slurm, tmp_path):
     finally:
         holder.kill()
     assert info["JobState"] == "COMPLETED", job_log(job)
-    gcs = json.loads((LOGS / job / "cluster.json").read_text())["ports"]["gcs"]
-    assert gcs != taken - 2 and not gcs <= taken < gcs + 200, (gcs, taken)
-    assert f"ports {gcs}-{gcs + 199}" in job_log(job)
+    gcs, last = map(int, re.search(r"; ports (\d+)-(\d+)", job_log(job)).groups())
+    assert last == gcs + 199 and gcs != taken - 2 and not gcs <= taken < gcs + 200, (gcs, taken)
     assert_nothing_left(job)
 
 
@@ -349,6 +352,93 @@ def test_doctor_in_a_two_node_allocation_checks_the_nodes_and_names_problems(slu
     missing = [w for w in want if not any(line.startswith(w) for line in lines)]
     assert missing == [], "\n".join(lines)
     assert next(line for line in lines if "versions" in line).endswith("on 2 node(s)")
+
+
+def test_status_of_another_users_job_never_follows_their_connection_file(slurm, attacker, world_tmp):
+    """The attack: the other user's job (named rayhpc-*) logs into a folder of theirs, where they write the
+    job's `cluster.json`: "the cluster" is a port they listen on, and its token the victim's own. `rayhpc
+    status JOBID` and `rayhpc status` show the job as Slurm sees it, and never connect there."""
+    theirs = world_tmp("rh-theirs")
+    assert as_attacker("mkdir", "-m", "755", str(theirs)).returncode == 0
+    job = as_attacker("sbatch", "--parsable", "--job-name=rayhpc-trap", f"--output={theirs}/%x-%j.log",
+                      "--wrap=sleep 600").stdout.strip()
+    assert job, "the other user could not submit"
+    SUBMITTED.append(job)
+    with socket.socket() as trap:
+        trap.bind(("", 0))
+        trap.listen()
+        trap.setblocking(False)
+        port = trap.getsockname()[1]
+        fake = {"job": int(job), "restart": 0, "head": "node1", "head_ip": "127.0.0.1", "address": f"127.0.0.1:{port}",
+                "token_path": str(Path.home() / ".ray" / "auth_token"), "ports": {}, "nodes": {},
+                "dashboard": f"http://127.0.0.1:{port}", "tunnel": "ssh ..."}
+        assert as_attacker("sh", "-c", f"mkdir -m 700 {theirs}/{job} && echo '{json.dumps(fake)}' > "
+                                       f"{theirs}/{job}/cluster.json").returncode == 0
+        deadline = time.monotonic() + 60
+        while slurm_job(job).get("JobState") != "RUNNING":
+            assert time.monotonic() < deadline, slurm_job(job)
+            time.sleep(0.5)
+        one = subprocess.run([RAYHPC, "status", job], capture_output=True, text=True, timeout=60)
+        listed = subprocess.run([RAYHPC, "status"], capture_output=True, text=True, timeout=60)
+        with pytest.raises(BlockingIOError):
+            trap.accept()[0].close()  # nobody connected
+    assert one.returncode == 0 and one.stdout.splitlines()[1:] == ["ray: no cluster running (no connection file yet)"], \
+        one.stdout + one.stderr
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(job))
+    assert row.split()[-2:] == ["-", "-"], listed.stdout
+
+
+INNER = ("inner=$(sbatch --parsable --job-name=rayhpc-inner --output=/dev/null --wrap='sleep 600') && "
+         "echo inner job $inner && "
+         "while [ \"$(squeue -h -j $inner -o %T)\" != RUNNING ]; do sleep 0.5; done")
+
+
+def test_a_job_submitted_from_inside_a_job_outlives_the_first_jobs_clean_up(slurm):
+    """sbatch exports the environment, so a job submitted by the command carries the first job's marker;
+    the first job's clean-up (on every node of the test cluster, so on the inner job's too) must leave it."""
+    outer = submit("sh", "-c", INNER)
+    info = wait_done(outer)
+    log = job_log(outer)
+    assert info["JobState"] == "COMPLETED", log
+    inner = log.split("inner job ", 1)[1].split()[0]
+    SUBMITTED.append(inner)
+    assert slurm_job(inner).get("JobState") == "RUNNING", (slurm_job(inner), log)
+    assert job_processes(inner), "the inner job's processes are gone"
+
+
+def processes_on(job: str, node: str) -> list[int]:
+    """The job's processes on one test node (they share this machine's process table)."""
+    want = {f"SLURM_JOB_ID={job}".encode(), f"SLURMD_NODENAME={node}".encode()}
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and want <= set((proc / "environ").read_bytes().split(b"\0")):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_next_job_its_temp_folder(slurm):
+    """A lost head takes the batch script and its clean-up with it: every process of the job on the head is
+    killed at once. The node that survives removes the job's token, connection file and Prometheus targets
+    when Slurm ends the job; the head's temp folder is removed by the user's next job there."""
+    job = submit("python", "-c", "import time; time.sleep(600)")
+    head = wait_cluster(job)["head"]
+    secrets = [LOGS / job / "auth_token", LOGS / job / "cluster.json", LOGS / "prometheus" / f"{job}.json"]
+    assert all(path.exists() for path in secrets)
+    for pid in processes_on(job, head):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_done(job)
+    deadline = time.monotonic() + 30
+    while [path for path in secrets if path.exists()] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [path for path in secrets if path.exists()] == [], "the job's secrets outlived its head"
+    assert len(glob.glob(f"/tmp/rh-{job}-*")) == 1, "the lost head's temp folder (the test's precondition)"
+    next_job = submit("true")
+    assert wait_done(next_job)["JobState"] == "COMPLETED", job_log(next_job)
+    assert_nothing_left(job)
 
 
 def test_stop_of_another_users_job_is_one_error_line_and_the_job_runs_on(slurm, attacker):

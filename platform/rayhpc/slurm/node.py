@@ -7,7 +7,9 @@ Ray rewrites its processes' titles (`ray::IDLE`) and some of them outlive their 
 command lines nor the process tree find them all. What Ray cannot rewrite is the environment a
 process was started with: `run` starts Ray with `RAYHPC_RAY_NODE=<job>:<node>` (the sbatch startup
 starts the user's command with `RAYHPC_COMMAND=<job>`), every process Ray forks inherits it, and
-`reap` kills this user's processes that carry it. `run` is also the child subreaper of what it
+`reap` kills this user's processes that carry it *and* the job's `SLURM_JOB_ID`: a job submitted from
+inside the command inherits the marker (sbatch exports the environment), but Slurm gives its processes
+their own job id, so they live on when this job ends. `run` is also the child subreaper of what it
 starts, so processes that lose their parent stay in the Slurm step (where Slurm's own tracking
 finds them) rather than moving to init.
 
@@ -54,10 +56,10 @@ def _ancestors() -> set[int]:
     return pids
 
 
-def marked_processes(markers: list[str]) -> list[int]:
-    """This user's processes whose environment holds one of `markers` (`NAME=value` entries), except
-    this process and its ancestors (the clean-up step carries the job's environment too)."""
-    wanted = [m.encode() for m in markers]
+def marked_processes(job: str, markers: list[str]) -> list[int]:
+    """This user's processes of Slurm job `job` whose environment holds one of `markers` (`NAME=value`
+    entries), except this process and its ancestors (the clean-up step carries the job's environment too)."""
+    wanted, of_job = [m.encode() for m in markers], f"SLURM_JOB_ID={job}".encode()
     skip, uid, found = _ancestors(), os.getuid(), []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) in skip:
@@ -68,15 +70,15 @@ def marked_processes(markers: list[str]) -> list[int]:
             environ = Path(entry.path, "environ").read_bytes().split(b"\0")
         except OSError:  # gone, or not ours to read
             continue
-        if any(m in environ for m in wanted):
+        if of_job in environ and any(m in environ for m in wanted):
             found.append(int(entry.name))
     return found
 
 
-def reap(markers: list[str], timeout_s: float = 10.0) -> list[int]:
-    """SIGKILL every marked process until none is left; the pids still there after `timeout_s`."""
+def reap(job: str, markers: list[str], timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL every marked process of `job` until none is left; the pids still there after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while (pids := marked_processes(markers)) and time.monotonic() < deadline:
+    while (pids := marked_processes(job, markers)) and time.monotonic() < deadline:
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -114,6 +116,18 @@ def remove_temp_roots(job: str) -> list[str]:
     return left
 
 
+def remove_stale_temp_roots() -> None:
+    """Remove this user's temp folders of jobs no longer in the queue, left on this node by a node lost
+    mid-job (nothing ran its clean-up); when Slurm cannot be asked, nothing."""
+    proc = subprocess.run(["squeue", "-h", "-u", str(os.getuid()), "-o", "%A"], capture_output=True, text=True)
+    if proc.returncode:
+        return
+    live = set(proc.stdout.split())
+    for job in {entry.name.split("-")[1] for entry in Path(temp_base()).glob(TEMP_PREFIX.format(job="*") + "*")}:
+        if job.isdigit() and job not in live:
+            remove_temp_roots(job)
+
+
 def report(job_dir: Path | None, name: str, data: dict) -> None:
     if job_dir is not None:
         (job_dir / "nodes").mkdir(mode=0o700, exist_ok=True)
@@ -125,7 +139,7 @@ def clean_up(job: str, job_dir: Path | None, root: str | None = None) -> dict:
     (`root` None) also the command's processes and every temp folder of the job (where nodes share
     /tmp, one node's Ray ending early must not take another's). Reports what was left."""
     markers = [f"{NODE_MARKER}={job}:{node_name()}"] + ([f"{COMMAND_MARKER}={job}"] if root is None else [])
-    left = reap(markers)
+    left = reap(job, markers)
     if root is not None:
         shutil.rmtree(root, ignore_errors=True)
     dirs = ([root] if os.path.exists(root) else []) if root is not None else remove_temp_roots(job)
@@ -157,19 +171,22 @@ def run(job_dir: Path, command: list[str]) -> int:
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _stop)
-    child, code = None, 0
+    remove_stale_temp_roots()
+    child, code, ending = None, 0, False
     try:
         child = subprocess.Popen(command, env=env)
         code = child.wait()
     except _Stop:
         # the job is ending (Slurm gives KillWait, 10-30 s, before SIGKILL): no graceful drain, which
         # `ray start` would spend up to 30 s on; the reaper below kills every process of this node's Ray
-        code = 0
+        code, ending = 0, True
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     clean_up(job, job_dir, root)
-    if head:  # the job's secrets and targets go with its head, even when the batch script died first
-        for path in (job_dir / "auth_token", job_dir.parent / "prometheus" / f"{job}.json"):
+    if head or ending:
+        # the job's secrets and targets go with its head, and with every node when the job ends: after a
+        # lost head node (the batch script died with it) the nodes that survive remove them
+        for path in (job_dir / "auth_token", job_dir / "cluster.json", job_dir.parent / "prometheus" / f"{job}.json"):
             path.unlink(missing_ok=True)
     return code
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 from pathlib import Path
 
 from rayhpc.config import ConfigError
 from rayhpc.slurm.config import ClusterConfig
-from rayhpc.slurm.private import UnsafePath, owned_dir
+from rayhpc.slurm.private import UnsafePath, check_trusted, owned_dir
 from rayhpc.slurm.render import render_sbatch
 
 
@@ -82,13 +83,23 @@ def job_dir(job_id: str, fields: dict[str, str] | None = None) -> Path | None:
 
 
 def cluster_info(job_id: str, fields: dict[str, str] | None = None) -> dict:
-    """What the job's startup wrote to <log dir>/<job>/cluster.json once its cluster was ready; {} when
-    there is none or it is not ours to read (another user's job keeps its folder private)."""
+    """What the job's startup wrote to <log dir>/<job>/cluster.json once its cluster was ready (this run of
+    it: the file's `restart` is Slurm's restart count); {} when there is none, or it is not this user's job,
+    or the file is not in a private folder of this user's. Another user's file could name their own
+    address, where `rayhpc status` would take the token it names."""
+    fields = slurm_job(job_id) if fields is None else fields
     folder = job_dir(job_id, fields)
-    try:
-        return json.loads((folder / "cluster.json").read_text()) if folder else {}
-    except (OSError, ValueError):
+    if folder is None or fields.get("UserId", "").partition("(")[2].rstrip(")") != str(os.getuid()):
         return {}
+    try:
+        st = folder.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return {}
+        check_trusted(folder / "cluster.json")
+        info = json.loads((folder / "cluster.json").read_text())
+    except (OSError, ValueError, UnsafePath):
+        return {}
+    return info if str(info.get("restart")) == fields.get("Restarts", "0") else {}
 
 
 def format_jobs(rows: list[dict]) -> str:

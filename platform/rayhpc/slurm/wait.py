@@ -47,7 +47,7 @@ def wait_head(port: int, timeout_s: float, job_dir: Path, step_pid: int) -> None
     while True:
         inodes = listening_inodes(port)
         if inodes:
-            if holders(inodes, marked_processes([f"{NODE_MARKER}={job}:{head}"])):
+            if holders(inodes, marked_processes(job, [f"{NODE_MARKER}={job}:{head}"])):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"port {port} on the head is held by a process that is not this job's Ray "

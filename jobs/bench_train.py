@@ -2,11 +2,15 @@
 
     python jobs/bench_train.py [--workers 2] [--hidden 1024] [--in-features 256] [--batch 256] [--epochs 4]
     python jobs/bench_train.py --strategies [--gpu] [--hidden 8192 --depth 4 --in-features 8192 --batch 8192]
+    python jobs/bench_train.py --gpt-options [--workers 1]
 
 Default: rayhpc DDP against torchrun-launched plain DDP on CPU (gloo).
 `--strategies`: one worker each, raw PyTorch (one process, no Ray, no wrapper)
 against our DDP and our FSDP2: steady-state samples/s as ratios to raw, and
 the time from fit() to done; with `--gpu` on CUDA, NCCL and bf16 autocast.
+`--gpt-options`: the example GPT task (jobs/tasks/gpt.py) trained eager, with each block
+compiled (`--compile blocks`), and with full and selective activation checkpointing:
+tokens/s as ratios to eager (the compile time falls in epoch 1, which is not counted).
 
 All runs train the same MLP (in -> hidden ... -> in) on the same data with the same
 sampler and optimizer. Time to first step is from launching the command
@@ -57,14 +61,16 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
             / (args.epochs - 1), "detail": "", "fit_s": NAN, "mfu": NAN, "data_wait_share": NAN}
 
 
-def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str = "ddp") -> dict:
+def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str = "ddp",
+           job: dict | None = None) -> dict:
+    """`train_mlp.py` on the MLP of `args` (or `job`: the config's other keys, e.g. another task)."""
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
         "name": name, "storage_path": str(work), "compute": {"num_workers": args.workers, "gpu": args.gpu},
         "epochs": args.epochs, "strategy": strategy, "batch_size_per_worker": args.batch,
-        "hparams": {"hidden": args.hidden, "depth": args.depth},
-        "data": {"synthetic": {"num_samples": args.samples, "in_features": args.in_features,
-                               "out_features": args.in_features}}}))
+        **(job or {"hparams": {"hidden": args.hidden, "depth": args.depth},
+                   "data": {"synthetic": {"num_samples": args.samples, "in_features": args.in_features,
+                                          "out_features": args.in_features}}})}))
     launch = time.time()
     proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--config", str(config)],
                           capture_output=True, text=True, env={**os.environ, **(env or {})})
@@ -76,7 +82,7 @@ def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str =
     fit = re.search(r"in ([0-9.]+) s from fit\(\) to done", proc.stdout)
     later = epochs.iloc[1:]  # epoch 1 holds the warm-up
     return {"first_step_s": float(epochs["first_step_time"].iloc[0]) - launch,
-            "samples_per_s": float(later["samples_per_s"].mean()),
+            "samples_per_s": float(later["tokens_per_s" if job else "samples_per_s"].mean()),
             "detail": startup.group(1) if startup else "", "fit_s": float(fit.group(1)) if fit else NAN,
             "mfu": float(later["mfu"].mean()) if "mfu" in later else NAN,
             "data_wait_share": float(later["data_wait_share"].mean())}
@@ -86,6 +92,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", action="store_true", help="raw PyTorch vs our DDP vs our FSDP, 1 worker")
     parser.add_argument("--gpu", action="store_true", help="with --strategies: CUDA, NCCL, bf16 autocast")
+    parser.add_argument("--gpt-options", action="store_true", help="the GPT task: eager vs compiled vs activation "
+                        "checkpointing, tokens/s")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--in-features", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -94,6 +102,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--samples", type=int, default=30720, help="rows of the synthetic task (80%% train)")
+    parser.add_argument("--gpt-bytes", type=int, default=200_000, help="--gpt-options: corpus bytes (90%% train)")
     parser.add_argument("--json", help="also write the table (medians per run) to this file")
     args = parser.parse_args()
     if args.gpu and not args.strategies:
@@ -101,25 +110,28 @@ def main() -> None:
     if args.epochs < 2:
         parser.error(f"--epochs {args.epochs}: need >= 2 (epoch 1 holds the warm-up)")
     args.workers = 1 if args.strategies else args.workers
+    if args.gpt_options:
+        args.batch = 32 if args.batch == 256 else args.batch  # windows of 64 bytes per sample
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     widths = "-".join(map(str, [args.in_features] + [args.hidden] * (args.depth - 1) + [args.in_features]))
-    print(f"bench_train: MLP {widths}, {args.workers} "
-          f"{'NCCL' if args.gpu else 'gloo'} worker(s) x {args.batch} samples/step, {args.epochs} epochs of "
-          f"{int(args.samples * 0.8)} samples", flush=True)
+    model = f"GPT task, {args.gpt_bytes} corpus bytes" if args.gpt_options else f"MLP {widths}"
+    print(f"bench_train: {model}, {args.workers} "
+          f"{'NCCL' if args.gpu else 'gloo'} worker(s) x {args.batch} samples/step, {args.epochs} epochs"
+          + ("" if args.gpt_options else f" of {int(args.samples * 0.8)} samples"), flush=True)
     runs: dict[str, list[dict]] = {}
     for i in range(args.repeats):
         for name, run in plan(args).items():
             runs.setdefault(name, []).append(run(work, i))
-    print_table(runs)
+    print_table(runs, "tokens/s" if args.gpt_options else "samples/s")
     if args.json:
         Path(args.json).write_text(json.dumps({name: _median(results) for name, results in runs.items()}, indent=1))
 
 
-def print_table(runs: dict[str, list[dict]]) -> None:
+def print_table(runs: dict[str, list[dict]], unit: str) -> None:
     """Medians over the repeats, each beside the first (baseline) row."""
     rows = [(name, _median(results)) for name, results in runs.items()]
     base = rows[0][1]
-    print(f"\n{'':32s} {'first step':>11s} {'vs ' + rows[0][0].split()[0]:>12s} {'samples/s':>10s} "
+    print(f"\n{'':32s} {'first step':>11s} {'vs ' + rows[0][0].split()[0]:>12s} {unit:>10s} "
           f"{'ratio':>7s} {'fit() to done':>14s} {'MFU':>6s} {'data wait':>10s}")
     for name, r in rows:
         print(f"{name:32s} {r['first_step_s']:10.1f}s {r['first_step_s'] / base['first_step_s']:11.2f}x "
@@ -137,6 +149,15 @@ def _cell(value: float, spec: str, width: int, unit: str = "") -> str:
 
 def plan(args) -> dict:
     """The runs of one repeat, the baseline first."""
+    if args.gpt_options:
+        def gpt(extra: dict):
+            job = {"task": str(ROOT / "jobs" / "tasks" / "gpt.py") + ":GPT",
+                   "optim": {"optimizer": "adamw", "lr": 1e-3}, "hparams": {"corpus_bytes": args.gpt_bytes}, **extra}
+            return lambda work, i: rayhpc(args, work, f"gpt-{'-'.join(map(str, extra.values())) or 'eager'}{i}",
+                                          job=job)
+        return {"GPT eager": gpt({}), "GPT compiled blocks": gpt({"compile": "blocks"}),
+                "GPT full AC": gpt({"activation_checkpointing": "full"}),
+                "GPT selective AC": gpt({"activation_checkpointing": "selective"})}
     if args.strategies:
         return {"raw PyTorch": lambda work, i: baseline(args, work, raw=True),
                 "rayhpc DDP": lambda work, i: rayhpc(args, work, f"ddp{i}"),

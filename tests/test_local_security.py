@@ -17,7 +17,6 @@ import ray
 from conftest import ROOT, job_env, run_job_warm
 from test_slurm_security import ATTACKER, as_attacker, attacker, python_as_attacker, world_tmp  # noqa: F401
 
-
 JOBS = {"sweep": ["tune_mlp.py", "--num-samples", "2", "--epochs", "2"],
         "training": ["train_mlp.py", "--num-workers", "2", "--epochs", "3"]}
 
@@ -115,8 +114,8 @@ def test_another_user_on_the_node_can_neither_read_nor_steer_the_worker_groups_r
         listening = subprocess.run(["ss", "-Hltn", f"sport = :{group.store_port}"], capture_output=True, text=True)
         assert [line.split()[3] for line in listening.stdout.splitlines()] == [f"127.0.0.1:{group.store_port}"], \
             f"the store of a one-node group listens beyond loopback:\n{listening.stdout}"
-        attack = python_as_attacker(ATTACK_STORE, str(group.store_port), imports="import datetime, torch.distributed as dist",
-                                    timeout=60)
+        attack = python_as_attacker(ATTACK_STORE, str(group.store_port), timeout=60,
+                                    imports="import datetime, torch.distributed as dist")
         assert "planted" in attack.stdout, attack.stderr[-2000:]
         assert "read: []" in attack.stdout, f"the other user read the ranks' rendezvous keys: {attack.stdout}"
         assert group.run(new_group_sum, timeout_s=30) == [3.0, 3.0]

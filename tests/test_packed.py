@@ -3,6 +3,7 @@ loop (its own torch.optim, DataLoader over a DistributedSampler order), for the 
 of different widths, padded) and for a CNN task with dropout (torch.func stacked members)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from rayhpc.tune.packing import FuncPack, PaddedMLPPack, make_pack, packing_prob
 from rayhpc.tune.pbt import PbtRules, exploit_explore
 from rayhpc.tune.space import ParamSpec
 from rayhpc.tune.trainable import train_epoch
+from test_training_options import reference_schedule
 
 CPU = torch.device("cpu")
 
@@ -28,7 +30,12 @@ def plain_trial(model, train, val, hp: dict, epochs: int, loss_fn, metric_fn=Non
     if hp["optimizer"] == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
     else:
-        opt = torch.optim.Adam(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
+        adam = torch.optim.AdamW if hp["optimizer"] == "adamw" else torch.optim.Adam
+        opt = adam(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"], betas=(hp["beta1"], hp["beta2"]),
+                   eps=hp["eps"])
+    total = epochs * math.ceil(len(train) / hp["batch_size"])
+    schedule = reference_schedule(opt, hp["warmup_steps"], total, hp["min_lr_ratio"]) if hp["decay"] == "cosine" \
+        else None  # the other tests' trials keep a constant lr
     sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=hp["seed"])
     history = []
     for epoch in range(epochs):
@@ -38,7 +45,11 @@ def plain_trial(model, train, val, hp: dict, epochs: int, loss_fn, metric_fn=Non
             loss = loss_fn(model(x), y)
             opt.zero_grad()
             loss.backward()
+            if hp["clip_grad_norm"]:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), hp["clip_grad_norm"])
             opt.step()
+            if schedule is not None:
+                schedule.step()
         model.eval()
         with torch.no_grad():
             batches = list(DataLoader(val, batch_size=1000))
@@ -55,7 +66,7 @@ def packed_trials(task, members, train, val, epochs: int):
     train_batches, val_batches = Batches(train, CPU), Batches(val, CPU)
     history = []
     for epoch in range(epochs):
-        train_epoch(pack, opt, train_batches, members[0]["batch_size"], members[0]["seed"], epoch)
+        train_epoch(pack, opt, train_batches, members, epoch, epochs)
         history.append(pack.evaluate(val_batches.all(1000)))
     return pack, history
 
@@ -181,13 +192,13 @@ def test_members_that_leave_a_pack_keep_their_weights_and_the_others_train_on(ml
     assert isinstance(pack, PaddedMLPPack if kind == "padded mlp" else FuncPack)
     opt = pack.optimizer(members)
     batches = Batches(train, CPU)
-    train_epoch(pack, opt, batches, 16, 7, 0)
+    train_epoch(pack, opt, batches, members, 0, 3)
     stopped = pack.member(1).state_dict()
     pack.keep([0, 2])
     opt.keep([0, 2], pack.parameters())
     assert pack.size == 2 and all(p.shape[0] == 2 for p in pack.parameters())
     for epoch in (1, 2):
-        train_epoch(pack, opt, batches, 16, 7, epoch)
+        train_epoch(pack, opt, batches, [members[0], members[2]], epoch, 3)
     for position, (i, epochs) in enumerate([(0, 3), (2, 3)]):
         want = plain_member(mlp, members[i], train, val, epochs)
         for key, value in pack.member(position).state_dict().items():
@@ -214,7 +225,7 @@ def test_pbt_exploit_copies_weights_and_optimizer_state_then_explore_perturbs_lr
     train, _ = mlp_split(mlp)
     pack = make_pack(mlp, members, CPU)
     opt = pack.optimizer(members)
-    train_epoch(pack, opt, Batches(train, CPU), 16, 7, 0)
+    train_epoch(pack, opt, Batches(train, CPU), members, 0, 1)
     state = {"hp": [{"lr": m["lr"]} for m in members], "pbt": []}
     rules = PbtRules(interval=1, quantile=0.34, resample=0.0, space={"lr": ParamSpec(loguniform=(1e-4, 1.0))},
                      metric="val_loss", mode="min", seed=0)
@@ -238,3 +249,37 @@ def test_pbt_exploit_copies_weights_and_optimizer_state_then_explore_perturbs_lr
     lr = state["hp"][2]["lr"]
     assert lr == pytest.approx(0.05 * 0.8) or lr == pytest.approx(0.05 * 1.2), lr
     assert float(opt.hyper["lr"][2]) == pytest.approx(lr) and float(opt.hyper["lr"][0]) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("kind", ["padded mlp", "func"])
+def test_members_with_their_own_warm_up_and_clipping_each_equal_the_trial_alone(mlp, kind):
+    """AdamW with a cosine schedule, two micro-batches per step: each member with its own lr, warm-up,
+    clip limit and betas, packed, ends where it ends alone under torch's AdamW, schedulers and clipping
+    (the limits are small enough that clipping acts on most steps)."""
+    common = dict(optimizer="adamw", weight_decay=0.05, batch_size=16, seed=7, decay="cosine", min_lr_ratio=0.1,
+                  accumulate=2)
+    members = [full_hparams(mlp.hp_model, dict(hidden=8, lr=lr, warmup_steps=w, clip_grad_norm=c, beta1=b, **common))
+               for lr, w, c, b in [(0.05, 0, None, 0.9), (0.02, 6, 0.5, 0.8), (0.01, 12, 0.05, 0.95)]]
+    if kind == "func":
+        members = [{**m, "depth": 3} for m in members]
+    train, val = mlp_split(mlp)
+    pack, _ = packed_trials(mlp, members, train, val, epochs=2)
+    for i, hp in enumerate(members):
+        want = plain_member(mlp, hp, train, val, 2)
+        for key, value in pack.member(i).state_dict().items():
+            torch.testing.assert_close(value, want[key], msg=lambda m: f"member {i} {key}: {m}")
+
+
+def test_a_trial_trained_alone_takes_the_same_options(mlp):
+    """The array task's and the plain baseline's loop (`train_single`): AdamW, warm-up then cosine,
+    clipping, four micro-batches per step, equal to torch's own."""
+    from rayhpc.tune.single import train_single
+
+    hp = full_hparams(mlp.hp_model, dict(hidden=8, optimizer="adamw", lr=0.02, weight_decay=0.05, batch_size=16, seed=7,
+                                         warmup_steps=8, decay="cosine", min_lr_ratio=0.1, clip_grad_norm=0.1,
+                                         accumulate=4))
+    train, val = mlp_split(mlp)
+    got = train_single(mlp, hp, 2, mlp.obj.data_cfg)["model"].state_dict()
+    want = plain_member(mlp, hp, train, val, 2)
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], msg=lambda m: f"{key}: {m}")

@@ -235,6 +235,7 @@ def test_workers_and_servers_export_their_series(ray_cluster, tmp_path):
     (["--num-servers", "1000000"], "error: compute.num_servers (--num-servers) 1000000: more than the model's"),
     (["--mode", "downpour"], "error: mode (--mode): Input should be 'sync' or 'async' (got 'downpour')"),
     (["--hp", "lr=0.1"], "error: hparams.lr (--hp): a platform hyperparameter; set it with --lr"),
+    (["--warmup-steps", "5"], "error: schedule.warmup_steps (--warmup-steps) 5: the parameter server does not take it"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
     proc = run_job_warm("train_ps.py", "--storage-path", str(tmp_path), *args)

@@ -24,8 +24,21 @@ import pytest
 from conftest import SUBMITTED
 from rayhpc.slurm.private import UnsafePath, check_ancestors
 from rayhpc.slurm.submit import log_dir, slurm_job
-from test_slurm import (CLUSTER, LOGS, RAYHPC, TWO_NODES, assert_nothing_left, job_log, job_processes,
-                        skip_requeue_delay, submit, submit_held, wait_cluster, wait_done, with_changes)
+from test_slurm import (
+    CLUSTER,
+    LOGS,
+    RAYHPC,
+    TWO_NODES,
+    assert_nothing_left,
+    job_log,
+    job_processes,
+    skip_requeue_delay,
+    submit,
+    submit_held,
+    wait_cluster,
+    wait_done,
+    with_changes,
+)
 
 ATTACKER = "rhattacker"
 
@@ -382,8 +395,8 @@ def test_status_of_another_users_job_never_follows_their_connection_file(slurm, 
         listed = subprocess.run([RAYHPC, "status"], capture_output=True, text=True, timeout=60)
         with pytest.raises(BlockingIOError):
             trap.accept()[0].close()  # nobody connected
-    assert one.returncode == 0 and one.stdout.splitlines()[1:] == ["ray: no cluster running (no connection file yet)"], \
-        one.stdout + one.stderr
+    no_cluster = ["ray: no cluster running (no connection file yet)"]
+    assert one.returncode == 0 and one.stdout.splitlines()[1:] == no_cluster, one.stdout + one.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith(job))
     assert row.split()[-2:] == ["-", "-"], listed.stdout
 

@@ -39,9 +39,12 @@ def test_the_seed_listing_task_equals_the_listing_under_torchrun(ray_address, tm
     of the handbook's mlp_ddp.py (DistributedSampler, model built under torch.manual_seed(0))."""
     listing = tmp_path / "listing.pt"
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-    ran = subprocess.run([torchrun, "--nproc_per_node", "2", str(ROOT / "tests" / "seed_listing" / "mlp_ddp.py"),
-                          str(listing)], capture_output=True, text=True, cwd=ROOT / "tests" / "seed_listing",
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    for _ in range(2):  # the plain listing's gloo teardown aborted (SIGABRT) in 2 of 8 CI runs: run it again
+        ran = subprocess.run([torchrun, "--nproc_per_node", "2", str(ROOT / "tests" / "seed_listing" / "mlp_ddp.py"),
+                              str(listing)], capture_output=True, text=True, cwd=ROOT / "tests" / "seed_listing",
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        if ran.returncode == 0:
+            break
     assert ran.returncode == 0 and "Steps: 16" in ran.stdout, ran.stdout + ran.stderr
     proc = run_job("train_mlp.py", "--task", LISTING, "--num-workers", "2", "--batch-size-per-worker", "32",
                    "--optimizer", "sgd", "--lr", "0.01", "--epochs", "1", "--seed", "0", "--name", "listing",

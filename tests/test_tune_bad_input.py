@@ -72,6 +72,11 @@ CASES = {
     "batch not divisible by workers": (lambda d: ["--workers-per-trial", "2", "--config",
                                                   write(d / "s.yaml", "space: {batch_size: {choice: [32, 33]}}\n")],
                                        "error: space.batch_size: 33 is not divisible by workers_per_trial"),
+    "micro-batches that do not divide": (lambda d: ["--config", write(d / "s.yaml", "space: {batch_size: 32, "
+                                                                   "accumulate: {grid: [2, 3]}}\n")],
+                                         "error: space.accumulate: 3 does not divide the batch per worker 32"),
+    "an unknown optimizer": (lambda d: ["--config", write(d / "s.yaml", "space: {optimizer: {choice: [adamw, lion]}}\n")],
+                             "error: space.optimizer: unknown optimizer 'lion'"),
 }
 
 

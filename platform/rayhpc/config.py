@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rayhpc.slurm.private import UnsafePath, check_ancestors, check_trusted, owned_dir, private_dir
 
@@ -86,12 +86,34 @@ class Compute(PerWorker):
 
 
 class Optim(StrictModel):
-    """The optimiser (the `optim:` section)."""
+    """The optimiser and its step (the `optim:` section; `rayhpc.optim`)."""
 
-    optimizer: Literal["sgd", "adam"] = Field("sgd", description="torch.optim.SGD or Adam")
-    lr: float = Field(0.05, gt=0, description="learning rate")
+    optimizer: str = Field("sgd", description="sgd, adam, adamw, or a torch.optim class by name")
+    lr: float = Field(0.05, gt=0, description="learning rate (the peak, after the warm-up)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (ignored by Adam)")
-    weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay (L2 in SGD and Adam, decoupled in AdamW)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first beta")
+    beta2: float = Field(0.999, ge=0, lt=1, description="Adam's second beta")
+    eps: float = Field(1e-8, gt=0, description="Adam's epsilon")
+    clip_grad_norm: float | None = Field(None, gt=0, description="clip the gradient's total norm to this")
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, name: str) -> str:
+        from rayhpc.optim import optimizer_class
+
+        optimizer_class(name)
+        return name
+
+
+class Schedule(StrictModel):
+    """The learning rate over the optimizer steps (the `schedule:` section): a linear warm-up, then a decay."""
+
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
+    decay: Literal["constant", "cosine", "linear", "step"] = Field("constant", description="after the warm-up: "
+                                                                   "cosine or linear down to min_lr_ratio x lr at the "
+                                                                   "last step; step: x0.1 at 1/2 and 3/4 of the way")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the lowest share of lr the decay reaches")
 
 
 J = TypeVar("J", bound=JobConfig)

@@ -1,7 +1,8 @@
 # Listing 4.9 of the seed handbook (mlp_ddp.py), run with `torchrun --nproc_per_node 2 mlp_ddp.py OUT`.
 # Changed only where this machine differs, each marked "# CHANGED": gloo on CPU instead of NCCL on
 # GPUs, torchrun's RANK/WORLD_SIZE instead of Slurm's variables, the model built under
-# torch.manual_seed(0), no DataLoader worker processes, and the final weights saved to OUT.
+# torch.manual_seed(0), no DataLoader worker processes, the final weights saved to OUT, and a barrier
+# before the teardown.
 import os
 import sys
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.optim as optim
 from random_dataset import RandomTensorDataset
-from torch.distributed import destroy_process_group, init_process_group, is_initialized
+from torch.distributed import barrier, destroy_process_group, init_process_group, is_initialized
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -88,4 +89,5 @@ for i in range(max_epochs):
 
 if rank == 0:  # CHANGED: keep the result
   torch.save(model.module.state_dict(), sys.argv[1])
+barrier()  # CHANGED: no rank tears gloo down while the other may still use it
 destroy_process_group()

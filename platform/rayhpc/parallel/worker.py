@@ -21,12 +21,12 @@ from torch import nn
 
 from rayhpc.data import step_indices
 from rayhpc.monitor.metrics import WorkerMetrics
+from rayhpc.optim import make_optimizer
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.mesh import build_mesh
 from rayhpc.parallel.parallelize import full_state, parallelize
 from rayhpc.parallel.pp import build_schedule
 from rayhpc.parallel.recipe import Recipe
-from rayhpc.task.hparams import make_optimizer
 from rayhpc.workers.group import WorkerContext
 
 

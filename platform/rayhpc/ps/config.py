@@ -37,4 +37,14 @@ class PSConfig(DataParallelJob):
         if self.staleness is not None and self.mode == "sync":
             raise ConfigError(f"staleness (--staleness) {self.staleness}: only for mode async (--mode async); "
                               "sync steps every worker together")
+        # the servers step their own shards: a schedule, a norm over every shard and micro-batches are the
+        # training jobs' (rayhpc.optim), not yet the parameter server's
+        unsupported = {"schedule.warmup_steps": (self.schedule.warmup_steps, 0, "--warmup-steps"),
+                       "schedule.decay": (self.schedule.decay, "constant", "--decay"),
+                       "optim.clip_grad_norm": (self.optim.clip_grad_norm, None, "--clip-grad-norm"),
+                       "accumulate": (self.accumulate, 1, "--accumulate")}
+        for key, (value, default, flag) in unsupported.items():
+            if value != default:
+                raise ConfigError(f"{key} ({flag}) {value}: the parameter server does not take it; "
+                                  "train_mlp.py (DDP, FSDP2) does")
         return self

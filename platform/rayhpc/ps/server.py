@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from rayhpc.monitor.metrics import PSMetrics
-from rayhpc.task.hparams import make_optimizer
+from rayhpc.optim import make_optimizer
 
 SHARD_FILE = "server_{index}.pt"
 

@@ -32,7 +32,8 @@ def log_dir(cfg: ClusterConfig) -> Path:
         mode = folder.stat().st_mode
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise UnsafePath(f"{folder} (mode {stat.S_IMODE(mode):04o}) lets other users create files in it, such as "
-                             f"the next job's log before Slurm writes it; use a folder of your own, or chmod go-w {folder}")
+                             f"the next job's log before Slurm writes it; use a folder of your own, or chmod go-w "
+                             f"{folder}")
         return folder
     except (UnsafePath, OSError) as exc:
         raise ConfigError(f"log_dir {cfg.log_dir}: {exc}") from None

@@ -11,22 +11,41 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, Strict, ValidationError, create_model
+from pydantic import BaseModel, Field, Strict, ValidationError, create_model, field_validator
 
 from rayhpc.config import ConfigError, StrictModel
 
-PLATFORM_KEYS = ("lr", "batch_size", "optimizer", "momentum", "weight_decay", "seed")
+TRAINING_KEYS = ("optimizer", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "decay",
+                 "min_lr_ratio", "clip_grad_norm", "accumulate")  # the options of `rayhpc.optim`
+PLATFORM_KEYS = ("batch_size", "seed", *TRAINING_KEYS)
 
 
 class PlatformHParams(StrictModel):
     """The platform's hyperparameters: what every trial has, whatever the task."""
 
-    lr: float = Field(0.01, gt=0, description="learning rate")
+    lr: float = Field(0.01, gt=0, description="learning rate (the peak, after the warm-up)")
     batch_size: int = Field(32, ge=1, description="samples per optimizer step (over all workers)")
-    optimizer: Literal["sgd", "adam"] = Field("adam", description="torch.optim.SGD or Adam")
+    optimizer: str = Field("adam", description="sgd, adam, adamw, or a torch.optim class by name")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (ignored by Adam)")
-    weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay (L2 in SGD and Adam, decoupled in AdamW)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first beta")
+    beta2: float = Field(0.999, ge=0, lt=1, description="Adam's second beta")
+    eps: float = Field(1e-8, gt=0, description="Adam's epsilon")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warm-up")
+    decay: Literal["constant", "cosine", "linear", "step"] = Field("constant", description="the learning rate "
+                                                                   "after the warm-up (rayhpc.optim.lr_factor)")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the lowest share of lr the decay reaches")
+    clip_grad_norm: float | None = Field(None, gt=0, description="clip the gradient's total norm to this")
+    accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (the batch is unchanged)")
     seed: int = Field(0, description="seeds initialisation, dropout and the data order")
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, name: str) -> str:
+        from rayhpc.optim import optimizer_class
+
+        optimizer_class(name)
+        return name
 
 
 # YAML reads `1e-3` (no dot) as a string: floats stay lax; the other kinds must be what they say
@@ -69,7 +88,7 @@ def check_value(model: type[BaseModel], key: str, name: str, value: Any) -> Any:
     try:
         return getattr(model.model_validate({name: value}), name)
     except ValidationError as exc:
-        raise ConfigError(f"{key}: {exc.errors()[0]['msg']} (got {value!r})") from None
+        raise ConfigError(f"{key}: {exc.errors()[0]['msg'].removeprefix('Value error, ')} (got {value!r})") from None
 
 
 def full_hparams(model: type[BaseModel], values: dict, key: str = "hparams.{name}") -> dict:
@@ -77,11 +96,3 @@ def full_hparams(model: type[BaseModel], values: dict, key: str = "hparams.{name
     checked = {name: check_value(model, key.format(name=name), name, value) for name, value in values.items()}
     return model.model_validate(checked).model_dump()
 
-
-def make_optimizer(hp: dict, params):
-    """`torch.optim.SGD` or `Adam` with the trial's lr, momentum and weight decay."""
-    import torch
-
-    if hp["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
-    return torch.optim.Adam(params, lr=hp["lr"], weight_decay=hp["weight_decay"])

@@ -6,12 +6,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import Compute, ConfigError, Optim
+from rayhpc.config import Compute, ConfigError, Optim, Schedule
 from rayhpc.task.config import TaskJobConfig
-from rayhpc.task.hparams import PLATFORM_KEYS, full_hparams
+from rayhpc.task.hparams import PLATFORM_KEYS, TRAINING_KEYS, full_hparams
 
-PLATFORM_FLAGS = {"lr": "--lr", "batch_size": "--global-batch-size", "optimizer": "--optimizer",
-                  "momentum": "--momentum", "weight_decay": "--weight-decay", "seed": "--seed"}
+PLATFORM_FLAGS = {"batch_size": "--global-batch-size", "seed": "--seed",
+                  **{key: "--" + key.replace("_", "-") for key in TRAINING_KEYS}}
 
 
 class DataParallelJob(TaskJobConfig):
@@ -24,6 +24,9 @@ class DataParallelJob(TaskJobConfig):
     batch_size_per_worker: int | None = Field(None, ge=1, description="samples per step on each worker "
                                               "(default 32, the seed documents' batch per GPU)")
     optim: Optim = Optim()
+    schedule: Schedule = Schedule()
+    accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step on each worker (the batch "
+                            "is unchanged: less memory, the same step)")
     checkpoint_every_steps: int | None = Field(None, ge=1, description="also checkpoint every K optimizer steps "
                                                "(always at the end of each epoch)")
     max_failures: int = Field(2, ge=0, description="restarts after a failed worker (or server), from the latest "
@@ -39,6 +42,10 @@ class DataParallelJob(TaskJobConfig):
         if self.global_batch_size is not None and self.global_batch_size % self.compute.num_workers:
             raise ConfigError(f"global_batch_size (--global-batch-size) {self.global_batch_size}: not divisible "
                               f"by compute.num_workers (--num-workers) {self.compute.num_workers}")
+        if self.per_worker_batch % self.accumulate:
+            raise ConfigError(f"accumulate (--accumulate) {self.accumulate}: does not divide the batch per worker "
+                              f"{self.per_worker_batch} (global {self.global_batch} over {self.compute.num_workers} "
+                              "workers) into equal micro-batches")
         return self
 
     @property
@@ -66,6 +73,10 @@ class TrainConfig(DataParallelJob):
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 mixed precision on GPU, "
                                                        "fp32 on CPU")
     metrics_every_steps: int | None = Field(None, ge=1, description="also record a metrics row every K steps")
+    compile: Literal["none", "blocks", "model"] = Field("none", description="torch.compile each block (the task's "
+                                                        "blocks(model), else its ModuleLists' entries) or the model")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="per block: full keeps only its input; selective also its matmul outputs")
 
     @property
     def effective_lr(self) -> float:
@@ -82,8 +93,8 @@ def train_hparams(cfg: DataParallelJob, hp_model) -> dict:
     if given:
         raise ConfigError(f"hparams.{given[0]} (--hp): a platform hyperparameter; set it with "
                           f"{PLATFORM_FLAGS[given[0]]}")
-    platform = {"lr": cfg.effective_lr, "batch_size": cfg.global_batch, "optimizer": cfg.optim.optimizer,
-                "momentum": cfg.optim.momentum, "weight_decay": cfg.optim.weight_decay, "seed": cfg.seed}
+    platform = {**cfg.optim.model_dump(), **cfg.schedule.model_dump(), "lr": cfg.effective_lr,
+                "accumulate": cfg.accumulate, "batch_size": cfg.global_batch, "seed": cfg.seed}
     return {**full_hparams(hp_model, cfg.hparams, key="hparams.{name} (--hp)"), **platform}
 
 

@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
+from rayhpc.optim import make_optimizer, optimizer_step
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
-from rayhpc.task.hparams import make_optimizer
 from rayhpc.task.load import LoadedTask
 from rayhpc.train import checkpoint
 from rayhpc.train.config import TrainConfig
-from rayhpc.train.parallelize import parallelize
+from rayhpc.train.parallelize import model_blocks, parallelize
 
 
 @dataclasses.dataclass
@@ -86,7 +86,9 @@ def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.devi
     Progress (None: a fresh start)."""
     torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker)))
     train, val = task.split_data(hp, cfg.data)  # before seeding the model: data() may draw
-    model = parallelize(task.initial_model(hp), cfg.strategy, device, cfg.use_bf16)
+    model = task.initial_model(hp)
+    model = parallelize(model, cfg.strategy, device, cfg.use_bf16, blocks=model_blocks(task.obj, model),
+                        ac=cfg.activation_checkpointing, compile_mode=cfg.compile)
     optimizer = make_optimizer(hp, model.parameters())
     progress = restore(model, optimizer) or checkpoint.Progress()
     workers = loader_workers(device, cfg.compute.cpus_per_worker)
@@ -163,12 +165,10 @@ def run_epoch(w: Worker, epoch: int) -> None:
     n_steps = math.ceil(len(indices) / batch)
     skip = p.step_in_epoch  # steps of this epoch done before a restore: same order, so skip them
     win = Window(torch.zeros((), device=w.device))
+    total_steps = cfg.epochs * n_steps  # every epoch has as many steps on every rank (DistributedSampler)
     for i, data in enumerate(win.timed(w.train(indices[skip * batch:], batch)), start=skip):
-        with w.flops.once():  # the model FLOPs of one step, counted on the first (for MFU)
-            loss = w.loss(data)
-            w.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-        w.optimizer.step()
+        with w.flops.once():  # the FLOPs of one step, counted on the first (for MFU)
+            loss = optimizer_step(w.model, w.optimizer, w.loss, data, w.hp, p.global_step, total_steps, batch_size_of)
         if w.first_step_time is None:  # when training really began in this worker group (start-up benchmarks)
             w.first_step_time = time.time()
             w.first_batch = batch_size_of(data)
@@ -225,7 +225,7 @@ def _rates(w: Worker, win: Window, epoch: int) -> dict:
         "world_size": w.world,
         "global_batch_size": w.cfg.global_batch,
         "batch_size_per_worker": w.cfg.per_worker_batch,
-        "lr": w.hp["lr"],
+        "lr": w.optimizer.param_groups[0]["lr"],  # of the last step (the schedule's)
         "node": socket.gethostname(),
         "first_step_time": w.first_step_time,
     }

@@ -1,19 +1,75 @@
-"""Data-parallel wrappers for any task's model, one small function per strategy (torchtitan style)."""
+"""Data-parallel wrappers for any task's model, one small function per step (torchtitan's order:
+activation checkpointing, then compilation, then FSDP2 or DDP)."""
 
 from __future__ import annotations
 
+import functools
+import os
+import tempfile
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from rayhpc.fsdp import apply_fsdp, default_units
 
+# selective checkpointing keeps the outputs of these (the costly matmuls and attention) and recomputes the rest
+SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default}
 
-def parallelize(model: nn.Module, strategy: str, device: torch.device, bf16: bool) -> nn.Module:
-    """Move `model` to `device` and wrap it for `strategy` ("ddp" or "fsdp")."""
+
+def parallelize(model: nn.Module, strategy: str, device: torch.device, bf16: bool, *, blocks: list[nn.Module] = (),
+                ac: str = "none", compile_mode: str = "none") -> nn.Module:
+    """Move `model` to `device`, checkpoint and compile its `blocks` as asked, and wrap it for `strategy`
+    ("ddp" or "fsdp")."""
     model.to(device)
+    apply_ac(blocks, ac)
+    apply_compile(model, blocks, compile_mode)
     if strategy == "fsdp":
         return apply_fsdp(model, default_units(model), mesh=world_mesh(device), bf16=bf16)
     return apply_ddp(model, device)
+
+
+def model_blocks(task, model: nn.Module) -> list[nn.Module]:
+    """The blocks activation checkpointing and compilation work on: the task's `blocks(model)`, else the
+    entries of the model's outermost `nn.ModuleList`s and `nn.ModuleDict`s (a transformer's layers), else
+    the modules holding parameters."""
+    if callable(getattr(task, "blocks", None)):
+        return list(task.blocks(model))
+    blocks: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and not any(name.startswith(f"{b}.") for b in blocks):
+            children = module.named_children()
+            blocks.update({f"{name}.{key}" if name else key: child for key, child in children})
+    return list(blocks.values()) or default_units(model)
+
+
+def apply_ac(blocks: list[nn.Module], mode: str) -> None:
+    """`full`: each block keeps only its input and recomputes the rest in backward; `selective`: it also
+    keeps the outputs of `SAVED_OPS`. The block's forward is replaced in place, so parameter names (and
+    checkpoints) stay as they are."""
+    if mode == "none":
+        return
+    context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if mode == "selective" else None
+    for block in blocks:
+        options = {"use_reentrant": False, **({"context_fn": context} if context else {})}
+        block.forward = functools.partial(checkpoint, block.forward, **options)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_compile(model: nn.Module, blocks: list[nn.Module], mode: str) -> None:
+    """`torch.compile` each block (`blocks`: repeated blocks compile once) or the whole model, in place."""
+    if mode == "none":
+        return
+    # inductor's default cache is /tmp/torchinductor_<user>, a path another user can create first
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="rayhpc-inductor-"))
+    for module in (blocks if mode == "blocks" else [model]):
+        module.compile()
 
 
 def world_mesh(device: torch.device):

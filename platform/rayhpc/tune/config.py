@@ -128,18 +128,30 @@ def bind_sweep(cfg: SweepConfig, task) -> tuple[SweepConfig, dict]:
     if cfg.scheduler == "pbt" and not mutable(space):
         raise ConfigError(f"space: scheduler pbt perturbs {', '.join(MUTABLE)} inside a pack, and the space "
                           f"varies none of them ({', '.join(searched(space))})")
-    if cfg.workers_per_trial > 1:
-        check_distributed_batches(cfg)
+    check_batches(cfg)
     return cfg, sample_configs(space, 1, "random", cfg.seed, task.hp_model, cfg.defaults(task.hp_model))[0]
 
 
-def check_distributed_batches(cfg: SweepConfig) -> None:
-    """With several workers per trial, batch_size is the global batch and must split evenly."""
-    spec = cfg.space.get("batch_size", PlatformHParams.model_fields["batch_size"].default)
-    if isinstance(spec, ParamSpec) and spec.kind == "randint":
-        raise ConfigError("space.batch_size: with workers_per_trial > 1 give batch sizes as choice or grid")
-    sizes = list(spec.args) if isinstance(spec, ParamSpec) else [spec]
-    bad = [b for b in sizes if int(b) % cfg.workers_per_trial]
-    if bad:
-        raise ConfigError(f"space.batch_size: {bad[0]} is not divisible by workers_per_trial "
-                          f"(--workers-per-trial) {cfg.workers_per_trial}")
+def check_batches(cfg: SweepConfig) -> None:
+    """batch_size is the global batch: it must split evenly over the workers of a trial, and each worker's
+    share into `accumulate` micro-batches."""
+    sizes, micro = (_values(cfg, key) for key in ("batch_size", "accumulate"))
+    if (sizes is None and cfg.workers_per_trial > 1) or (sizes is None and micro != [1]) or micro is None:
+        raise ConfigError("space.batch_size, space.accumulate: with several workers per trial or micro-batches, "
+                          "give them as choice or grid")
+    for size in sizes or []:
+        if int(size) % cfg.workers_per_trial:
+            raise ConfigError(f"space.batch_size: {size} is not divisible by workers_per_trial "
+                              f"(--workers-per-trial) {cfg.workers_per_trial}")
+        share = int(size) // cfg.workers_per_trial
+        if bad := [a for a in micro if share % int(a)]:
+            raise ConfigError(f"space.accumulate: {bad[0]} does not divide the batch per worker {share} "
+                              f"(space.batch_size {size} over {cfg.workers_per_trial} worker(s))")
+
+
+def _values(cfg: SweepConfig, key: str) -> list | None:
+    """Every value the space may give `key` (its default where it gives none); None for a randint."""
+    spec = cfg.space.get(key, PlatformHParams.model_fields[key].default)
+    if isinstance(spec, ParamSpec):
+        return None if spec.kind == "randint" else list(spec.args)
+    return [spec]

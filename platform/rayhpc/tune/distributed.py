@@ -9,7 +9,7 @@ again, and Ray Train continues it from its latest checkpoint.
 
 from __future__ import annotations
 
-from rayhpc.config import Compute, Optim
+from rayhpc.config import Compute, Optim, Schedule
 from rayhpc.task.hparams import PLATFORM_KEYS
 from rayhpc.task.load import LoadedTask
 from rayhpc.train.config import TrainConfig
@@ -23,7 +23,9 @@ def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -
         name=f"train-trial_id={trial_id}", storage_path=sweep.experiment_dir, task=sweep.task, strategy=sweep.strategy,
         compute=Compute(num_workers=sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial, gpu=gpu),
         epochs=sweep.epochs, global_batch_size=hp["batch_size"], seed=hp["seed"],
-        optim=Optim(optimizer=hp["optimizer"], lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"]),
+        optim=Optim(**{k: hp[k] for k in Optim.model_fields}),
+        schedule=Schedule(**{k: hp[k] for k in Schedule.model_fields}),
+        accumulate=hp["accumulate"],
         max_failures=sweep.max_failures, data=sweep.data, precision=sweep.precision,
         hparams={k: v for k, v in hp.items() if k not in PLATFORM_KEYS},
     )

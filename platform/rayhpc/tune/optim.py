@@ -2,14 +2,20 @@
 
 `torch.optim` takes one learning rate per parameter group, but a pack's
 parameters are stacked tensors `[members, ...]` whose members were sampled
-with different learning rates, weight decays and momenta. These step every
-member exactly as `torch.optim.SGD` / `torch.optim.Adam` (defaults otherwise)
-would step the member's own model; a test checks that with `assert_close`.
+with different learning rates, weight decays, momenta and betas. These step every
+member exactly as `torch.optim.SGD` / `Adam` / `AdamW` (defaults otherwise) would
+step the member's own model, each with its own learning-rate schedule (`scale_lr`)
+and gradient clipping (`clip_`, each member's norm its own); tests check that with
+`assert_close`.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+PACKED = ("sgd", "adam", "adamw")  # the optimizers packs step; other torch.optim classes train unpacked
 
 
 class PackedOptimizer:
@@ -20,6 +26,7 @@ class PackedOptimizer:
         self.device = self.params[0].device if self.params else torch.device("cpu")
         # on the parameters' device once: a host-to-device copy per parameter per step would stall a GPU
         self.hyper = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in per_member.items()}
+        self.hyper["lr_scale"] = torch.ones(len(per_member["lr"]), device=self.device)  # this step's schedule
         self.state: dict[str, list[torch.Tensor]] = {}
         self.steps = 0
 
@@ -30,6 +37,26 @@ class PackedOptimizer:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+
+    def scale_lr(self, factors: list[float]) -> None:
+        """Each member's share of its lr for the coming step (its schedule, `rayhpc.optim.lr_factor`)."""
+        self.hyper["lr_scale"] = torch.tensor(factors, dtype=torch.float32, device=self.device)
+
+    def _lr(self, like: torch.Tensor) -> torch.Tensor:
+        return self._h("lr", like) * self._h("lr_scale", like)
+
+    @torch.no_grad()
+    def clip_(self, max_norms: list[float | None]) -> None:
+        """`torch.nn.utils.clip_grad_norm_` for every member with a limit, over its own slice of every
+        gradient: scaled by min(1, max_norm / (norm + 1e-6))."""
+        if all(m is None for m in max_norms):
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads]).norm(dim=0)  # [members]
+        limits = torch.tensor([math.inf if m is None else m for m in max_norms], device=norms.device)
+        coef = (limits / (norms + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.view(-1, *([1] * (g.dim() - 1))).to(g.dtype))
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "state": self.state, "hyper": self.hyper}
@@ -83,43 +110,46 @@ class PackedSGD(PackedOptimizer):
                 bufs[i].mul_(self._h("momentum", p)).add_(d_p)
             # members with momentum 0 use the raw gradient, as torch does
             d_p = torch.where(self._h("momentum", p) > 0, bufs[i], d_p)
-            p.sub_(self._h("lr", p) * d_p)
+            p.sub_(self._lr(p) * d_p)
         self.steps += 1
 
 
 class PackedAdam(PackedOptimizer):
-    """`torch.optim.Adam(lr, weight_decay)` per member, betas (0.9, 0.999), eps 1e-8."""
+    """`torch.optim.Adam(lr, betas, eps, weight_decay)` per member; with `decoupled`, `AdamW`'s
+    decoupled weight decay instead of the L2 term."""
 
-    betas = (0.9, 0.999)
-    eps = 1e-8
-
-    def __init__(self, params, lr: list[float], weight_decay: list[float]):
-        super().__init__(params, lr=lr, weight_decay=weight_decay)
+    def __init__(self, params, lr: list[float], weight_decay: list[float], beta1: list[float], beta2: list[float],
+                 eps: list[float], decoupled: bool = False):
+        super().__init__(params, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps)
+        self.decoupled = decoupled
 
     @torch.no_grad()
     def step(self) -> None:
         self.steps += 1
-        beta1, beta2 = self.betas
         m = self.state.setdefault("exp_avg", [torch.zeros_like(p) for p in self.params])
         v = self.state.setdefault("exp_avg_sq", [torch.zeros_like(p) for p in self.params])
-        bias1 = 1 - beta1**self.steps
-        bias2_sqrt = (1 - beta2**self.steps) ** 0.5
         for i, p in enumerate(self.params):
             if p.grad is None:  # a frozen parameter: torch.optim skips it too
                 continue
-            grad = p.grad + self._h("weight_decay", p) * p
+            beta1, beta2, lr = self._h("beta1", p), self._h("beta2", p), self._lr(p)
+            if self.decoupled:
+                p.mul_(1 - lr * self._h("weight_decay", p))
+                grad = p.grad
+            else:
+                grad = p.grad + self._h("weight_decay", p) * p
             m[i].lerp_(grad, 1 - beta1)
-            v[i].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (v[i].sqrt() / bias2_sqrt).add_(self.eps)
-            p.sub_((m[i] / denom) * (self._h("lr", p) / bias1))
+            v[i].mul_(beta2).add_((1 - beta2) * grad * grad)
+            bias1, bias2_sqrt = 1 - beta1**self.steps, (1 - beta2**self.steps).sqrt()
+            denom = (v[i].sqrt() / bias2_sqrt).add_(self._h("eps", p))
+            p.sub_((m[i] / denom) * (lr / bias1))
 
 
 def packed_optimizer(kind: str, params, members: list[dict]) -> PackedOptimizer:
-    """The optimizer `kind` ("sgd" or "adam") with each member's own hyperparameters."""
-    lr = [m["lr"] for m in members]
-    wd = [m["weight_decay"] for m in members]
-    if kind == "sgd":
-        return PackedSGD(params, lr=lr, momentum=[m["momentum"] for m in members], weight_decay=wd)
-    if kind == "adam":
-        return PackedAdam(params, lr=lr, weight_decay=wd)
-    raise ValueError(f"optimizer {kind!r}: expected 'sgd' or 'adam'")
+    """The optimizer `kind` (one of `PACKED`) with each member's own hyperparameters."""
+    per = {k: [m[k] for m in members] for k in ("lr", "weight_decay", "momentum", "beta1", "beta2", "eps")}
+    if kind.lower() == "sgd":
+        return PackedSGD(params, lr=per["lr"], momentum=per["momentum"], weight_decay=per["weight_decay"])
+    if kind.lower() in ("adam", "adamw"):
+        return PackedAdam(params, **{k: per[k] for k in ("lr", "weight_decay", "beta1", "beta2", "eps")},
+                          decoupled=kind.lower() == "adamw")
+    raise ValueError(f"optimizer {kind!r}: packs step {', '.join(PACKED)}; others train unpacked")

@@ -30,14 +30,14 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from rayhpc.models import MLP, PackedMLP
+from rayhpc.optim import make_optimizer
 from rayhpc.task.batches import batch_size_of, evaluate
 from rayhpc.task.check import TaskInfo
-from rayhpc.task.hparams import make_optimizer
 from rayhpc.task.load import LoadedTask, one_line
 from rayhpc.task.mlp import MLPTask
-from rayhpc.tune.optim import packed_optimizer
+from rayhpc.tune.optim import PACKED, packed_optimizer
 
-PACK_KEYS = ("batch_size", "optimizer", "seed")  # members step together on one data order
+PACK_KEYS = ("batch_size", "optimizer", "seed", "accumulate")  # members step together on one data order
 
 
 def padded_mlp(task: LoadedTask, hp: dict) -> bool:
@@ -54,6 +54,8 @@ def shared_keys(task: LoadedTask, info: TaskInfo, hp: dict) -> set[str]:
 
 
 def pack_key(task: LoadedTask, info: TaskInfo, hp: dict) -> tuple:
+    if hp["optimizer"].lower() not in PACKED:  # torch.optim's own, one trial at a time
+        return ("unpacked", id(hp))
     return tuple(sorted((k, repr(hp[k])) for k in shared_keys(task, info, hp) if k in hp))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
@@ -19,8 +20,8 @@ from typing import Callable
 import torch
 
 from rayhpc.data import DataConfig
-from rayhpc.task.batches import Batches, epoch_indices, eval_batch, evaluate, loader_workers
-from rayhpc.task.hparams import make_optimizer
+from rayhpc.optim import make_optimizer, optimizer_step
+from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
 
 
@@ -41,14 +42,12 @@ def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = Dat
     val_batches = Batches(val, device, workers) if val is not None else None
     values, best = {}, {}
     modes = {"train_loss": "min", "val_loss": "min", task.objective[0]: task.objective[1]}  # what "best" means
+    per_epoch = math.ceil(len(train) / hp["batch_size"])
     for epoch in range(epochs):
         total, steps = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
         for batch in train_batches(epoch_indices(len(train), hp["seed"], epoch), hp["batch_size"]):
-            loss = task.loss(model, batch)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += loss.detach().float()
+            total += optimizer_step(model, opt, lambda part: task.loss(model, part), batch, hp,
+                                    epoch * per_epoch + steps, epochs * per_epoch, batch_size_of)
             steps += 1
         values = {"train_loss": float(total) / steps}
         if val_batches is not None:

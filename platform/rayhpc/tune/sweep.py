@@ -15,6 +15,7 @@ from rayhpc.config import ConfigError
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
 from rayhpc.tune.config import SweepConfig, bind_sweep
+from rayhpc.tune.optim import PACKED
 from rayhpc.tune.packing import pack_key, packing_problem, shared_keys
 from rayhpc.tune.pbt import PbtRules, mutable
 from rayhpc.tune.plan import MAX_PACK, PLAN_FILE, can_pack, load_plan, make_plan, pack_size, save_plan, slots
@@ -184,6 +185,12 @@ def optuna_pack(job: Started[SweepConfig], gpus: float) -> int:
     but pay a pack's start each: 4 per slot measured 1.8x the packed random sweep's wall at 128 trials,
     2 per slot 1.3x), at most MAX_PACK; 1 for a task that cannot be packed or a distributed trial."""
     cfg = job.cfg
+    spec = cfg.space.get("optimizer", cfg.defaults(job.task.hp_model)["optimizer"])
+    optimizers = [spec] if isinstance(spec, str) else (spec.grid or spec.choice or [])
+    if unpacked := sorted({o for o in optimizers if o.lower() not in PACKED}):
+        log.info(f"sweep {cfg.name}: optimizer {', '.join(unpacked)}: packs step {', '.join(PACKED)}; its trials "
+                 "run unpacked")
+        return 1
     if cfg.pack is not None or not can_pack(cfg):
         return cfg.pack or 1
     n_slots = slots(cfg, job.resources, gpus)

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from rayhpc.data import DataConfig
-from rayhpc.task.batches import Batches, epoch_indices, eval_batch, to_device
+from rayhpc.optim import lr_factor, optimizer_step, split_batch
+from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
 from rayhpc.tune.packing import SinglePack, make_pack
 from rayhpc.tune.pbt import MUTABLE, PbtRules, exploit_explore
@@ -91,7 +92,8 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     pack_id = config["pack"] if "pack" in config else tune.get_context().get_trial_id()
     for epoch in range(state["epoch"], settings.epochs):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
-            values = {"train_loss": train_epoch(pack, opt, train_batches, hp["batch_size"], hp["seed"], epoch)}
+            current = [members[j] for j in state["slots"]]
+            values = {"train_loss": train_epoch(pack, opt, train_batches, current, epoch, settings.epochs)}
         if val_batches is not None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
                 values.update(pack.evaluate(val_batches.all(eval_batch(hp["batch_size"]))))
@@ -168,18 +170,36 @@ def _member_slice(state, pos: int | None):
     return (state if pos is None else state[pos]).detach().cpu().clone()
 
 
-def train_epoch(pack, opt, batches: Batches, batch_size: int, seed: int, epoch: int) -> torch.Tensor:
-    """One pass over the training data; returns each member's mean batch loss."""
+def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, epochs: int) -> torch.Tensor:
+    """One pass over the training data; returns each member's mean batch loss. `members`: the pack's
+    members' hyperparameters, in pack order (batch size, seed and accumulation are the pack's)."""
+    hp = members[0]
+    per_epoch = math.ceil(len(batches) / hp["batch_size"])
     pack.train()
     total, steps = torch.zeros(pack.size, device=batches.device), 0
-    for batch in batches(epoch_indices(len(batches), seed, epoch), batch_size):
-        losses = pack.losses(batch)
-        opt.zero_grad()
-        losses.sum().backward()  # the sum's gradient is each member's own
-        opt.step()
-        total += losses.detach()
+    for i, batch in enumerate(batches(epoch_indices(len(batches), hp["seed"], epoch), hp["batch_size"])):
+        total += pack_step(pack, opt, batch, members, epoch * per_epoch + i, epochs * per_epoch)
         steps += 1
     return (total / steps).cpu()
+
+
+def pack_step(pack, opt, batch, members: list[dict], step: int, total_steps: int) -> torch.Tensor:
+    """One optimizer step of every member (`rayhpc.optim`'s options, each member's own schedule and
+    clipping); each member's loss on the batch. A pack of one is the plain model and `torch.optim`."""
+    if isinstance(pack, SinglePack):
+        return optimizer_step(pack.model, opt, lambda part: pack.losses(part)[0], batch, members[0], step,
+                              total_steps, batch_size_of).reshape(1)
+    opt.scale_lr([lr_factor(m, step, total_steps) for m in members])
+    opt.zero_grad()
+    out, n = torch.zeros(pack.size, device=opt.device), batch_size_of(batch)
+    for part in split_batch(batch, members[0]["accumulate"]):
+        share = batch_size_of(part) / n
+        losses = pack.losses(part)
+        (losses.sum() * share).backward()  # the sum's gradient is each member's own
+        out += losses.detach() * share
+    opt.clip_([m.get("clip_grad_norm") for m in members])
+    opt.step()
+    return out
 
 
 def _fresh(members: int, objective: tuple[str, str]) -> dict:

@@ -1,0 +1,237 @@
+"""The training options (`rayhpc.optim`): AdamW, warm-up and decay, clipping, accumulation. Each run
+equals plain PyTorch with the same global batch, written here with torch's own optimizers, schedulers
+(`LinearLR` then `CosineAnnealingLR`) and `clip_grad_norm_`, on one process and one full batch."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from conftest import ROOT, run_job_warm
+from rayhpc.config import validate
+from rayhpc.data import synthetic_tensors
+from rayhpc.models import MLP
+from rayhpc.optim import lr_factor, optimizer_step
+from rayhpc.task.hparams import full_hparams
+from rayhpc.train.checkpoint import load_full_state_dict
+from rayhpc.train.config import TrainConfig
+from rayhpc.train.parallelize import apply_ac, apply_compile, model_blocks
+from rayhpc.train.trainer import run_training
+from test_train import EPOCHS, KillWorkerOnce, assert_same_weights
+
+# every option away from its default: a test that ignored one would differ
+OPTIONS = {"optim": {"optimizer": "adamw", "lr": 0.02, "weight_decay": 0.1, "beta1": 0.8, "clip_grad_norm": 0.3},
+           "schedule": {"warmup_steps": 40, "decay": "cosine", "min_lr_ratio": 0.1}, "accumulate": 4}
+
+
+def reference_schedule(optimizer, warmup: int, total: int, floor: float):
+    """torch's own schedulers: a linear warm-up from lr/(warmup+1), then cosine down to floor x lr."""
+    sched = torch.optim.lr_scheduler
+    return sched.SequentialLR(optimizer, [
+        sched.LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup),
+        sched.CosineAnnealingLR(optimizer, T_max=total - 1 - warmup, eta_min=floor * optimizer.defaults["lr"]),
+    ], milestones=[warmup])
+
+
+def plain_run(cfg: TrainConfig, batch: int) -> tuple[dict, list[float]]:
+    """The mlp task's training split (its 20% hold-out removed, as the task splits it) in one process:
+    AdamW, the schedule, clipping, one full `batch` per step. Returns the weights and each step's lr."""
+    x, y = synthetic_tensors(cfg.data.synthetic)
+    keep = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[round(0.2 * len(x)):]
+    train = TensorDataset(x[keep], y[keep])
+    torch.manual_seed(cfg.seed)
+    model = MLP(6, 16, 2)
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay)
+    total = cfg.epochs * math.ceil(len(train) / batch)
+    schedule = reference_schedule(opt, cfg.schedule.warmup_steps, total, cfg.schedule.min_lr_ratio)
+    sampler, lrs = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed), []
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)
+        for xb, yb in DataLoader(train, batch_size=batch, sampler=sampler):
+            opt.zero_grad()
+            F.mse_loss(model(xb), yb).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad_norm)
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            schedule.step()
+    return model.state_dict(), lrs
+
+
+def options_cfg(tmp_path, name: str, **kw) -> TrainConfig:
+    return validate(TrainConfig, {"storage_path": str(tmp_path), "name": name, "epochs": EPOCHS,
+                                  "compute": {"num_workers": 2}, "batch_size_per_worker": 32,
+                                  "hparams": {"hidden": 16}, **OPTIONS, **kw})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return plain_run(options_cfg(tmp_path_factory.mktemp("ref"), "ref"), batch=64)
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "step", "constant"])
+def test_the_schedule_is_a_warm_up_then_the_decay_down_to_the_floor(decay):
+    hp, total = {"lr": 1.0, "warmup_steps": 4, "decay": decay, "min_lr_ratio": 0.1}, 24
+    factors = [lr_factor(hp, s, total) for s in range(total)]
+    torch.testing.assert_close(factors[:5], [0.2, 0.4, 0.6, 0.8, 1.0])  # warm-up, then the peak
+    if decay == "cosine":  # torch's own schedulers, independently
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        schedule, want = reference_schedule(opt, 4, total, 0.1), []
+        for _ in range(total):
+            want.append(opt.param_groups[0]["lr"])
+            opt.step()
+            schedule.step()
+        torch.testing.assert_close(factors, want)
+    ends = {"cosine": 0.1, "linear": 0.1, "step": 0.1, "constant": 1.0}
+    assert math.isclose(factors[-1], ends[decay]) and min(factors[4:]) >= 0.1 - 1e-12, factors
+    if decay == "linear":
+        torch.testing.assert_close(factors[4:], [1 - 0.9 * k / 19 for k in range(20)])
+    if decay == "step":  # x0.1 at half the 20 decay steps, held at the floor after three quarters
+        assert factors[4:] == [1.0] * 10 + [0.1] * 10, factors
+
+
+def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step():
+    """Four micro-batches of 8 (the loss sees each) make the step one batch of 32 makes."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 6), torch.randn(32, 2)
+    models = [MLP(6, 16, 2) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    seen = []
+
+    def loss_fn(batch):
+        seen.append(len(batch[0]))
+        return F.mse_loss(models[0](batch[0]), batch[1])
+
+    hp = {"lr": 0.1, "optimizer": "sgd", "accumulate": 4, "clip_grad_norm": 0.5}
+    opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    optimizer_step(models[0], opt, loss_fn, (x, y), hp, 0, 1, lambda b: len(b[0]))
+    plain = torch.optim.SGD(models[1].parameters(), lr=0.1)
+    F.mse_loss(models[1](x), y).backward()
+    torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5)
+    plain.step()
+    assert seen == [8, 8, 8, 8]
+    assert_same_weights(models[0].state_dict(), models[1].state_dict())
+
+
+@pytest.mark.parametrize("strategy, ac", [("ddp", "selective"), ("fsdp", "full")])
+def test_adamw_schedule_clipping_and_accumulation_on_two_ranks_equal_one_plain_process(ray_address, tmp_path,
+                                                                                        reference, strategy, ac):
+    """With activation checkpointing too (it changes no value), on the MLP's layers (FSDP2's units)."""
+    run = run_training(options_cfg(tmp_path, strategy, strategy=strategy, metrics_every_steps=10,
+                                   activation_checkpointing=ac))
+    weights, lrs = reference
+    assert_same_weights(load_full_state_dict(run.checkpoint_dir), weights)
+    steps = run.metrics[run.metrics["kind"] == "step"].drop_duplicates("global_step")
+    got = dict(zip(steps["global_step"], steps["lr"]))  # every 10th step (warm-up and decay): the lr it used
+    assert len(got) >= 6, got
+    torch.testing.assert_close([got[s] for s in sorted(got)], [lrs[s - 1] for s in sorted(got)])
+
+
+def test_a_run_resumed_mid_warm_up_equals_the_uninterrupted_one(ray_address, tmp_path, reference):
+    """A worker killed after step 30 of 40 warm-up steps: the group restarts from the step-30 checkpoint
+    (Adam's moments with it; the schedule follows the step count the checkpoint holds)."""
+    cfg = options_cfg(tmp_path, "resumed", checkpoint_every_steps=10)
+    run = run_training(cfg, callbacks=(KillWorkerOnce(step=30, log=str(tmp_path / "reports.jsonl")),))
+    assert '"kill": true' in (tmp_path / "reports.jsonl").read_text()
+    assert_same_weights(load_full_state_dict(run.checkpoint_dir), reference[0])
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--warmup-steps", "-1"],
+     "error: schedule.warmup_steps (--warmup-steps): Input should be greater than or equal to 0"),
+    (["--accumulate", "3"], "error: accumulate (--accumulate) 3: does not divide the batch per worker 32"),
+    (["--optimizer", "lion"], "error: optim.optimizer (--optimizer): unknown optimizer 'lion': expected "
+                              "sgd, adam, adamw or a torch.optim class"),
+])
+def test_bad_training_options_exit_2_naming_the_key(args, expected, tmp_path):
+    out = run_job_warm("train_mlp.py", "--storage-path", str(tmp_path), *args)
+    assert out.returncode == 2 and out.stderr.startswith(expected) and out.stderr.count("\n") == 1, out.stderr
+
+
+class OpCounter(TorchDispatchMode):
+    """How many matmuls run while it is active (in backward: the gradients', and any recomputed forward's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def small_gpt():
+    from rayhpc.data import DataConfig
+    from rayhpc.task import task_for
+
+    task = task_for(str(ROOT / "jobs" / "tasks" / "gpt.py") + ":GPT", DataConfig())
+    hp = full_hparams(task.hp_model, {"block": 16, "dim": 32, "heads": 2, "layers": 2})
+    batch = tuple(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(2))
+    return task, hp, batch
+
+
+def saved_and_recomputed(task, model, batch) -> tuple[int, int, int, dict]:
+    """(elements saved for backward outside checkpointed blocks, matmuls in forward, matmuls in backward,
+    the gradients)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with OpCounter() as forward:
+            loss = task.loss(model, batch)
+    with OpCounter() as backward:
+        loss.backward()
+    return sum(saved), forward.matmuls, backward.matmuls, {k: p.grad for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_fewer_activations_and_changes_no_gradient(mode):
+    """The GPT's two blocks checkpointed: far fewer elements saved for backward; `full` recomputes the
+    blocks' matmuls in backward, `selective` keeps their outputs and recomputes none; the gradients are
+    the eager ones."""
+    task, hp, batch = small_gpt()
+    eager = task.initial_model(hp)
+    checkpointed = copy.deepcopy(eager)
+    blocks = model_blocks(task.obj, checkpointed)
+    assert blocks == list(checkpointed.blocks.values())
+    apply_ac(blocks, mode)
+    saved, forward, backward, grads = saved_and_recomputed(task, eager, batch)
+    saved_ac, _, backward_ac, grads_ac = saved_and_recomputed(task, checkpointed, batch)
+    assert saved_ac < 0.5 * saved, (saved_ac, saved)
+    # full recomputes the blocks' forward matmuls (all but the head's) up to the last one backward needs
+    # (torch stops recomputing there: each block's final output is saved by nobody); selective none
+    recomputed = forward - 1 - len(blocks) if mode == "full" else 0
+    assert backward_ac - backward == recomputed, (backward_ac, backward, forward)
+    assert grads_ac.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_ac[name], grads[name], msg=lambda m: f"{name}: {m}")
+
+
+def test_compiled_blocks_train_like_eager(tmp_path, monkeypatch):
+    """`torch.compile` of each block (inductor on CPU, which writes the kernels it generates into its
+    cache): three AdamW steps, losses and weights within rtol 1e-4 / atol 1e-5 of eager (fused kernels
+    reorder float sums)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    task, hp, batch = small_gpt()
+    runs = {}
+    for mode in ("none", "blocks"):
+        model = task.initial_model(hp)
+        apply_compile(model, model_blocks(task.obj, model), mode)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = task.loss(model, batch)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs[mode] = losses, model.state_dict()
+    assert list((tmp_path / "inductor").rglob("*.py")), "nothing was compiled"
+    torch.testing.assert_close(runs["blocks"][0], runs["none"][0], rtol=1e-4, atol=1e-5)
+    for name, value in runs["none"][1].items():
+        torch.testing.assert_close(runs["blocks"][1][name], value, rtol=1e-4, atol=1e-5)

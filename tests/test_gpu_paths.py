@@ -43,8 +43,8 @@ class Ops(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("make", [
-    lambda ps: PackedSGD(ps, lr=[0.1, 0.2], momentum=[0.0, 0.9], weight_decay=[0.0, 1e-4]),
-    lambda ps: PackedAdam(ps, lr=[0.1, 0.2], weight_decay=[0.0, 1e-4]),
+    lambda ps: PackedSGD(ps, lr=[0.1, 0.2], momentum=[0.0, 0.9], weight_decay=[0.0, 1e-4], max_norm=[None, 1.0]),
+    lambda ps: PackedAdam(ps, lr=[0.1, 0.2], weight_decay=[0.0, 1e-4], decoupled=True, max_norm=[1.0, 2.0]),
 ])
 def test_the_packed_optimizer_step_moves_nothing_from_the_host(make):
     params = [torch.nn.Parameter(torch.empty(2, 3, 4, device="meta")), torch.nn.Parameter(torch.empty(2, 5, device="meta"))]
@@ -54,6 +54,7 @@ def test_the_packed_optimizer_step_moves_nothing_from_the_host(make):
     assert {h.device.type for h in opt.hyper.values()} == {"meta"}
     for _ in range(2):  # the first step creates state; the second is every later step
         with Ops() as ops:
+            opt.clip_()  # each member's norm and limit on the device
             opt.step()
     assert not MOVES & set(ops.names), sorted(MOVES & set(ops.names))
 

@@ -56,8 +56,8 @@ def check_no_host_traffic(device: torch.device) -> Line:
     from rayhpc.tune.optim import PackedAdam, PackedSGD
 
     params = [torch.nn.Parameter(torch.randn(4, 64, 64, device=device)) for _ in range(3)]
-    opts = [PackedSGD(params, lr=[0.1] * 4, momentum=[0.9] * 4, weight_decay=[1e-4] * 4),
-            PackedAdam(params, lr=[1e-3] * 4, weight_decay=[0.0] * 4)]
+    opts = [PackedSGD(params, lr=[0.1] * 4, momentum=[0.9] * 4, weight_decay=[1e-4] * 4, max_norm=[1.0] * 4),
+            PackedAdam(params, lr=[1e-3] * 4, weight_decay=[0.0] * 4, decoupled=True, max_norm=[None, 1.0] * 2)]
     batches = Batches(torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1)), device)
     win = Window(torch.zeros((), device=device))
     for p in params:
@@ -70,14 +70,17 @@ def check_no_host_traffic(device: torch.device) -> Line:
     try:
         for epoch, first in zip(epochs, firsts):
             for x, _y in [first, *epoch]:
-                for opt in opts:
+                for opt in opts:  # a schedule that changes every step (a pinned, non-blocking copy), clipping
+                    opt.scale_lr([1.0 / (win.steps + 1)] * 4)
+                    opt.clip_()
                     opt.step()
                 win.add(x.sum(), len(x))
     finally:
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
     how = "CUDA sync debug mode: error" if device.type == "cuda" else f"{device.type} device: the path runs"
-    return Line("no host sync in a step", "PASS", f"{win.steps} steps of 2 packed optimizers + running loss ({how})")
+    return Line("no host sync in a step", "PASS", f"{win.steps} steps of 2 packed optimizers (schedule, clipping) + "
+                f"running loss ({how})")
 
 
 def check_packed_sweep(work: Path, gpus: int) -> Line:

@@ -21,12 +21,18 @@ PACKED = ("sgd", "adam", "adamw")  # the optimizers packs step; other torch.opti
 class PackedOptimizer:
     """Base: per-member hyperparameters stored as `[members]` tensors, broadcast per parameter."""
 
-    def __init__(self, params: list[torch.nn.Parameter], **per_member: list[float]):
+    def __init__(self, params: list[torch.nn.Parameter], max_norm: list[float | None] | None = None,
+                 **per_member: list[float]):
         self.params = list(params)
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        members = len(per_member["lr"])
+        limits = [math.inf if m is None else m for m in (max_norm or [None] * members)]
+        self.clipping = any(m < math.inf for m in limits)
         # on the parameters' device once: a host-to-device copy per parameter per step would stall a GPU
+        per_member = {**per_member, "max_norm": limits, "lr_scale": [1.0] * members}  # lr_scale: the schedule's
         self.hyper = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in per_member.items()}
-        self.hyper["lr_scale"] = torch.ones(len(per_member["lr"]), device=self.device)  # this step's schedule
+        self.factors: list[float] | None = [1.0] * members  # what lr_scale holds
+        self._pinned = None
         self.state: dict[str, list[torch.Tensor]] = {}
         self.steps = 0
 
@@ -39,22 +45,26 @@ class PackedOptimizer:
             p.grad = None
 
     def scale_lr(self, factors: list[float]) -> None:
-        """Each member's share of its lr for the coming step (its schedule, `rayhpc.optim.lr_factor`)."""
-        self.hyper["lr_scale"] = torch.tensor(factors, dtype=torch.float32, device=self.device)
+        """Each member's share of its lr for the coming step (its schedule, `rayhpc.optim.lr_factor`): copied
+        to the device only when it changes, from pinned memory without waiting (no host sync)."""
+        if factors == self.factors:
+            return
+        self.factors = list(factors)
+        self._pinned = torch.tensor(factors, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        self.hyper["lr_scale"] = self._pinned.to(self.device, non_blocking=True)  # _pinned lives until it is read
 
     def _lr(self, like: torch.Tensor) -> torch.Tensor:
         return self._h("lr", like) * self._h("lr_scale", like)
 
     @torch.no_grad()
-    def clip_(self, max_norms: list[float | None]) -> None:
-        """`torch.nn.utils.clip_grad_norm_` for every member with a limit, over its own slice of every
-        gradient: scaled by min(1, max_norm / (norm + 1e-6))."""
-        if all(m is None for m in max_norms):
+    def clip_(self) -> None:
+        """`torch.nn.utils.clip_grad_norm_` for every member with a limit (`max_norm`), over its own slice of
+        every gradient: scaled by min(1, max_norm / (norm + 1e-6)), on the device."""
+        if not self.clipping:
             return
         grads = [p.grad for p in self.params if p.grad is not None]
         norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads]).norm(dim=0)  # [members]
-        limits = torch.tensor([math.inf if m is None else m for m in max_norms], device=norms.device)
-        coef = (limits / (norms + 1e-6)).clamp(max=1.0)
+        coef = (self.hyper["max_norm"] / (norms + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(coef.view(-1, *([1] * (g.dim() - 1))).to(g.dtype))
 
@@ -83,17 +93,19 @@ class PackedOptimizer:
         self.params = list(params)
         self.state = {k: [t.index_select(0, index) if t is not None else None for t in ts] for k, ts in self.state.items()}
         self.hyper = {k: v.index_select(0, index) for k, v in self.hyper.items()}
+        self.factors = None
 
     def load_state_dict(self, sd: dict) -> None:
-        self.steps, self.state = sd["steps"], sd["state"]
+        self.steps, self.state, self.factors = sd["steps"], sd["state"], None
         self.hyper = {k: v.to(self.device) for k, v in sd["hyper"].items()}
 
 
 class PackedSGD(PackedOptimizer):
     """`torch.optim.SGD(lr, momentum, weight_decay)` per member (no dampening or Nesterov)."""
 
-    def __init__(self, params, lr: list[float], momentum: list[float], weight_decay: list[float]):
-        super().__init__(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    def __init__(self, params, lr: list[float], momentum: list[float], weight_decay: list[float],
+                 max_norm: list[float | None] | None = None):
+        super().__init__(params, max_norm, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -118,9 +130,12 @@ class PackedAdam(PackedOptimizer):
     """`torch.optim.Adam(lr, betas, eps, weight_decay)` per member; with `decoupled`, `AdamW`'s
     decoupled weight decay instead of the L2 term."""
 
-    def __init__(self, params, lr: list[float], weight_decay: list[float], beta1: list[float], beta2: list[float],
-                 eps: list[float], decoupled: bool = False):
-        super().__init__(params, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps)
+    def __init__(self, params, lr: list[float], weight_decay: list[float], beta1: list[float] | None = None,
+                 beta2: list[float] | None = None, eps: list[float] | None = None, decoupled: bool = False,
+                 max_norm: list[float | None] | None = None):
+        n = len(lr)
+        super().__init__(params, max_norm, lr=lr, weight_decay=weight_decay, beta1=beta1 or [0.9] * n,
+                         beta2=beta2 or [0.999] * n, eps=eps or [1e-8] * n)  # torch's defaults
         self.decoupled = decoupled
 
     @torch.no_grad()
@@ -147,9 +162,11 @@ class PackedAdam(PackedOptimizer):
 def packed_optimizer(kind: str, params, members: list[dict]) -> PackedOptimizer:
     """The optimizer `kind` (one of `PACKED`) with each member's own hyperparameters."""
     per = {k: [m[k] for m in members] for k in ("lr", "weight_decay", "momentum", "beta1", "beta2", "eps")}
+    max_norm = [m.get("clip_grad_norm") for m in members]
     if kind.lower() == "sgd":
-        return PackedSGD(params, lr=per["lr"], momentum=per["momentum"], weight_decay=per["weight_decay"])
+        return PackedSGD(params, lr=per["lr"], momentum=per["momentum"], weight_decay=per["weight_decay"],
+                         max_norm=max_norm)
     if kind.lower() in ("adam", "adamw"):
         return PackedAdam(params, **{k: per[k] for k in ("lr", "weight_decay", "beta1", "beta2", "eps")},
-                          decoupled=kind.lower() == "adamw")
+                          decoupled=kind.lower() == "adamw", max_norm=max_norm)
     raise ValueError(f"optimizer {kind!r}: packs step {', '.join(PACKED)}; others train unpacked")

@@ -197,7 +197,7 @@ def pack_step(pack, opt, batch, members: list[dict], step: int, total_steps: int
         losses = pack.losses(part)
         (losses.sum() * share).backward()  # the sum's gradient is each member's own
         out += losses.detach() * share
-    opt.clip_([m.get("clip_grad_norm") for m in members])
+    opt.clip_()
     opt.step()
     return out
 

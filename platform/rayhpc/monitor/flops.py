@@ -41,10 +41,12 @@ def peak_flops(device: torch.device, bf16: bool) -> float | None:
 
 
 class StepFlops:
-    """Counts the model FLOPs of the first step it wraps (`with counter.once(): step()`), then steps freely."""
+    """Counts the model FLOPs of the first step it wraps (`with counter.once(): step()`), then steps freely.
+    `enabled=False` for a compiled model: torch.compile does not compile under the counter's dispatch mode,
+    and then runs the code eagerly from there on (no FLOPs, no MFU for compiled runs)."""
 
-    def __init__(self):
-        self.flops: int | None = None
+    def __init__(self, enabled: bool = True):
+        self.flops: int | None = None if enabled else 0
 
     @contextlib.contextmanager
     def once(self):

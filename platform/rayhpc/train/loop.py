@@ -50,7 +50,7 @@ class Worker:
 
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
-        self.flops = StepFlops()
+        self.flops = StepFlops(enabled=self.cfg.compile == "none")
 
     def loss(self, batch) -> torch.Tensor:
         autocast = self.cfg.use_bf16 and self.cfg.strategy == "ddp" and self.device.type == "cuda"

@@ -14,10 +14,10 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Mapping, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Mapping, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from rayhpc.slurm.private import UnsafePath, check_ancestors, check_trusted, owned_dir, private_dir
 
@@ -85,10 +85,21 @@ class Compute(PerWorker):
     num_workers: int = Field(2, ge=1, description="training processes (ranks)")
 
 
+def _optimizer_name(name: str) -> str:
+    from rayhpc.optim import optimizer_class  # torch: imported only when a config names an optimizer
+
+    optimizer_class(name)
+    return name
+
+
+# an optimizer's name, checked against torch.optim (the `optim:` section and the hyperparameter alike)
+OptimizerName = Annotated[str, AfterValidator(_optimizer_name)]
+
+
 class Optim(StrictModel):
     """The optimiser and its step (the `optim:` section; `rayhpc.optim`)."""
 
-    optimizer: str = Field("sgd", description="sgd, adam, adamw, or a torch.optim class by name")
+    optimizer: OptimizerName = Field("sgd", description="sgd, adam, adamw, or a torch.optim class by name")
     lr: float = Field(0.05, gt=0, description="learning rate (the peak, after the warm-up)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (ignored by Adam)")
     weight_decay: float = Field(0.0, ge=0, description="weight decay (L2 in SGD and Adam, decoupled in AdamW)")
@@ -96,14 +107,6 @@ class Optim(StrictModel):
     beta2: float = Field(0.999, ge=0, lt=1, description="Adam's second beta")
     eps: float = Field(1e-8, gt=0, description="Adam's epsilon")
     clip_grad_norm: float | None = Field(None, gt=0, description="clip the gradient's total norm to this")
-
-    @field_validator("optimizer")
-    @classmethod
-    def _optimizer(cls, name: str) -> str:
-        from rayhpc.optim import optimizer_class
-
-        optimizer_class(name)
-        return name
 
 
 class Schedule(StrictModel):

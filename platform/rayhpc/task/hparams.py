@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, Strict, ValidationError, create_model, field_validator
+from pydantic import BaseModel, Field, Strict, ValidationError, create_model
 
-from rayhpc.config import ConfigError, StrictModel
+from rayhpc.config import ConfigError, OptimizerName, StrictModel
 
 TRAINING_KEYS = ("optimizer", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "decay",
                  "min_lr_ratio", "clip_grad_norm", "accumulate")  # the options of `rayhpc.optim`
@@ -25,7 +25,7 @@ class PlatformHParams(StrictModel):
 
     lr: float = Field(0.01, gt=0, description="learning rate (the peak, after the warm-up)")
     batch_size: int = Field(32, ge=1, description="samples per optimizer step (over all workers)")
-    optimizer: str = Field("adam", description="sgd, adam, adamw, or a torch.optim class by name")
+    optimizer: OptimizerName = Field("adam", description="sgd, adam, adamw, or a torch.optim class by name")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (ignored by Adam)")
     weight_decay: float = Field(0.0, ge=0, description="weight decay (L2 in SGD and Adam, decoupled in AdamW)")
     beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first beta")
@@ -38,14 +38,6 @@ class PlatformHParams(StrictModel):
     clip_grad_norm: float | None = Field(None, gt=0, description="clip the gradient's total norm to this")
     accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (the batch is unchanged)")
     seed: int = Field(0, description="seeds initialisation, dropout and the data order")
-
-    @field_validator("optimizer")
-    @classmethod
-    def _optimizer(cls, name: str) -> str:
-        from rayhpc.optim import optimizer_class
-
-        optimizer_class(name)
-        return name
 
 
 # YAML reads `1e-3` (no dot) as a string: floats stay lax; the other kinds must be what they say

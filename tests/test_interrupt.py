@@ -1,6 +1,7 @@
-"""Ctrl-C and SIGTERM stop every job kind the way users expect, on a shared cluster: the job ends within
-10 s with 130 (SIGINT) or 143 (SIGTERM), one line on stderr that says how to resume, its checkpoints
-kept, and no actor or placement group of it left on the cluster; the printed command resumes it."""
+"""Ctrl-C and SIGTERM stop every job kind the way users expect, on a shared cluster: the job ends with
+130 (SIGINT) or 143 (SIGTERM), one line on stderr that says how to resume, its checkpoints kept, and no
+actor or placement group of it left on the cluster; the printed command resumes it. A job whose clean
+stop takes longer than the grace period is ended at once, within 10 s."""
 
 import contextlib
 import os
@@ -20,6 +21,10 @@ from rayhpc.interrupt import GRACE_VARIABLE, descendants
 from rayhpc.tune.results import read_results
 
 STOP_WITHIN_S = 10
+# the kinds' test checks a *clean* stop (the line without "ended at once", a sweep's table written): on a
+# node loaded by the rest of the suite that can take longer than GRACE_S (7 s), so its jobs get this much;
+# the forced end within STOP_WITHIN_S is test_a_job_whose_clean_up_hangs_is_ended_at_once's
+CLEAN_GRACE_S = 20
 FORWARDED = re.compile(r"^(\x1b\[\d+m)?\(\S+ pid=\d+(, ip=\S+)?\)")
 # Ray Train's autoscaling coordinator: one detached actor per cluster (0 CPUs), made by the first Train
 # run and shared by every later one: a service of the cluster, not of the run
@@ -77,18 +82,18 @@ def wait_for(job: subprocess.Popen, folder: Path, pattern: str, out: Path, timeo
         time.sleep(0.2)
 
 
-def stop(job: subprocess.Popen, signum: int, out: Path) -> str:
-    """Send `signum`; the job must end within STOP_WITHIN_S with 128 + signum, writing one line to stderr
+def stop(job: subprocess.Popen, signum: int, out: Path, within_s: float = STOP_WITHIN_S) -> str:
+    """Send `signum`; the job must end within `within_s` with 128 + signum, writing one line to stderr
     from then on, which is returned."""
     written = (out / "stderr").stat().st_size
     job.send_signal(signum)
     sent = time.monotonic()
     try:
-        job.wait(timeout=STOP_WITHIN_S)
+        job.wait(timeout=within_s)
     except subprocess.TimeoutExpired:
         job.kill()
         job.wait()
-        pytest.fail(f"still running {STOP_WITHIN_S} s after {signal.Signals(signum).name}; stderr:\n"
+        pytest.fail(f"still running {within_s:g} s after {signal.Signals(signum).name}; stderr:\n"
                     + (out / "stderr").read_text()[-3000:])
     took = time.monotonic() - sent
     stderr = (out / "stderr").read_bytes()[written:].decode()
@@ -135,10 +140,11 @@ RESUMED = ("tune", "ps")
 def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_address, tmp_path):
     (script, *flags), checkpoints = JOBS[kind]
     folder = tmp_path / kind
+    patient = {GRACE_VARIABLE: str(CLEAN_GRACE_S)}
     job = start([script, *flags, "--name", kind, "--storage-path", str(tmp_path), "--address", ray_address],
-                tmp_path / "first")
+                tmp_path / "first", patient)
     wait_for(job, folder, checkpoints, tmp_path / "first")
-    line = stop(job, signal.SIGINT, tmp_path / "first")
+    line = stop(job, signal.SIGINT, tmp_path / "first", CLEAN_GRACE_S + 3)
     assert line.startswith("interrupted by SIGINT: ") and f"kept in {folder};" in line, line
     assert list(folder.glob(checkpoints)), f"the checkpoints are gone: {sorted(folder.iterdir())}"
     assert_nothing_left(ray_address, job.pid)
@@ -151,7 +157,7 @@ def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_addres
     resume = shlex.split(line.split("resume with: ", 1)[1])
     assert resume[0] == "python" and resume[-1] == "--resume", line
     before = sorted(p.relative_to(folder) for p in folder.glob(checkpoints))
-    again = start(resume, tmp_path / "again")
+    again = start(resume, tmp_path / "again", patient)
     deadline = time.monotonic() + 180
     while not (new := {p.relative_to(folder) for p in folder.glob(checkpoints)} - set(before)):
         assert again.poll() is None, (tmp_path / "again" / "stderr").read_text()[-3000:]
@@ -161,7 +167,7 @@ def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_addres
     # (a trial's, or the run's; the names count steps, or are times)
     last = {p.parent: p for p in before}
     assert all(p > last[p.parent] for p in new if p.parent in last), (sorted(new), before)
-    line = stop(again, signal.SIGTERM, tmp_path / "again")
+    line = stop(again, signal.SIGTERM, tmp_path / "again", CLEAN_GRACE_S + 3)
     assert line.startswith("interrupted by SIGTERM: "), line
     assert_nothing_left(ray_address, again.pid)
 

@@ -22,21 +22,30 @@ from rayhpc.workers import WorkerGroup, WorkerGroupError
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank functions defined below
 
 GPT = f"{ROOT}/jobs/tasks/gpt.py:GPT"
+MLP_HP = {"hidden": 32, "depth": 4}  # the built-in task, 4 Linear layers: 2 per stage under pp 2
 LAYOUTS = {
     "tp2 mlp": dict(tp=2),
     "pp2 gpipe": dict(pp=2, microbatches=4, schedule="gpipe"),
     "pp2 1f1b": dict(pp=2, microbatches=4, schedule="1f1b"),
     "tp2 x pp2 mlp": dict(tp=2, pp=2, microbatches=4, schedule="1f1b"),
     "dp2 x tp2 mlp": dict(dp=2, tp=2),
-    "tp2 transformer": dict(tp=2, model={"kind": "transformer", "depth": 2}),
-    "tp2 x pp2 transformer": dict(tp=2, pp=2, microbatches=2, model={"kind": "transformer", "depth": 2}),
 }
+PARALLELISM = ("tp", "pp", "dp", "microbatches", "schedule", "stages_per_rank")
+
+
+def parallel_cfg(**kw) -> ParallelConfig:
+    """A config from a flat layout (the MLP's `MLP_HP` unless it names a task): the degrees and schedule
+    go to its `parallelism:` section (a dict `schedule` is the lr's), `optimizer` and `lr` to `optim:`."""
+    parallelism = {k: kw.pop(k) for k in PARALLELISM if isinstance(kw.get(k), (int, str))}  # not `schedule: {..}`
+    optim = {k: kw.pop(k) for k in ("optimizer", "lr") if k in kw}
+    hparams = kw.pop("hparams", {} if "task" in kw else MLP_HP)
+    return ParallelConfig(parallelism=parallelism, optim={**optim, **kw.pop("optim", {})}, hparams=hparams, **kw)
 
 
 def assert_equal_to_reference(result, cfg: ParallelConfig) -> None:
     losses, weights, validation = reference_run(cfg)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses), msg=lambda m: (  # fp32 tolerances
-        f"the loss per step differs from one process training with {cfg.optimizer} (lr {cfg.lr}): {m}"))
+        f"the loss per step differs from one process training with {cfg.optim.optimizer} (lr {cfg.optim.lr}): {m}"))
     assert sorted(result.weights) == sorted(weights)
     for name, expected in weights.items():
         torch.testing.assert_close(result.weights[name], expected, msg=lambda m: f"{name}: {m}")
@@ -48,7 +57,7 @@ def assert_equal_to_reference(result, cfg: ParallelConfig) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address, tmp_path):
-    cfg = ParallelConfig(storage_path=tmp_path, steps=4, **LAYOUTS[layout])
+    cfg = parallel_cfg(storage_path=tmp_path, steps=4, **LAYOUTS[layout])
     result = run_parallel(cfg, verbose=False)
     assert len(result.losses) == 4
     assert_equal_to_reference(result, cfg)
@@ -57,7 +66,7 @@ def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address,
 def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
     """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 3 steps; the run is resumed
     from step 3 as if it had been stopped before step 6 was saved."""
-    cfg = ParallelConfig(storage_path=tmp_path, steps=6, dp=2, tp=2, checkpoint_every=3)
+    cfg = parallel_cfg(storage_path=tmp_path, steps=6, dp=2, tp=2, checkpoint_every_steps=3)
     full = run_parallel(cfg, verbose=False)
     assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000006"
     shutil.rmtree(full.checkpoint)
@@ -69,7 +78,7 @@ def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
 
 def test_the_job_script_trains_and_prints_loss_and_throughput(tmp_path):
     proc = run_job("train_parallel.py", "--tp", "2", "--pp", "2", "--microbatches", "8", "--schedule", "1f1b",
-                   "--storage-path", str(tmp_path))
+                   "--hp", "hidden=32,depth=4", "--storage-path", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "mesh pp(2) x dp(1) x tp(2)" in proc.stdout and "1f1b, 8 microbatches of 4 samples" in proc.stdout
     losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines()
@@ -130,37 +139,49 @@ def test_a_silent_rank_is_named_after_the_timeout(ray_address):
 def test_mesh_mismatch_names_every_factor():
     with pytest.raises(ConfigError, match=r"^compute\.num_workers \(--num-workers\) 3: dp\(1\) \* pp\(2\) \* tp\(2\) = 4 "
                                           r"!= world size 3$"):
-        validate(ParallelConfig, {"tp": 2, "pp": 2, "compute": {"num_workers": 3}})
+        validate(ParallelConfig, {"parallelism": {"tp": 2, "pp": 2}, "compute": {"num_workers": 3}})
 
 
 @pytest.mark.parametrize("args, expected", [
     (["--tp", "2", "--pp", "2", "--num-workers", "3"],
      "error: compute.num_workers (--num-workers) 3: dp(1) * pp(2) * tp(2) = 4 != world size 3"),
-    (["--tp", "3"], "error: model.hidden (--hidden) 32: not divisible by tp (--tp) 3"),
-    (["--tp", "4", "--model", "transformer", "--hidden", "30"],
-     "error: model.hidden (--hidden) 30: not divisible by tp (--tp) 4"),
-    (["--model", "transformer", "--dim", "16", "--heads", "3"],
-     "error: model.dim (--dim) 16: not divisible by model.heads (--heads) 3"),
-    (["--pp", "5"], "error: pp (--pp) 5: 5 pipeline stages (1 per rank) are more than the model's 4 layers"),
-    (["--pp", "2", "--stages-per-rank", "2"], "error: stages_per_rank (--stages-per-rank) 2: schedule gpipe runs 1 per "
-                                             "rank; for 2: interleaved1f1b, interleavedzb, zbv"),
+    (["--tp", "3"], "error: hparams.hidden (--hp) 4: not divisible by tp (--tp) 3 (the task's tp_divisible)"),
+    (["--tp", "4", "--hp", "depth=3", "--cpus-per-worker", "0.25"],  # the last layer, column-parallel: 2 outputs
+     "error: tp_plan: layers.4 (Linear, ColwiseParallel) splits out_features 2, not divisible by tp (--tp) 4"),
+    (["--pp", "5", "--microbatches", "4"], "error: parallelism.pp (--pp) 5: 5 stages need 4 split points; the task's pipeline_split gives "
+                    "1: layers.2"),
+    (["--pp", "2", "--stages-per-rank", "2"], "error: parallelism.stages_per_rank (--stages-per-rank) 2: schedule "
+                                             "gpipe runs 1 per rank; for 2: interleaved1f1b, interleavedzb, zbv"),
     (["--pp", "2", "--schedule", "zbv", "--stages-per-rank", "3"],
-     "error: stages_per_rank (--stages-per-rank) 3: schedule zbv runs 2 per rank; for 3: interleaved1f1b, interleavedzb"),
-    (["--pp", "2", "--schedule", "interleaved1f1b", "--microbatches", "5", "--batch-size", "40"],
-     "error: microbatches (--microbatches) 5: schedule interleaved1f1b runs them in max(1, m // pp 2) = 2 rounds"),
+     "error: parallelism.stages_per_rank (--stages-per-rank) 3: schedule zbv runs 2 per rank; for 3: "
+     "interleaved1f1b, interleavedzb"),
+    (["--pp", "2", "--schedule", "interleaved1f1b", "--microbatches", "5", "--global-batch-size", "40"],
+     "error: parallelism.microbatches (--microbatches) 5: schedule interleaved1f1b runs them in max(1, m // pp 2) = "
+     "2 rounds"),
     (["--task", GPT, "--pp", "2", "--schedule", "zbv", "--cpus-per-worker", "0.5"],
-     "error: pp (--pp) 2 x stages_per_rank 2: 4 stages need 3 split points; the task's pipeline_split gives 1: blocks.1"),
-    (["--pp", "2", "--microbatches", "5"], "error: microbatches (--microbatches) 5: do not divide the per-replica batch 32"),
-    (["--tp", "2", "--dp", str(CPUS), "--cpus-per-worker", "1", "--batch-size", str(4 * CPUS)],
+     "error: parallelism.pp (--pp) 2 x stages_per_rank 2: 4 stages need 3 split points; the task's pipeline_split "
+     "gives 1: blocks.1"),
+    (["--pp", "2", "--microbatches", "5"],
+     "error: parallelism.microbatches (--microbatches) 5: do not divide the per-replica micro-batch 32"),
+    (["--pp", "2", "--microbatches", "4", "--accumulate", "16"],
+     "error: parallelism.microbatches (--microbatches) 4: do not divide the per-replica micro-batch 2 "
+     "(global_batch_size 32 / dp 1 / accumulate 16)"),
+    (["--dp", "2", "--accumulate", "3"],
+     "error: accumulate (--accumulate) 3: does not divide the per-replica batch 16 (global_batch_size 32 / dp 2)"),
+    (["--optimizer", "adamx"], "error: optim.optimizer (--optimizer): unknown optimizer 'adamx': expected sgd, adam, "
+                               "adamw or a torch.optim class"),
+    (["--warmup-steps", "-1"], "error: schedule.warmup_steps (--warmup-steps): Input should be greater than or equal "
+                               "to 0 (got '-1')"),
+    (["--tp", "2", "--dp", str(CPUS), "--cpus-per-worker", "1", "--global-batch-size", str(4 * CPUS)],
      f"error: compute.num_workers (--num-workers) {2 * CPUS}: the cluster can place {CPUS} worker(s) of 1 CPU each"),
-    too_many_gpu_workers("--dp", "--batch-size", "{n}"),
+    too_many_gpu_workers("--dp", "--global-batch-size", "{n}"),
     (["--task", GPT, "--tp", "3", "--cpus-per-worker", "0.5"],
-     "error: tp_plan: blocks.0.attn.wq (Linear, ColwiseParallel) splits out_features 64, not divisible by tp (--tp) 3"),
+     "error: hparams.heads (--hp) 4: not divisible by tp (--tp) 3 (the task's tp_divisible)"),
     (["--task", GPT, "--tp", "8", "--hp", "dim=128", "--cpus-per-worker", "0.25"],
      "error: hparams.heads (--hp) 4: not divisible by tp (--tp) 8 (the task's tp_divisible)"),
     (["--task", GPT, "--pp", "3", "--microbatches", "2", "--cpus-per-worker", "0.5"],
-     "error: pp (--pp) 3: 3 stages need 2 split points; the task's pipeline_split gives 1: blocks.1"),
-    (["--hp", "dim=128"], "error: hparams (--hp): only with a task (--task)"),
+     "error: parallelism.pp (--pp) 3: 3 stages need 2 split points; the task's pipeline_split gives 1: blocks.1"),
+    (["--hp", "dim=128"], "error: hparams.dim (--hp)"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
     proc = run_job_warm("train_parallel.py", "--storage-path", str(tmp_path), *args,
@@ -191,8 +212,8 @@ def test_the_parallel_benchmark_prints_the_bubble_of_every_schedule_and_the_gpt_
     assert sorted(gpt) == sorted(name for name, (_, ranks) in GPT_BENCH.items() if ranks <= CPUS), proc.stdout
     assert all(float(row[2].replace(",", "")) > 0 for row in gpt.values())  # tokens/s
     # every layout trains the same model to the bits/byte of the one-process reference
-    _, _, validation = reference_run(ParallelConfig(task=GPT, hparams=BENCH_GPT_HP, optimizer="adam", lr=1e-3,
-                                                    steps=2, batch_size=8))
+    _, _, validation = reference_run(parallel_cfg(task=GPT, hparams=BENCH_GPT_HP, optimizer="adam", lr=1e-3,
+                                                  steps=2, global_batch_size=8))
     assert {name: row[3] for name, row in gpt.items()} == {name: f"{validation['bits_per_byte']:.3f}" for name in gpt}
 
 
@@ -220,12 +241,10 @@ GPT_LAYOUTS["dp2 x pp2 zbv"] = {**FOUR_BLOCKS, "dp": 2, "microbatches": 2, "sche
 
 
 # the column- and row-parallel linears of each model by name (the Megatron pattern, written out here,
-# independently of `rayhpc.parallel.tp` and of the task's `tp_plan`): column-parallel weights and biases
-# split by rows (0), row-parallel weights by columns (1); row-parallel biases, norms, embeddings stay whole
-MEGATRON = {"transformer": (("attn.wq", "attn.wk", "attn.wv", "ffn.w1"), ("attn.wo", "ffn.w2")),
-            "gpt": (("attn.wq", "attn.wk", "attn.wv", "mlp.up"), ("attn.wo", "mlp.down"))}
-SHARDED = {"tp2 mlp": LAYOUTS["tp2 mlp"], "tp2 transformer": LAYOUTS["tp2 transformer"],
-           "tp2 users gpt": {"task": GPT, "hparams": GPT_HP, "tp": 2}}
+# independently of the tasks' `tp_plan`): column-parallel weights and biases split by rows (0), row-parallel
+# weights by columns (1); row-parallel biases, norms, embeddings stay whole
+MEGATRON = (("attn.wq", "attn.wk", "attn.wv", "mlp.up"), ("attn.wo", "mlp.down"))
+SHARDED = {"tp2 mlp": LAYOUTS["tp2 mlp"], "tp2 users gpt": {"task": GPT, "hparams": GPT_HP, "tp": 2}}
 
 
 @pytest.mark.parametrize("layout", SHARDED)
@@ -234,12 +253,11 @@ def test_tensor_parallelism_really_shards_every_planned_weight(layout, ray_addre
     shard holds 1/tp of its rows (column-parallel) or columns (row-parallel), the shards must differ
     and concatenate to the whole weight, and each rank must hold the expected share of parameters
     (the built-in models' plans, and the user's GPT task's own `tp_plan`)."""
-    cfg = ParallelConfig(**SHARDED[layout])
+    cfg = parallel_cfg(**SHARDED[layout])
     recipe, data = make_recipe(cfg)
     torch.manual_seed(cfg.seed)
     whole = dict(recipe.build().named_parameters())  # the reference's initial weights
-    if recipe.task is not None:
-        recipe.task.ship()  # the task file travels to the ranks by value, as run_parallel sends it
+    recipe.task.ship()  # a task file travels to the ranks by value, as run_parallel sends it
     with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=120) as group:
         group.run(worker.setup, recipe, data)
         ranks = group.run(shard_report)
@@ -259,12 +277,12 @@ def test_tensor_parallelism_really_shards_every_planned_weight(layout, ray_addre
 def expected_split(cfg: ParallelConfig, whole: dict) -> dict[str, int]:
     """The dimension each sharded parameter is split on (MEGATRON; the MLP's linears alternate
     column- and row-parallel)."""
-    if cfg.task is None and cfg.model.kind == "mlp":
+    if cfg.task == "mlp":
         linears = sorted({int(n.split(".")[1]) for n in whole if n.endswith(".weight")})
         column = {f"layers.{i}" for k, i in enumerate(linears) if k % 2 == 0}
         row = {f"layers.{i}" for k, i in enumerate(linears) if k % 2 == 1}
     else:
-        columns, rows = MEGATRON["gpt" if cfg.task else "transformer"]
+        columns, rows = MEGATRON
         blocks = {n.rsplit(".", 3)[0] for n in whole if ".attn." in n}
         column = {f"{b}.{p}" for b in blocks for p in columns}
         row = {f"{b}.{p}" for b in blocks for p in rows}
@@ -273,8 +291,8 @@ def expected_split(cfg: ParallelConfig, whole: dict) -> dict[str, int]:
 
 
 def gpt_cfg(tmp_path, **layout) -> ParallelConfig:
-    return ParallelConfig(**{"task": GPT, "hparams": GPT_HP, "optimizer": "adam", "lr": 1e-3, "steps": 3,
-                             "batch_size": 8, "storage_path": tmp_path, "name": "gpt", **layout})
+    return parallel_cfg(**{"task": GPT, "hparams": GPT_HP, "optimizer": "adam", "lr": 1e-3, "steps": 3,
+                           "global_batch_size": 8, "storage_path": tmp_path, "name": "gpt", **layout})
 
 
 @pytest.mark.parametrize("layout", GPT_LAYOUTS)
@@ -291,9 +309,50 @@ def test_the_gpt_resumed_from_a_sharded_checkpoint_with_adam_state_ends_equal(la
     """Shards of the weights and of Adam's state (TP x PP; two stages per rank in a V), saved every 2 steps;
     resumed from step 2 it ends equal to one process only if the optimizer's state came back too (its
     moments and step count)."""
-    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint_every": 2})
+    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint_every_steps": 2})
     full = run_parallel(cfg, verbose=False)
     shutil.rmtree(full.checkpoint)
     resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)
     assert len(resumed.step_seconds) == 2, "the resumed run did not start from step 2"
     assert_equal_to_reference(resumed, cfg)
+
+
+# every training option away from its default (AdamW, a warm-up then cosine decay, clipping that bites
+# on every step, 4 micro-batches per step): a run that ignored one would differ from the reference, which
+# is torch's own AdamW, LinearLR + CosineAnnealingLR and clip_grad_norm_ on the whole batch at once
+OPTIONS = {"optim": {"optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.1, "beta1": 0.8, "clip_grad_norm": 0.05},
+           "schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1}, "accumulate": 4,
+           "global_batch_size": 16, "steps": 5}
+
+
+@pytest.mark.parametrize("layout", ["tp2 x pp2", "dp2 x tp2"])
+def test_the_gpt_with_every_training_option_equals_one_process(layout, ray_address, tmp_path):
+    """AdamW, warm-up + cosine, clipping by the norm over every rank's shards (TP, FSDP and the pipeline's
+    stages), 4 micro-batches per step (pipeline: 4 schedule steps of 2 microbatches): every step's loss
+    and the final weights equal one process on the whole batch."""
+    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], **OPTIONS, "microbatches": 2} if "pp" in layout
+                  else {**GPT_LAYOUTS[layout], **OPTIONS})
+    result = run_parallel(cfg, verbose=False)
+    assert_equal_to_reference(result, cfg)
+
+
+def count_batches(ctx) -> None:
+    ctx.state["seen"] = []
+    ctx.state["run"].parts[0].register_forward_pre_hook(lambda _m, args: ctx.state["seen"].append(len(args[0])))
+
+
+def test_accumulation_runs_the_model_on_micro_batches(ray_address):
+    """One step in `accumulate` forward passes of batch / accumulate samples (what saves the memory) that
+    equals one process's step on the whole batch: plain SGD, unclipped, so the gradient's scale shows."""
+    cfg = parallel_cfg(tp=2, accumulate=4, global_batch_size=16, steps=1)
+    recipe, data = make_recipe(cfg)
+    with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=120) as group:
+        group.run(worker.setup, recipe, data)
+        group.run(count_batches)
+        group.run(worker.train_step, 0)
+        seen = group.run(lambda ctx: ctx.state["seen"])
+        weights = group.run(worker.gather_weights)[0]
+    assert seen == [[4, 4, 4, 4]] * 2, seen
+    _, expected, _ = reference_run(cfg)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(weights[name], tensor, msg=lambda m: f"{name}: {m}")

@@ -83,7 +83,7 @@ def test_packs_group_trials_that_can_step_together():
     ({"search": "bayes"}, "search: Input should be 'random', 'grid' or 'optuna'"),
     ({"space": {}}, "space: empty search space"),
     ({"space": {"hidden": 8}}, "space: empty search space"),
-    ({"space": {"width": {"choice": [1, 2]}}}, "space.width: unknown parameter; allowed: lr, batch_size,"),
+    ({"space": {"width": {"choice": [1, 2]}}}, "space.width: unknown parameter; allowed: optimizer, lr, momentum,"),
     ({"space": {"depth": {"choice": [2, "deep"]}}}, "space.depth: Input should be a valid integer"),
     ({"space": {"lr": {"loguniform": [0, 1]}}}, "space: lr: loguniform: low 0.0 must be > 0"),
     ({"space": {"lr": {"normal": [0, 1]}}}, "space: lr: unknown kind 'normal'; allowed: grid, choice,"),
@@ -120,7 +120,13 @@ def test_flags_are_derived_from_the_config_fields():
     sweep = derived_flags(SweepConfig)
     assert sweep["--grace-period"] == "asha.grace_period" and "--space" not in sweep  # a dict key has no flag
     assert not any(key.startswith("data.synthetic") for key in sweep.values())  # two sections down: YAML only
-    assert derived_flags(ParallelConfig)["--model"] == "model.kind"  # a field that names its own flag
+    parallel = derived_flags(ParallelConfig)
+    assert parallel["--hp"] == "hparams"  # a field that names its own flag
+    # the same section and flag names as the training job's, and the pipeline's in `parallelism:`
+    assert {f: parallel[f] for f in ("--lr", "--warmup-steps", "--clip-grad-norm", "--accumulate", "--global-batch-size",
+                                     "--checkpoint-every-steps")} == {f: train[f] for f in (
+        "--lr", "--warmup-steps", "--clip-grad-norm", "--accumulate", "--global-batch-size", "--checkpoint-every-steps")}
+    assert parallel["--schedule"] == "parallelism.schedule" and parallel["--tp"] == "parallelism.tp"
     for model in (CollectivesConfig, ScalingConfig):
         flags = derived_flags(model)
         assert flags["--cpus-per-worker"] == "compute.cpus_per_worker" and flags["--name"] == "name"

@@ -97,6 +97,13 @@ def test_the_schedule_is_a_warm_up_then_the_decay_down_to_the_floor(decay):
         assert factors[4:] == [1.0] * 10 + [0.1] * 10, factors
 
 
+def test_a_warm_up_given_as_a_fraction_is_that_share_of_the_steps():
+    hp, total = {"lr": 1.0, "decay": "cosine", "min_lr_ratio": 0.1}, 24
+    by_fraction = [lr_factor({**hp, "warmup_fraction": 0.25}, s, total) for s in range(total)]
+    assert by_fraction == [lr_factor({**hp, "warmup_steps": 6}, s, total) for s in range(total)]
+    assert by_fraction[5] < 1.0 == by_fraction[6], by_fraction  # the peak after 6 = 0.25 x 24 steps
+
+
 def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step():
     """Four micro-batches of 8 (the loss sees each) make the step one batch of 32 makes."""
     torch.manual_seed(0)
@@ -149,6 +156,9 @@ def test_a_run_resumed_mid_warm_up_equals_the_uninterrupted_one(ray_address, tmp
     (["--accumulate", "3"], "error: accumulate (--accumulate) 3: does not divide the batch per worker 32"),
     (["--optimizer", "lion"], "error: optim.optimizer (--optimizer): unknown optimizer 'lion': expected "
                               "sgd, adam, adamw or a torch.optim class"),
+    (["--warmup-steps", "3", "--warmup-fraction", "0.1"],
+     "error: schedule: warmup_fraction (--warmup-fraction) 0.1 and warmup_steps (--warmup-steps) 3: give one"),
+    (["--warmup-fraction", "1.5"], "error: schedule.warmup_fraction (--warmup-fraction): Input should be less than 1"),
 ])
 def test_bad_training_options_exit_2_naming_the_key(args, expected, tmp_path):
     out = run_job_warm("train_mlp.py", "--storage-path", str(tmp_path), *args)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Mapping, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rayhpc.slurm.private import UnsafePath, check_ancestors, check_trusted, owned_dir, private_dir
 
@@ -113,10 +113,19 @@ class Schedule(StrictModel):
     """The learning rate over the optimizer steps (the `schedule:` section): a linear warm-up, then a decay."""
 
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
+    warmup_fraction: float | None = Field(None, ge=0, lt=1, description="the warm-up as a share of all optimizer "
+                                          "steps, instead of warmup_steps")
     decay: Literal["constant", "cosine", "linear", "step"] = Field("constant", description="after the warm-up: "
                                                                    "cosine or linear down to min_lr_ratio x lr at the "
                                                                    "last step; step: x0.1 at 1/2 and 3/4 of the way")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the lowest share of lr the decay reaches")
+
+    @model_validator(mode="after")
+    def _one_warmup(self):
+        if self.warmup_steps and self.warmup_fraction is not None:
+            raise ConfigError(f"warmup_fraction (--warmup-fraction) {self.warmup_fraction:g} and warmup_steps "
+                              f"(--warmup-steps) {self.warmup_steps}: give one, not both")
+        return self
 
 
 J = TypeVar("J", bound=JobConfig)

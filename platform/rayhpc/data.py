@@ -68,15 +68,6 @@ def synthetic_tensors(task: SyntheticTask) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def synthetic_sequences(num_samples: int, tokens: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences for the transformer: each target token mixes a nonlinear map of its own
-    input with its left neighbour's, so a model needs attention to fit it."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_samples, tokens, dim, generator=g)
-    w = torch.randn(dim, dim, generator=g) / dim**0.5
-    return x, 0.5 * torch.tanh(x @ w) + 0.5 * torch.roll(x, shifts=1, dims=1)
-
-
 def read_parquet(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Feature and target columns of a Parquet file as float32 tensors, or a one-line error."""
     import pyarrow.parquet as pq

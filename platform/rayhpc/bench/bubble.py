@@ -124,7 +124,8 @@ def measure_bubble(group: WorkerGroup, cfg: ParallelConfig, data, warmup: int = 
             for kind, seconds in busy.items():
                 work[kind] = work.get(kind, 0.0) + seconds
     per_rank = {rank: statistics.median(v) for rank, v in sorted(idle.items())}
-    chunks = cfg.steps * cfg.n_stages * cfg.n_microbatches  # each stage computes each microbatch once
+    p = cfg.parallelism
+    chunks = cfg.steps * p.n_stages * p.n_microbatches  # each stage computes each microbatch once
     return {"idle": per_rank, "mean_idle": statistics.mean(per_rank.values()), "step_s": statistics.median(walls),
             "chunk_ms": {kind: 1e3 * seconds / chunks for kind, seconds in work.items()},
-            "formula": bubble_formula(cfg.schedule, cfg.pp, cfg.n_microbatches, cfg.per_rank_stages)}
+            "formula": bubble_formula(p.schedule, p.pp, p.n_microbatches, p.per_rank_stages)}

@@ -126,11 +126,12 @@ def check_strategies(work: Path) -> list[Line]:
 def layouts(gpus: int) -> dict[str, dict]:
     """Model-parallel layouts for this many GPUs (one rank per GPU): world size 1 on one GPU."""
     if gpus == 1:
-        return {"tp1 (world 1)": dict(tp=1), "pp1 transformer (world 1)": dict(model={"kind": "transformer"})}
-    found = {f"tp{gpus}": dict(tp=gpus, model={"hidden": 32 * gpus}),
-             "pp2 1f1b": dict(pp=2, microbatches=4, schedule="1f1b")}
+        return {"tp1 (world 1)": {}, "gpt (world 1)": dict(task=f"{ROOT}/jobs/tasks/gpt.py:GPT")}
+    mlp = {"hparams": {"hidden": 32 * gpus, "depth": 4}}
+    found = {f"tp{gpus}": dict(parallelism={"tp": gpus}, **mlp),
+             "pp2 1f1b": dict(parallelism={"pp": 2, "microbatches": 4, "schedule": "1f1b"}, **mlp)}
     if gpus >= 4:
-        found["tp2 x pp2"] = dict(tp=2, pp=2, microbatches=4, schedule="1f1b")
+        found["tp2 x pp2"] = dict(parallelism={"tp": 2, "pp": 2, "microbatches": 4, "schedule": "1f1b"}, **mlp)
     return found
 
 

@@ -23,7 +23,7 @@ def bubble_configs(pp: int, counts: list[int], microbatch_size: int, hidden: int
     """One config per (schedule, microbatch count) that torch's schedule accepts: 1F1B, the interleaved
     and zero-bubble schedules need at least one microbatch per stage, the interleaved ones a count that
     their rounds divide."""
-    base = dict(pp=pp, steps=steps, compute={"gpu": gpu}, model={"hidden": hidden, "depth": 4 * pp},
+    base = dict(steps=steps, compute={"gpu": gpu}, hparams={"hidden": hidden, "depth": 4 * pp},
                 data={"synthetic": {"num_samples": 2 * microbatch_size * max(counts) + 8}})
     cfgs = []
     for schedule in SCHEDULES:
@@ -32,12 +32,13 @@ def bubble_configs(pp: int, counts: list[int], microbatch_size: int, hidden: int
                 continue
             if schedule.startswith("interleaved") and m % max(1, m // pp):
                 continue
-            cfgs.append(ParallelConfig(schedule=schedule, microbatches=m, batch_size=m * microbatch_size, **base))
+            cfgs.append(ParallelConfig(parallelism={"pp": pp, "schedule": schedule, "microbatches": m},
+                                       global_batch_size=m * microbatch_size, **base))
     return cfgs
 
 
 def print_bubble_table(cfgs: list[ParallelConfig], data, gpu: bool) -> None:
-    pp = cfgs[0].pp
+    pp = cfgs[0].parallelism.pp
     print(f"{'schedule':>15} {'v':>2} {'m':>3} {'step ms':>8} {'idle by rank':>14} {'idle':>6} {'formula':>8} "
           f"{'diff':>7} {'F/B/W ms per chunk':>20}")
     with WorkerGroup(pp, cpus_per_worker=1.0, gpus_per_worker=float(gpu), timeout_s=300) as group:
@@ -45,7 +46,8 @@ def print_bubble_table(cfgs: list[ParallelConfig], data, gpu: bool) -> None:
             r = measure_bubble(group, cfg, data)
             ranks = " ".join(f"{v:.3f}" for v in r["idle"].values())
             chunk = "/".join(f"{r['chunk_ms'][k]:.2f}" for k in "FBW")
-            print(f"{cfg.schedule:>15} {cfg.per_rank_stages:>2} {cfg.n_microbatches:>3} {r['step_s'] * 1e3:>8.1f} "
+            p = cfg.parallelism
+            print(f"{p.schedule:>15} {p.per_rank_stages:>2} {p.n_microbatches:>3} {r['step_s'] * 1e3:>8.1f} "
                   f"{ranks:>14} {r['mean_idle']:>6.3f} {r['formula']:>8.3f} {r['mean_idle'] - r['formula']:>+7.3f} "
                   f"{chunk:>20}", flush=True)
 
@@ -77,10 +79,11 @@ def print_gpt_table(task: str, hparams: dict, steps: int, batch_size: int, micro
             if ranks > room:
                 print(f"{name:>20} {ranks:>5}  skipped: {ranks} ranks, the cluster has {room:g} {'GPUs' if gpu else 'CPUs'}")
                 continue
-            cfg = ParallelConfig(task=task, hparams=hparams, optimizer="adam", lr=1e-3, steps=steps,
-                                 batch_size=batch_size, storage_path=storage, name=name.replace(" ", "_"),
-                                 microbatches=microbatches if layout.get("pp") else None, address=address,
-                                 compute={"gpu": gpu, "cpus_per_worker": 1.0}, **layout)
+            pipeline = {"microbatches": microbatches} if layout.get("pp") else {}
+            cfg = ParallelConfig(task=task, hparams=hparams, optim={"optimizer": "adam", "lr": 1e-3}, steps=steps,
+                                 global_batch_size=batch_size, storage_path=storage, name=name.replace(" ", "_"),
+                                 parallelism={**layout, **pipeline}, address=address,
+                                 compute={"gpu": gpu, "cpus_per_worker": 1.0})
             result = run_parallel(cfg, verbose=False)
             median = statistics.median(result.step_seconds[1:] or result.step_seconds)
             bits = result.validation.get("bits_per_byte", float("nan")) if result.validation else float("nan")

@@ -8,24 +8,28 @@ import torch
 from rayhpc.data import step_indices
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.trainer import make_recipe
-from rayhpc.task.hparams import PlatformHParams
 
 
 def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Tensor], dict[str, float] | None]:
     """(loss per step, final weights by name, final validation loss and task metrics or None): same seed,
-    same batches, same optimizer, whole batch at once."""
+    same batches, the same optimizer, schedule and clipping from torch's own classes, the whole global
+    batch at once (what `accumulate` micro-batches must add up to)."""
     recipe, data = make_recipe(cfg)
     x, y = data["train"]
     torch.manual_seed(cfg.seed)
     model = recipe.build()
     optimizer = plain_optimizer(cfg, model.parameters())
+    schedule = plain_schedule(cfg, optimizer)
     losses = []
     for step in range(cfg.steps):
-        idx = step_indices(len(x), cfg.batch_size, cfg.seed, step)
+        idx = step_indices(len(x), cfg.global_batch_size, cfg.seed, step)
         optimizer.zero_grad()
         loss = recipe.loss(model(x[idx]), y[idx])
         loss.backward()
+        if cfg.optim.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
         optimizer.step()
+        schedule.step()
         losses.append(loss.item())
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     return losses, weights, validation(recipe, model, data["val"])
@@ -34,10 +38,26 @@ def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Ten
 def plain_optimizer(cfg: ParallelConfig, params) -> torch.optim.Optimizer:
     """The optimizer the user chose, made here from the config itself (not from the run's recipe), so a
     run that trained with another optimizer, or without its state, differs from this reference."""
-    defaults = PlatformHParams()  # momentum and weight decay: not part of a model-parallel config
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=defaults.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=defaults.momentum, weight_decay=defaults.weight_decay)
+    o = cfg.optim
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.optimizer]
+    return cls(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+
+
+def plain_schedule(cfg: ParallelConfig, optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """torch's own schedulers: a linear warm-up from lr / (warmup + 1), then a cosine or linear decay to
+    min_lr_ratio x lr at the last step, or the constant peak."""
+    sched, s = torch.optim.lr_scheduler, cfg.schedule
+    warmup = round(s.warmup_fraction * cfg.steps) if s.warmup_fraction is not None else s.warmup_steps
+    decay_steps = max(1, cfg.steps - 1 - warmup)
+    decay = {"constant": lambda: sched.ConstantLR(optimizer, factor=1.0, total_iters=0),
+             "cosine": lambda: sched.CosineAnnealingLR(optimizer, T_max=decay_steps, eta_min=s.min_lr_ratio * cfg.optim.lr),
+             "linear": lambda: sched.LinearLR(optimizer, 1.0, s.min_lr_ratio, total_iters=decay_steps)}[s.decay]()
+    if not warmup:
+        return decay
+    rise = sched.LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
+    return sched.SequentialLR(optimizer, [rise, decay], milestones=[warmup])
 
 
 @torch.no_grad()
@@ -46,7 +66,7 @@ def validation(recipe, model, val) -> dict[str, float] | None:
     if val is None:
         return None
     xv, yv = val
-    batch = recipe.cfg.batch_size
+    batch = recipe.cfg.global_batch_size
     sums: dict[str, float] = {}
     for start in range(0, len(xv) - batch + 1, batch):
         output = model(xv[start:start + batch])

@@ -45,12 +45,18 @@ def make_optimizer(hp: dict, params) -> torch.optim.Optimizer:
     return cls(params, **optimizer_kwargs(hp, cls))
 
 
+def warmup_steps(hp: dict, total_steps: int) -> int:
+    """The warm-up's optimizer steps: `warmup_fraction` of `total_steps` (rounded), else `warmup_steps`."""
+    fraction = hp.get("warmup_fraction")
+    return round(fraction * total_steps) if fraction is not None else hp.get("warmup_steps", 0)
+
+
 def lr_factor(hp: dict, step: int, total_steps: int) -> float:
     """The share of `lr` used by optimizer step `step` (0-based) of `total_steps`: a linear warm-up over
     `warmup_steps` ((step + 1) / (warmup_steps + 1)), then `decay`: cosine or linear from 1 down to
     `min_lr_ratio` at the last step; `step`: x0.1 at half and at three quarters of the way, never below
     `min_lr_ratio`; or constant."""
-    warmup, decay, floor = hp.get("warmup_steps", 0), hp.get("decay", "constant"), hp.get("min_lr_ratio", 0.0)
+    warmup, decay, floor = warmup_steps(hp, total_steps), hp.get("decay", "constant"), hp.get("min_lr_ratio", 0.0)
     if step < warmup:
         return (step + 1) / (warmup + 1)
     if decay == "constant":

@@ -25,7 +25,7 @@ def parallelize(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, 
         # the zero-bubble schedules compute weight gradients in a pass of their own, outside autograd's
         # hooks, and with nested FSDP units (torch 2.13) the result differed from one process (measured);
         # with the stage as one unit it is equal: FSDP then gathers a whole stage at once there
-        nested = recipe.cfg.schedule not in SPLIT_BACKWARD
+        nested = recipe.cfg.parallelism.schedule not in SPLIT_BACKWARD
         apply_fsdp(stage, shard_units(stage) if nested else [], mesh=mesh["dp"])
     return stage
 

@@ -48,11 +48,12 @@ def stage_ranges(n_units: int, stages: int) -> list[range]:
 
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, device: torch.device, group,
                    schedule: str, microbatches: int, loss_fn):
-    """A pipelining schedule over this rank's stages (gradients averaged over microbatches), and the stages."""
+    """A pipelining schedule over this rank's stages, and the stages. The gradients are the sum over the
+    microbatches of `loss_fn`'s (which scales them: `scale_grads=False`)."""
     import torch.distributed.pipelining as pipelining
 
     stages = [pipelining.PipelineStage(part, index, n_stages, device, group=group)
               for part, index in zip(parts, stage_ids)]
     cls = getattr(pipelining, SCHEDULES[schedule][0])
     single = SCHEDULES[schedule][2] == "1"  # PipelineScheduleSingle takes a stage, the others a list
-    return cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn), stages
+    return cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages

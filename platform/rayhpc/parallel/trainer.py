@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 
 from rayhpc.config import ConfigError
-from rayhpc.data import mlp_tensors, step_indices, synthetic_sequences
+from rayhpc.data import step_indices
 from rayhpc.job import start_job
 from rayhpc.parallel import worker
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.task import task_for
 from rayhpc.task.batches import collate
-from rayhpc.task.hparams import PlatformHParams, full_hparams
+from rayhpc.train.config import train_hparams
 from rayhpc.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -37,36 +37,16 @@ class ParallelResult:
     checkpoint: Path | None  # the latest checkpoint
 
 
-def training_tensors(cfg: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The built-in model's training inputs and targets; every width is checked here, before Ray starts."""
-    if cfg.model.kind == "mlp":
-        x, y = mlp_tensors(cfg.data)
-        cfg.check_mlp_widths(x.shape[1], y.shape[1])
-    else:
-        m, synthetic = cfg.model, cfg.data.synthetic
-        x, y = synthetic_sequences(synthetic.num_samples, m.tokens, m.dim, synthetic.seed)
-    return x, y
-
-
 def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, dict]:
     """The recipe of the run and its data, {"train": (inputs, targets), "val": (inputs, targets) or None
-    (the built-in models, or a task whose validation data is less than one batch)}, every plan and size
-    checked."""
-    hp = {**PlatformHParams().model_dump(), "lr": cfg.lr, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer,
-          "seed": cfg.seed}
-    val = None
-    if cfg.task is None:
-        x, y = training_tensors(cfg)
-        recipe = Recipe(cfg, hp=hp, in_features=x.shape[-1], out_features=y.shape[-1])
-    else:
-        task = task_for(cfg.task, cfg.data)
-        hp = {**full_hparams(task.hp_model, cfg.hparams, key="hparams.{name} (--hp)"), **hp}
-        train, held_out = task.split_data(hp, cfg.data)
-        x, y = stack_pairs(train, task.where())
-        if held_out is not None and len(held_out) >= cfg.batch_size:
-            val = stack_pairs(held_out, task.where())
-        recipe = Recipe(cfg, task=task, hp=hp)
-    step_indices(len(x), cfg.batch_size, cfg.seed, 0)  # raises if the batch exceeds the data
+    (a task whose validation data is less than one batch)}, every plan and size checked."""
+    task = task_for(cfg.task, cfg.data)
+    hp = train_hparams(cfg, task.hp_model)
+    train, held_out = task.split_data(hp, cfg.data)
+    x, y = stack_pairs(train, task.where())
+    val = stack_pairs(held_out, task.where()) if held_out is not None and len(held_out) >= cfg.global_batch else None
+    recipe = Recipe(cfg, hp=hp, task=task)
+    step_indices(len(x), cfg.global_batch, cfg.seed, 0)  # raises if the batch exceeds the data
     recipe.check()
     return recipe, {"train": (x, y), "val": val}
 
@@ -87,8 +67,7 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
     job = start_job(cfg, explicit, workers=lambda c: c.world_size,
                     check=lambda c, res: made.update(zip(("recipe", "data"), make_recipe(c))))
     cfg, recipe = job.cfg, made["recipe"]
-    if recipe.task is not None:
-        recipe.task.ship()
+    recipe.task.ship()
     import ray
 
     start, losses, checkpoint = resume_point(cfg)
@@ -110,8 +89,9 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
             losses.append(loss)
             step_seconds.append(seconds)
             say(f"step {step + 1}/{cfg.steps}: loss {loss:.5f}  {seconds * 1e3:.1f} ms  "
-                f"{cfg.batch_size / seconds:,.0f} samples/s{recipe.tokens(cfg.batch_size / seconds)}")
-            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+                f"{cfg.global_batch / seconds:,.0f} samples/s{recipe.tokens(cfg.global_batch / seconds)}")
+            every = cfg.checkpoint_every_steps
+            if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
                 checkpoint = save(group, cfg, step + 1, losses)
             if made["data"]["val"] is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0 \
                     and step + 1 < cfg.steps:  # the last step's comes below
@@ -139,15 +119,15 @@ def step_loss(outcomes: list[dict]) -> tuple[float, float]:
 
 
 def describe_layout(cfg: ParallelConfig, params: list[tuple[int, int]], start_seconds: float) -> str:
-    per_replica = cfg.batch_size // cfg.dp
-    stages = f" ({cfg.per_rank_stages} stages per rank, {cfg.n_stages} in all)" if cfg.per_rank_stages > 1 else ""
-    pipeline = (f"; {cfg.schedule}{stages}, {cfg.n_microbatches} microbatches of "
-                f"{per_replica // cfg.n_microbatches} samples" if cfg.pp > 1 else "")
-    return (f"parallel: {cfg.world_size} ranks of {cfg.compute.cpus_per_worker:g} CPU, mesh pp({cfg.pp}) x "
-            f"dp({cfg.dp}) x tp({cfg.tp}) on {'GPU (nccl)' if cfg.compute.gpu else 'CPU (gloo)'}, {cfg.precision}; "
-            f"{params[0][0]:,} parameters, "
-            f"{min(p[1] for p in params):,}-{max(p[1] for p in params):,} per rank; batch {cfg.batch_size}{pipeline}; "
-            f"group ready in {start_seconds:.1f} s")
+    p = cfg.parallelism
+    stages = f" ({p.per_rank_stages} stages per rank, {p.n_stages} in all)" if p.per_rank_stages > 1 else ""
+    pipeline = (f"; {p.schedule}{stages}, {p.n_microbatches} microbatches of "
+                f"{cfg.micro_batch // p.n_microbatches} samples" if p.pp > 1 else "")
+    accumulate = f", {cfg.accumulate} micro-batches of {cfg.micro_batch} per replica" if cfg.accumulate > 1 else ""
+    return (f"parallel: {cfg.world_size} ranks of {cfg.compute.cpus_per_worker:g} CPU, mesh pp({p.pp}) x "
+            f"dp({p.dp}) x tp({p.tp}) on {'GPU (nccl)' if cfg.compute.gpu else 'CPU (gloo)'}, {cfg.precision}; "
+            f"{params[0][0]:,} parameters, {min(n[1] for n in params):,}-{max(n[1] for n in params):,} per rank; "
+            f"batch {cfg.global_batch}{accumulate}{pipeline}; group ready in {start_seconds:.1f} s")
 
 
 def save(group: WorkerGroup, cfg: ParallelConfig, step: int, losses: list[float]) -> Path:
@@ -174,8 +154,8 @@ def format_summary(result: ParallelResult) -> str:
     speed = "no steps left to run"
     if seconds:
         median = seconds[len(seconds) // 2]
-        speed = f"median step {median * 1e3:.1f} ms, {cfg.batch_size / median:,.0f} samples/s"
+        speed = f"median step {median * 1e3:.1f} ms, {cfg.global_batch / median:,.0f} samples/s"
     validation = f"\n{describe_validation(result.validation)}" if result.validation else ""
     return (f"trained {len(losses)} steps: loss {losses[0]:.5f} -> {losses[-1]:.5f}; {speed}; "
             f"start-up {result.start_seconds:.1f} s{validation}\n"
-            f"checkpoint: {result.checkpoint or 'none (--checkpoint-every K to save one)'}")
+            f"checkpoint: {result.checkpoint or 'none (--checkpoint-every-steps K to save one)'}")

@@ -21,7 +21,7 @@ from torch import nn
 
 from rayhpc.data import step_indices
 from rayhpc.monitor.metrics import WorkerMetrics
-from rayhpc.optim import make_optimizer
+from rayhpc.optim import make_optimizer, set_lr
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.mesh import build_mesh
 from rayhpc.parallel.parallelize import full_state, parallelize
@@ -51,7 +51,7 @@ class RankRun:
 
     @property
     def last_stage(self) -> bool:
-        return self.cfg.n_stages - 1 in self.stage_ids
+        return self.cfg.parallelism.n_stages - 1 in self.stage_ids
 
     def named_parameters(self):
         for part in self.parts:
@@ -73,22 +73,26 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     torch.manual_seed(cfg.seed)
     initial = recipe.build().state_dict()  # host memory: the one-process run's weights
     total = sum(t.numel() for t in initial.values())
-    mesh = build_mesh(cfg.degrees, ctx.device.type)
-    coords = cfg.degrees.coords(ctx.rank)
-    stage_ids = rank_stages(cfg.schedule, coords["pp"], cfg.pp, cfg.per_rank_stages) if cfg.pp > 1 else [None]
+    p = cfg.parallelism
+    mesh = build_mesh(p, ctx.device.type)
+    coords = p.coords(ctx.rank)
+    stage_ids = rank_stages(p.schedule, coords["pp"], p.pp, p.per_rank_stages) if p.pp > 1 else [None]
     parts = []
     for stage_id in stage_ids:
         with torch.device("meta"):
             model = recipe.build()
-        part = parallelize(model, mesh, cfg.degrees, stage_id, recipe)
+        part = parallelize(model, mesh, p, stage_id, recipe)
         part.to_empty(device=ctx.device)
         materialise(part, initial)
         parts.append(part)
     del initial
-    schedule, pipe_stages, pp_group = None, [], mesh["pp"].get_group() if cfg.pp > 1 else None
-    if cfg.pp > 1:
-        schedule, pipe_stages = build_schedule(parts, stage_ids, cfg.n_stages, ctx.device, pp_group, cfg.schedule,
-                                               cfg.n_microbatches, recipe.loss)
+    schedule, pipe_stages, pp_group = None, [], mesh["pp"].get_group() if p.pp > 1 else None
+    if p.pp > 1:
+        # each schedule step is one micro-batch of `accumulate`: its loss is scaled so the gradients the
+        # steps add up are the mean over the whole batch (torch's own scaling would divide the sum)
+        scale = 1 / (p.n_microbatches * cfg.accumulate)
+        schedule, pipe_stages = build_schedule(parts, stage_ids, p.n_stages, ctx.device, pp_group, p.schedule,
+                                               p.n_microbatches, lambda out, target: recipe.loss(out, target) * scale)
     optimizers = [make_optimizer(recipe.hp, part.parameters()) for part in parts]  # state shards like the weights
     (x, y), val = data["train"], data["val"]
     val = tuple(t.to(ctx.device) for t in val) if val is not None else None
@@ -125,13 +129,13 @@ def quiet_warnings() -> None:
 def replica_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel replica's slice of global step `step`'s batch."""
     cfg = run.cfg
-    idx = step_indices(len(run.x), cfg.batch_size, cfg.seed, step)
+    idx = step_indices(len(run.x), cfg.global_batch, cfg.seed, step)
     return run.x[replica_slice(run, idx)], run.y[replica_slice(run, idx)]
 
 
 def replica_slice(run: RankRun, idx):
     """This data-parallel replica's share of a global batch's indices."""
-    per = len(idx) // run.cfg.dp
+    per = len(idx) // run.cfg.parallelism.dp
     return idx[run.coords["dp"] * per:(run.coords["dp"] + 1) * per]
 
 
@@ -140,21 +144,23 @@ def autocast(cfg: ParallelConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
 
-def forward_loss(run: RankRun, x: torch.Tensor, y: torch.Tensor, train: bool):
-    """The batch's loss where this rank computes it (the last stage; every rank without a pipeline), else
-    None; gradients accumulated when `train`. Also the last stage's output (for metrics), or None."""
+def forward_loss(run: RankRun, x: torch.Tensor, y: torch.Tensor, train: bool, scale: float = 1.0):
+    """The batch's mean loss where this rank computes it (the last stage; every rank without a pipeline),
+    else None; when `train`, its gradients x `scale` added to the parameters' (a pipeline's loss function
+    scales them itself). Also the last stage's output (for metrics), or None."""
     if run.schedule is None:
         output = run.parts[0](x)
         loss = run.recipe.loss(output, y)
         if train:
-            loss.backward()
+            (loss * scale).backward()
         return loss.detach(), output
     if not train:
         output = pipeline_forward(run, x)
         return (run.recipe.loss(output, y) if run.last_stage else None), output
     losses = [] if run.last_stage else None
     run.schedule.step(*((x,) if run.first_stage else ()), target=y if run.last_stage else None, losses=losses)
-    return (torch.stack(losses).mean() if run.last_stage else None), None
+    # the loss function scaled each microbatch's loss by 1 / (microbatches x accumulate)
+    return (torch.stack(losses).sum().detach() * run.cfg.accumulate if run.last_stage else None), None
 
 
 def pipeline_forward(run: RankRun, x: torch.Tensor) -> torch.Tensor | None:
@@ -164,15 +170,15 @@ def pipeline_forward(run: RankRun, x: torch.Tensor) -> torch.Tensor | None:
     actions under the zero-bubble V schedule (torch 2.13)."""
     from rayhpc.parallel.pp import rank_stages
 
-    cfg, me = run.cfg, run.coords["pp"]
-    holder = {s: r for r in range(cfg.pp) for s in rank_stages(cfg.schedule, r, cfg.pp, cfg.per_rank_stages)}
+    p, me = run.cfg.parallelism, run.coords["pp"]
+    holder = {s: r for r in range(p.pp) for s in rank_stages(p.schedule, r, p.pp, p.per_rank_stages)}
     parts = dict(zip(run.stage_ids, run.parts))
     act = x
     for stage in sorted(parts):  # ascending on every rank: the chain of sends and receives cannot deadlock
         if stage > 0 and holder[stage - 1] != me:
             act = _recv(run.pp_group, holder[stage - 1], x.device)
         act = parts[stage](act)
-        if stage + 1 < cfg.n_stages and holder[stage + 1] != me:
+        if stage + 1 < p.n_stages and holder[stage + 1] != me:
             _send(act, run.pp_group, holder[stage + 1])
     return act if run.last_stage else None
 
@@ -203,22 +209,51 @@ def _recv(group, source: int, device: torch.device) -> torch.Tensor:
 
 
 def train_step(ctx: WorkerContext, step: int) -> dict:
-    """One optimizer step; the loss (mean over this replica's batch) where this rank computes it."""
+    """One optimizer step: the schedule's lr, the gradients of `accumulate` micro-batches of this replica's
+    batch, clipped by the total norm over every rank's shards; the loss (mean over this replica's batch)
+    where this rank computes it."""
     run: RankRun = ctx.state["run"]
+    cfg, hp = run.cfg, run.recipe.hp
     x, y = replica_batch(run, step)
     started = time.perf_counter()
     for optimizer in run.optimizers:
         optimizer.zero_grad()
-    with autocast(run.cfg, ctx.device):
-        loss, _ = forward_loss(run, x, y, train=True)
+        set_lr(optimizer, hp, step, cfg.steps)
+    losses = []
+    for xm, ym in zip(x.chunk(cfg.accumulate), y.chunk(cfg.accumulate)):  # equal: the config checked it
+        with autocast(cfg, ctx.device):
+            losses.append(forward_loss(run, xm, ym, train=True, scale=1 / cfg.accumulate)[0])
+    if hp.get("clip_grad_norm"):
+        clip_grad_norm(run, hp["clip_grad_norm"])
     for optimizer in run.optimizers:
         optimizer.step()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # every rank's step time is its device's
-    value = loss.item() if loss is not None else None
+    value = sum(v.item() for v in losses) / len(losses) if losses[0] is not None else None
     seconds = time.perf_counter() - started
     ctx.state["gauges"].record(value, len(x) / seconds, seconds, ctx.device)  # loss: None off the last stage
     return {"loss": value, "seconds": seconds, "coords": run.coords}
+
+
+def clip_grad_norm(run: RankRun, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over the whole model, which no rank holds: each sharded (DTensor)
+    gradient's norm is reduced over its mesh (TP and FSDP shards), a replicated one counts once, and
+    the pipeline ranks add their stages' squares. Returns the total norm."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    params = [q for _, q in run.named_parameters() if q.grad is not None]
+    squares = torch.zeros((), device=run.x.device)
+    for q in params:
+        norm = torch.linalg.vector_norm(q.grad)
+        squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    if run.pp_group is not None:
+        dist.all_reduce(squares, group=run.pp_group)
+    total = squares.sqrt()
+    coef = min(1.0, max_norm / (total.item() + 1e-6))  # torch's clip_grad_norm_ formula; a float multiplies
+    for q in params:                                    # DTensor and plain gradients alike
+        q.grad.mul_(coef)
+    return total
 
 
 @torch.no_grad()
@@ -227,7 +262,7 @@ def evaluate(ctx: WorkerContext) -> dict:
     data (each replica scores its share), where this rank computes them."""
     run: RankRun = ctx.state["run"]
     xv, yv = run.val
-    batch = run.cfg.batch_size
+    batch = run.cfg.global_batch
     sums: dict[str, float] = {}
     for start in range(0, len(xv) - batch + 1, batch):  # whole batches: the pipeline's buffers have its shape
         idx = replica_slice(run, torch.arange(start, start + batch))

@@ -40,6 +40,7 @@ class PSConfig(DataParallelJob):
         # the servers step their own shards: a schedule, a norm over every shard and micro-batches are the
         # training jobs' (rayhpc.optim), not yet the parameter server's
         unsupported = {"schedule.warmup_steps": (self.schedule.warmup_steps, 0, "--warmup-steps"),
+                       "schedule.warmup_fraction": (self.schedule.warmup_fraction, None, "--warmup-fraction"),
                        "schedule.decay": (self.schedule.decay, "constant", "--decay"),
                        "optim.clip_grad_norm": (self.optim.clip_grad_norm, None, "--clip-grad-norm"),
                        "accumulate": (self.accumulate, 1, "--accumulate")}

@@ -13,29 +13,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, Strict, ValidationError, create_model
 
-from rayhpc.config import ConfigError, OptimizerName, StrictModel
+from rayhpc.config import ConfigError, Optim, OptimizerName, Schedule
 
-TRAINING_KEYS = ("optimizer", "lr", "momentum", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "decay",
-                 "min_lr_ratio", "clip_grad_norm", "accumulate")  # the options of `rayhpc.optim`
+# the options of `rayhpc.optim`: the `optim:` and `schedule:` sections' keys, and accumulation
+TRAINING_KEYS = (*Optim.model_fields, *Schedule.model_fields, "accumulate")
 PLATFORM_KEYS = ("batch_size", "seed", *TRAINING_KEYS)
 
 
-class PlatformHParams(StrictModel):
-    """The platform's hyperparameters: what every trial has, whatever the task."""
+class PlatformHParams(Schedule, Optim):
+    """The platform's hyperparameters: what every trial has, whatever the task: the keys of the `optim:`
+    and `schedule:` sections (a training job's values of them), the batch, accumulation and seed."""
 
     lr: float = Field(0.01, gt=0, description="learning rate (the peak, after the warm-up)")
-    batch_size: int = Field(32, ge=1, description="samples per optimizer step (over all workers)")
     optimizer: OptimizerName = Field("adam", description="sgd, adam, adamw, or a torch.optim class by name")
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (ignored by Adam)")
-    weight_decay: float = Field(0.0, ge=0, description="weight decay (L2 in SGD and Adam, decoupled in AdamW)")
-    beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first beta")
-    beta2: float = Field(0.999, ge=0, lt=1, description="Adam's second beta")
-    eps: float = Field(1e-8, gt=0, description="Adam's epsilon")
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear learning-rate warm-up")
-    decay: Literal["constant", "cosine", "linear", "step"] = Field("constant", description="the learning rate "
-                                                                   "after the warm-up (rayhpc.optim.lr_factor)")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the lowest share of lr the decay reaches")
-    clip_grad_norm: float | None = Field(None, gt=0, description="clip the gradient's total norm to this")
+    batch_size: int = Field(32, ge=1, description="samples per optimizer step (over all workers)")
     accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (the batch is unchanged)")
     seed: int = Field(0, description="seeds initialisation, dropout and the data order")
 

@@ -48,5 +48,32 @@ class MLPTask(Task):
         x, y = batch
         return F.mse_loss(model(x).float(), y)  # .float(): an FSDP bf16 policy returns bf16 outputs
 
+    def tp_divisible(self, hp: dict) -> dict:
+        """Tensor parallelism splits the hidden layers' width (there is none at depth 1)."""
+        return {"hidden": hp["hidden"]} if hp["depth"] > 1 else {}
+
+    def tp_plan(self, model: MLP) -> dict:
+        """Megatron-style, over the Linear layers of `model` (or of the pipeline stage it holds): column-
+        and row-parallel in turn, so each pair needs one all-reduce and the ReLU between works on local
+        shards; a last column-parallel layer (an odd count) gathers its output, so the model (or
+        stage) returns a whole tensor."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        plan = {}
+        for i, name in enumerate(names):
+            if i % 2:
+                plan[name] = RowwiseParallel()
+            elif i == len(names) - 1:
+                plan[name] = ColwiseParallel(output_layouts=Replicate())
+            else:
+                plan[name] = ColwiseParallel()
+        return plan
+
+    def pipeline_split(self, model: MLP) -> list[str]:
+        """A pipeline stage may begin at any Linear layer after the first."""
+        return [f"layers.{i}" for i, m in enumerate(model.layers) if isinstance(m, torch.nn.Linear)][1:]
+
     def __getstate__(self):  # every process reads the data itself; the pickle carries the settings only
         return {**self.__dict__, "_tensors": None}

@@ -136,6 +136,11 @@ def test_a_silent_rank_is_named_after_the_timeout(ray_address):
     assert err.value.silent == [1] and placement_groups_left() == 0
 
 
+def test_epochs_are_counted_in_steps_of_the_tasks_training_data():
+    recipe, data = make_recipe(parallel_cfg(epochs=3, global_batch_size=64))
+    assert recipe.cfg.steps == 3 * (len(data["train"][0]) // 64) > 3, recipe.cfg.steps
+
+
 def test_mesh_mismatch_names_every_factor():
     with pytest.raises(ConfigError, match=r"^compute\.num_workers \(--num-workers\) 3: dp\(1\) \* pp\(2\) \* tp\(2\) = 4 "
                                           r"!= world size 3$"):
@@ -168,6 +173,7 @@ def test_mesh_mismatch_names_every_factor():
      "(global_batch_size 32 / dp 1 / accumulate 16)"),
     (["--dp", "2", "--accumulate", "3"],
      "error: accumulate (--accumulate) 3: does not divide the per-replica batch 16 (global_batch_size 32 / dp 2)"),
+    (["--steps", "5", "--epochs", "2"], "error: steps (--steps) 5 and epochs (--epochs) 2: give one, not both"),
     (["--optimizer", "adamx"], "error: optim.optimizer (--optimizer): unknown optimizer 'adamx': expected sgd, adam, "
                                "adamw or a torch.optim class"),
     (["--warmup-steps", "-1"], "error: schedule.warmup_steps (--warmup-steps): Input should be greater than or equal "

@@ -124,8 +124,9 @@ def test_flags_are_derived_from_the_config_fields():
     assert parallel["--hp"] == "hparams"  # a field that names its own flag
     # the same section and flag names as the training job's, and the pipeline's in `parallelism:`
     assert {f: parallel[f] for f in ("--lr", "--warmup-steps", "--clip-grad-norm", "--accumulate", "--global-batch-size",
-                                     "--checkpoint-every-steps")} == {f: train[f] for f in (
-        "--lr", "--warmup-steps", "--clip-grad-norm", "--accumulate", "--global-batch-size", "--checkpoint-every-steps")}
+                                     "--checkpoint-every-steps", "--epochs")} == {f: train[f] for f in (
+        "--lr", "--warmup-steps", "--clip-grad-norm", "--accumulate", "--global-batch-size", "--checkpoint-every-steps",
+        "--epochs")}
     assert parallel["--schedule"] == "parallelism.schedule" and parallel["--tp"] == "parallelism.tp"
     for model in (CollectivesConfig, ScalingConfig):
         flags = derived_flags(model)

@@ -150,6 +150,19 @@ def test_a_run_resumed_mid_warm_up_equals_the_uninterrupted_one(ray_address, tmp
     assert_same_weights(load_full_state_dict(run.checkpoint_dir), reference[0])
 
 
+def test_a_run_of_steps_ends_mid_epoch_and_its_schedule_spans_them(ray_address, tmp_path):
+    """`steps` instead of epochs: the epochs they take, the last one cut short, and the linear decay
+    reaches its floor (0) at the last of them."""
+    cfg = validate(TrainConfig, {"storage_path": str(tmp_path), "name": "steps", "steps": 10, "hparams": {"hidden": 16},
+                                 "compute": {"num_workers": 2}, "batch_size_per_worker": 256,
+                                 "schedule": {"decay": "linear"}})
+    run = run_training(cfg)
+    epochs = run.metrics[run.metrics["kind"] == "epoch"]
+    per_epoch = epochs["global_step"].iloc[0]
+    assert 10 % per_epoch and list(epochs["global_step"]) == [*range(per_epoch, 10, per_epoch), 10], epochs
+    assert epochs["lr"].iloc[-1] == 0.0 < epochs["lr"].iloc[-2], list(epochs["lr"])
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--warmup-steps", "-1"],
      "error: schedule.warmup_steps (--warmup-steps): Input should be greater than or equal to 0"),
@@ -158,6 +171,7 @@ def test_a_run_resumed_mid_warm_up_equals_the_uninterrupted_one(ray_address, tmp
                               "sgd, adam, adamw or a torch.optim class"),
     (["--warmup-steps", "3", "--warmup-fraction", "0.1"],
      "error: schedule: warmup_fraction (--warmup-fraction) 0.1 and warmup_steps (--warmup-steps) 3: give one"),
+    (["--steps", "10", "--epochs", "2"], "error: steps (--steps) 10 and epochs (--epochs) 2: give one, not both"),
     (["--warmup-fraction", "1.5"], "error: schedule.warmup_fraction (--warmup-fraction): Input should be less than 1"),
 ])
 def test_bad_training_options_exit_2_naming_the_key(args, expected, tmp_path):

@@ -15,6 +15,7 @@ def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Ten
     same batches, the same optimizer, schedule and clipping from torch's own classes, the whole global
     batch at once (what `accumulate` micro-batches must add up to)."""
     recipe, data = make_recipe(cfg)
+    cfg = recipe.cfg  # its steps resolved
     x, y = data["train"]
     torch.manual_seed(cfg.seed)
     model = recipe.build()

@@ -93,12 +93,14 @@ def split_batch(batch: Any, parts: int) -> list:
 
 
 def optimizer_step(model: torch.nn.Module, optimizer, loss_fn: Callable, batch: Any, hp: dict, step: int,
-                   total_steps: int, size_of: Callable[[Any], int]) -> torch.Tensor:
-    """One optimizer step on `batch`: the lr of the schedule, the gradient of `loss_fn` summed over
-    `accumulate` micro-batches (each weighted by its share of the samples, so the step equals one on
-    the whole batch for a loss that is a mean over samples), clipped to `clip_grad_norm`. Returns the
-    batch's mean loss (detached). Under DDP, only the last micro-batch all-reduces the gradients."""
-    set_lr(optimizer, hp, step, total_steps)
+                   total_steps: int, size_of: Callable[[Any], int], scheduler=None) -> torch.Tensor:
+    """One optimizer step on `batch`: the lr of the schedule (or of the task's own `scheduler`, stepped
+    after it), the gradient of `loss_fn` summed over `accumulate` micro-batches (each weighted by its
+    share of the samples, so the step equals one on the whole batch for a loss that is a mean over
+    samples), clipped to `clip_grad_norm`. Returns the batch's mean loss (detached). Under DDP, only
+    the last micro-batch all-reduces the gradients."""
+    if scheduler is None:
+        set_lr(optimizer, hp, step, total_steps)
     optimizer.zero_grad(set_to_none=True)
     micro = split_batch(batch, hp.get("accumulate", 1))
     total, n = torch.zeros((), device=_device_of(model)), size_of(batch)
@@ -112,6 +114,8 @@ def optimizer_step(model: torch.nn.Module, optimizer, loss_fn: Callable, batch: 
     if hp.get("clip_grad_norm"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), hp["clip_grad_norm"])
     optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
     return total
 
 

@@ -57,7 +57,9 @@ class ParallelConfig(TaskJobConfig):
                             "on each replica (the batch is unchanged: less memory, the same step)")
     precision: Literal["fp32", "tf32", "bf16"] = Field("tf32", description="fp32; tf32: fp32 with TF32 matmuls on "
                                                        "GPUs (as fp32 on CPUs); bf16: autocast mixed precision")
-    steps: int = Field(20, ge=1, description="optimizer steps")
+    steps: int | None = Field(None, ge=1, description="optimizer steps (default 20, or from epochs)")
+    epochs: int | None = Field(None, ge=1, description="passes over the training data, instead of steps: "
+                               "steps = epochs x (training samples // global_batch_size)")
     global_batch_size: int = Field(32, ge=1, description="samples per optimizer step over all replicas")
     checkpoint_every_steps: int | None = Field(None, ge=1, description="save a sharded checkpoint every K steps")
     eval_every: int | None = Field(None, ge=1, description="validation loss every K steps (always after the last "
@@ -85,8 +87,15 @@ class ParallelConfig(TaskJobConfig):
         """Samples per replica in one forward/backward (one schedule step under a pipeline)."""
         return self.global_batch_size // self.parallelism.dp // self.accumulate
 
+    def with_steps(self, n_train: int) -> "ParallelConfig":
+        """This config with `steps` set: as given, else from `epochs` over `n_train` samples, else 20."""
+        steps = self.steps or (self.epochs * max(1, n_train // self.global_batch_size) if self.epochs else 20)
+        return self.model_copy(update={"steps": steps})
+
     @model_validator(mode="after")
     def _check(self) -> "ParallelConfig":
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError(f"steps (--steps) {self.steps} and epochs (--epochs) {self.epochs}: give one, not both")
         p = self.parallelism
         try:
             p.check(self.world_size)

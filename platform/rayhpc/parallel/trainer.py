@@ -43,6 +43,7 @@ def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, dict]:
     task = task_for(cfg.task, cfg.data)
     hp = train_hparams(cfg, task.hp_model)
     train, held_out = task.split_data(hp, cfg.data)
+    cfg = cfg.with_steps(len(train))
     x, y = stack_pairs(train, task.where())
     val = stack_pairs(held_out, task.where()) if held_out is not None and len(held_out) >= cfg.global_batch else None
     recipe = Recipe(cfg, hp=hp, task=task)
@@ -66,7 +67,8 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
     made = {}
     job = start_job(cfg, explicit, workers=lambda c: c.world_size,
                     check=lambda c, res: made.update(zip(("recipe", "data"), make_recipe(c))))
-    cfg, recipe = job.cfg, made["recipe"]
+    recipe = made["recipe"]
+    cfg = recipe.cfg  # its steps resolved (`epochs` counted in steps of the task's training data)
     recipe.task.ship()
     import ray
 
@@ -79,7 +81,7 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
         group.describe_rank = cfg.degrees.describe
         params = group.run(worker.setup, recipe, ray.put(made["data"]))
         if checkpoint is not None:
-            group.run(worker.load_checkpoint, str(checkpoint))
+            group.run(worker.load_checkpoint, str(checkpoint), start)
             say(f"resumed from {checkpoint} (step {start})")
         start_seconds = time.perf_counter() - started
         say(describe_layout(cfg, params, start_seconds))

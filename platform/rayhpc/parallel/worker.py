@@ -21,7 +21,7 @@ from torch import nn
 
 from rayhpc.data import step_indices
 from rayhpc.monitor.metrics import WorkerMetrics
-from rayhpc.optim import make_optimizer, set_lr
+from rayhpc.optim import set_lr
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.mesh import build_mesh
 from rayhpc.parallel.parallelize import full_state, parallelize
@@ -37,6 +37,7 @@ class RankRun:
     parts: list[nn.Module]  # this rank's stages (one unless the schedule interleaves), TP/FSDP-sharded
     stage_ids: list[int]  # their global stage indices
     optimizers: list[torch.optim.Optimizer]  # one per part (torchtitan's way: DCP pairs a model with its optimizer)
+    schedulers: list  # the task's own LR scheduler per optimizer, or Nones: the `schedule:` section sets the lr
     schedule: object | None  # the pipelining schedule when pp > 1
     pipe_stages: list  # its PipelineStage per part (none without a pipeline)
     pp_group: object | None  # the process group of this rank's pipeline
@@ -93,11 +94,14 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
         scale = 1 / (p.n_microbatches * cfg.accumulate)
         schedule, pipe_stages = build_schedule(parts, stage_ids, p.n_stages, ctx.device, pp_group, p.schedule,
                                                p.n_microbatches, lambda out, target: recipe.loss(out, target) * scale)
-    optimizers = [make_optimizer(recipe.hp, part.parameters()) for part in parts]  # state shards like the weights
+    # one optimizer per part: its state shards like the weights; the task's own scheduler (if any) made now,
+    # so the optimizer's state records the lr the schedule begins with (`initial_lr`) and a checkpoint holds it
+    optimizers = [recipe.task.optimizer(part.parameters(), recipe.hp) for part in parts]
+    schedulers = [recipe.task.scheduler(optimizer, recipe.hp) for optimizer in optimizers]
     (x, y), val = data["train"], data["val"]
     val = tuple(t.to(ctx.device) for t in val) if val is not None else None
-    run = RankRun(cfg, coords, parts, [s or 0 for s in stage_ids], optimizers, schedule, pipe_stages, pp_group,
-                  x.to(ctx.device), y.to(ctx.device), recipe, val)
+    run = RankRun(cfg, coords, parts, [s or 0 for s in stage_ids], optimizers, schedulers, schedule, pipe_stages,
+                  pp_group, x.to(ctx.device), y.to(ctx.device), recipe, val)
     ctx.state["run"], ctx.state["gauges"] = run, WorkerMetrics(cfg.name, ctx.rank)
     return total, sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for _, p in run.named_parameters())
 
@@ -216,17 +220,20 @@ def train_step(ctx: WorkerContext, step: int) -> dict:
     cfg, hp = run.cfg, run.recipe.hp
     x, y = replica_batch(run, step)
     started = time.perf_counter()
-    for optimizer in run.optimizers:
+    for optimizer, scheduler in zip(run.optimizers, run.schedulers):
         optimizer.zero_grad()
-        set_lr(optimizer, hp, step, cfg.steps)
+        if scheduler is None:
+            set_lr(optimizer, hp, step, cfg.steps)
     losses = []
     for xm, ym in zip(x.chunk(cfg.accumulate), y.chunk(cfg.accumulate)):  # equal: the config checked it
         with autocast(cfg, ctx.device):
             losses.append(forward_loss(run, xm, ym, train=True, scale=1 / cfg.accumulate)[0])
     if hp.get("clip_grad_norm"):
         clip_grad_norm(run, hp["clip_grad_norm"])
-    for optimizer in run.optimizers:
+    for optimizer, scheduler in zip(run.optimizers, run.schedulers):
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # every rank's step time is its device's
     value = sum(v.item() for v in losses) / len(losses) if losses[0] is not None else None
@@ -306,8 +313,9 @@ def save_checkpoint(ctx: WorkerContext, path: str) -> None:
     dcp.save(_merged(_states(ctx.state["run"])), checkpoint_id=path)
 
 
-def load_checkpoint(ctx: WorkerContext, path: str) -> None:
-    """Read this rank's shards back in place (the layout may differ from the one that saved them)."""
+def load_checkpoint(ctx: WorkerContext, path: str, step: int) -> None:
+    """Read this rank's shards back in place (the layout may differ from the one that saved them); the
+    task's own schedulers (if any) continue from optimizer step `step`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -319,3 +327,5 @@ def load_checkpoint(ctx: WorkerContext, path: str) -> None:
         set_state_dict(part, optimizer, model_state_dict={k: loaded["model"][k] for k in state["model"]},
                        optim_state_dict={k: loaded["optim"][k] for k in state["optim"]},
                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+    run.schedulers = [run.recipe.task.scheduler(optimizer, run.recipe.hp, step) if scheduler is not None else None
+                      for optimizer, scheduler in zip(run.optimizers, run.schedulers)]

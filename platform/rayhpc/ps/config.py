@@ -43,7 +43,8 @@ class PSConfig(DataParallelJob):
                        "schedule.warmup_fraction": (self.schedule.warmup_fraction, None, "--warmup-fraction"),
                        "schedule.decay": (self.schedule.decay, "constant", "--decay"),
                        "optim.clip_grad_norm": (self.optim.clip_grad_norm, None, "--clip-grad-norm"),
-                       "accumulate": (self.accumulate, 1, "--accumulate")}
+                       "accumulate": (self.accumulate, 1, "--accumulate"),
+                       "steps": (self.steps, None, "--steps (it counts epochs: --epochs)")}
         for key, (value, default, flag) in unsupported.items():
             if value != default:
                 raise ConfigError(f"{key} ({flag}) {value}: the parameter server does not take it; "

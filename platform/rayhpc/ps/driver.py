@@ -26,6 +26,7 @@ import pandas as pd
 import ray
 import torch
 
+from rayhpc.config import ConfigError
 from rayhpc.job import start_job
 from rayhpc.ps import shards
 from rayhpc.ps.config import PSConfig
@@ -95,7 +96,10 @@ def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
 
 def plan_run(cfg: PSConfig, task, hp: dict) -> dict:
     """The initial parameters, their layout over the servers and the steps per epoch (checked before Ray
-    starts: more servers than parameter elements is bad input)."""
+    starts: more servers than parameter elements is bad input, and so is a task's own optimizer)."""
+    if own := task.own_optimizer:
+        raise ConfigError(f"{task.where()}: brings its own {own}; the parameter server's shards each step the "
+                          "optimizer --optimizer names (train_mlp.py and train_parallel.py take a task's own)")
     model = task.initial_model(hp)
     params = {name: p.detach() for name, p in model.named_parameters()}
     layout = shards.plan({name: tuple(p.shape) for name, p in params.items()}, cfg.compute.num_servers)

@@ -62,3 +62,10 @@ class Task:
     #   def metrics(self, model, batch) -> dict[str, torch.Tensor]
     # scalar means over the batch (accuracy, ...), averaged over the validation set and
     # reported as val_<name> beside val_loss.
+    #
+    # Optional too (absent: the job's `optim:` and `schedule:` sections, or the trial's hp):
+    #   def optimizer(self, params, hp) -> torch.optim.Optimizer
+    #   def scheduler(self, optimizer, hp) -> torch.optim.lr_scheduler.LRScheduler
+    # the scheduler is stepped after every optimizer step and replayed to its step on resume;
+    # a sweep then trains the trials one at a time (packs step only the platform's optimizers),
+    # and the parameter-server job refuses such a task.

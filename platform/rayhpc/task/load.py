@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,36 @@ class LoadedTask:
 
     def metrics(self, model, batch) -> dict:
         return self.obj.metrics(model, batch) if self.has_metrics else {}
+
+    def optimizer(self, params, hp: dict):
+        """The task's own `optimizer(params, hp)`, else the one `hp` names (`rayhpc.optim.make_optimizer`)."""
+        from rayhpc.optim import make_optimizer
+
+        own = getattr(self.obj, "optimizer", None)
+        return own(params, hp) if callable(own) else make_optimizer(hp, params)
+
+    def scheduler(self, optimizer, hp: dict, step: int = 0):
+        """The task's own `scheduler(optimizer, hp)` (a torch LR scheduler, stepped after every optimizer
+        step) as it stands after `step` optimizer steps, or None: the `schedule:` section sets the lr.
+        A resumed run's optimizer is set back to the lr its schedule began with (`initial_lr`, which
+        torch's schedulers keep in the optimizer's state) and the new scheduler replays the steps, so it
+        continues where the interrupted one was."""
+        own = getattr(self.obj, "scheduler", None)
+        if not callable(own):
+            return None
+        for group in optimizer.param_groups:
+            group["lr"] = group.get("initial_lr", group["lr"])
+        scheduler = own(optimizer, hp)
+        with warnings.catch_warnings():  # torch warns of scheduler steps before optimizer steps: a replay here
+            warnings.simplefilter("ignore")
+            for _ in range(step):
+                scheduler.step()
+        return scheduler
+
+    @property
+    def own_optimizer(self) -> str | None:
+        """"optimizer()", "scheduler()" or both, where the task brings its own (packs cannot step them)."""
+        return " and ".join(f"{n}()" for n in ("optimizer", "scheduler") if callable(getattr(self.obj, n, None))) or None
 
     # --- the optional parts, with their defaults
     @property

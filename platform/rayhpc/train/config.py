@@ -19,7 +19,9 @@ class DataParallelJob(TaskJobConfig):
     the batch (global, or per worker), the optimiser, checkpoints and failures."""
 
     compute: Compute = Compute()
-    epochs: int = Field(5, ge=1, description="passes over the training split")
+    epochs: int | None = Field(None, ge=1, description="passes over the training split (default 5)")
+    steps: int | None = Field(None, ge=1, description="optimizer steps, instead of epochs: the epochs they take, "
+                              "the last one cut short")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step over all workers")
     batch_size_per_worker: int | None = Field(None, ge=1, description="samples per step on each worker "
                                               "(default 32, the seed documents' batch per GPU)")
@@ -33,6 +35,16 @@ class DataParallelJob(TaskJobConfig):
                               "checkpoint")
     hparams: dict[str, Any] = Field({}, description="the task's own hyperparameters, e.g. hidden=16,depth=3",
                                     json_schema_extra={"flag": "--hp"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _epochs_or_steps(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("steps") is None:
+            return {**data, "epochs": data.get("epochs") or 5} if isinstance(data, dict) else data
+        if data.get("epochs") is not None:
+            raise ConfigError(f"steps (--steps) {data['steps']} and epochs (--epochs) {data['epochs']}: give one, "
+                              "not both")
+        return data
 
     @model_validator(mode="after")
     def _batch(self) -> "DataParallelJob":

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
-from rayhpc.optim import make_optimizer, optimizer_step
+from rayhpc.optim import optimizer_step
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
 from rayhpc.train import checkpoint
@@ -42,6 +42,7 @@ class Worker:
     rank: int
     world: int
     progress: checkpoint.Progress
+    scheduler: object = None  # the task's own LR scheduler, if it has one
     first_step_time: float | None = None  # unix time
     first_batch: int = 0  # samples of the first step (the one whose FLOPs were counted)
     # where reports go: Ray Train's `report` (with a checkpoint) by default; a warm worker group's
@@ -51,6 +52,21 @@ class Worker:
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
         self.flops = StepFlops(enabled=self.cfg.compile == "none")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of a whole epoch, the same on every rank (DistributedSampler pads each rank's
+        share to ceil(samples / world))."""
+        return math.ceil(math.ceil(len(self.train) / self.world) / self.cfg.per_worker_batch)
+
+    @property
+    def total_steps(self) -> int:
+        return self.cfg.steps or self.cfg.epochs * self.steps_per_epoch
+
+    @property
+    def epochs(self) -> int:
+        """Epochs to run: `epochs`, or as many as `steps` take (the last one cut short)."""
+        return math.ceil(self.total_steps / self.steps_per_epoch)
 
     def loss(self, batch) -> torch.Tensor:
         autocast = self.cfg.use_bf16 and self.cfg.strategy == "ddp" and self.device.type == "cuda"
@@ -89,11 +105,12 @@ def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.devi
     model = task.initial_model(hp)
     model = parallelize(model, cfg.strategy, device, cfg.use_bf16, blocks=model_blocks(task.obj, model),
                         ac=cfg.activation_checkpointing, compile_mode=cfg.compile)
-    optimizer = make_optimizer(hp, model.parameters())
+    optimizer = task.optimizer(model.parameters(), hp)
     progress = restore(model, optimizer) or checkpoint.Progress()
     workers = loader_workers(device, cfg.compute.cpus_per_worker)
     return Worker(cfg, task, hp, model, optimizer, Batches(train, device, workers),
-                  Batches(val, device, workers) if val is not None else None, device, rank, world, progress)
+                  Batches(val, device, workers) if val is not None else None, device, rank, world, progress,
+                  task.scheduler(optimizer, hp, progress.global_step))
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -110,7 +127,7 @@ def train_loop_per_worker(config: dict) -> None:
                          lambda model, optimizer: checkpoint.restore(
                              ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
                              device=device))
-    for epoch in range(worker.progress.epoch, cfg.epochs):
+    for epoch in range(worker.progress.epoch, worker.epochs):
         run_epoch(worker, epoch)
 
 
@@ -162,13 +179,14 @@ def run_epoch(w: Worker, epoch: int) -> None:
     """Train one epoch (or its remainder after a restore) and report it with a checkpoint."""
     cfg, p, batch = w.cfg, w.progress, w.cfg.per_worker_batch
     indices = epoch_indices(len(w.train), w.hp["seed"], epoch, w.rank, w.world)
-    n_steps = math.ceil(len(indices) / batch)
+    total_steps = w.total_steps
+    n_steps = min(w.steps_per_epoch, total_steps - epoch * w.steps_per_epoch)  # `steps` may end this epoch early
     skip = p.step_in_epoch  # steps of this epoch done before a restore: same order, so skip them
     win = Window(torch.zeros((), device=w.device))
-    total_steps = cfg.epochs * n_steps  # every epoch has as many steps on every rank (DistributedSampler)
-    for i, data in enumerate(win.timed(w.train(indices[skip * batch:], batch)), start=skip):
+    for i, data in enumerate(win.timed(w.train(indices[skip * batch:n_steps * batch], batch)), start=skip):
         with w.flops.once():  # the FLOPs of one step, counted on the first (for MFU)
-            loss = optimizer_step(w.model, w.optimizer, w.loss, data, w.hp, p.global_step, total_steps, batch_size_of)
+            loss = optimizer_step(w.model, w.optimizer, w.loss, data, w.hp, p.global_step, total_steps, batch_size_of,
+                                  w.scheduler)
         if w.first_step_time is None:  # when training really began in this worker group (start-up benchmarks)
             w.first_step_time = time.time()
             w.first_batch = batch_size_of(data)

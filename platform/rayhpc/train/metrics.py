@@ -29,7 +29,7 @@ class MetricsRecorder(UserCallback):
     """Appends rank 0's metrics of every report to `metrics.parquet` and TensorBoard events, and
     logs one line per epoch (shown where `verbose`: it runs in Ray Train's controller process)."""
 
-    def __init__(self, run_dir: Path, epochs: int, verbose: bool = True):
+    def __init__(self, run_dir: Path, epochs: int | None, verbose: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
         self.epochs, self.verbose = epochs, verbose
         self.rows: list[dict] | None = None  # loaded lazily: a resumed run keeps its earlier rows
@@ -52,7 +52,8 @@ class MetricsRecorder(UserCallback):
             if self.verbose:
                 rayhpc_log.show()
             values = "".join(f", {k} {v:.4g}" for k, v in row.items() if k.startswith("val_") and v is not None)
-            log.info(f"epoch {row['epoch']}/{self.epochs}: loss {row['loss']:.4g}{values}, "
+            of = f"/{self.epochs}" if self.epochs else ""  # None: a run of `steps`
+            log.info(f"epoch {row['epoch']}{of}: loss {row['loss']:.4g}{values}, "
                      f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.2f} ms/step "
                      f"({row['world_size']} workers x {row['batch_size_per_worker']} samples)")
 

@@ -30,7 +30,6 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from rayhpc.models import MLP, PackedMLP
-from rayhpc.optim import make_optimizer
 from rayhpc.task.batches import batch_size_of, evaluate
 from rayhpc.task.check import TaskInfo
 from rayhpc.task.load import LoadedTask, one_line
@@ -72,8 +71,8 @@ class _Apply(nn.Module):
 
 
 class SinglePack:
-    """One trial: the task's own model, loss and metrics and a `torch.optim` optimiser, no vmap (so any
-    task runs, packable or not)."""
+    """One trial: the task's own model, loss and metrics and a `torch.optim` optimiser (or the task's own
+    optimizer and scheduler), no vmap (so any task runs, packable or not)."""
 
     size = 1
 
@@ -82,7 +81,14 @@ class SinglePack:
         self.has_metrics = task.has_metrics
 
     def optimizer(self, members: list[dict]):
-        return make_optimizer(members[0], self.model.parameters())
+        return self.task.optimizer(self.model.parameters(), members[0])
+
+    def scheduler(self, opt, hp: dict, step: int):
+        """The task's own LR scheduler of `opt`, or None; made at the first step this process runs (a
+        resumed trial's step, once its optimizer is restored)."""
+        if not hasattr(self, "_scheduler"):
+            self._scheduler = self.task.scheduler(opt, hp, step)
+        return self._scheduler
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
@@ -254,7 +260,10 @@ def make_pack(task: LoadedTask, members: list[dict], device: torch.device):
 
 def packing_problem(task: LoadedTask, hp: dict, batch: Any) -> str | None:
     """Why this task's trials cannot be packed, or None: two members with different initialisations,
-    one training step and one evaluation each, packed and alone, must agree."""
+    one training step and one evaluation each, packed and alone, must agree; a pack steps only the
+    platform's optimizers and schedule."""
+    if own := task.own_optimizer:
+        return f"it brings its own {own}"
     try:
         models = [task.initial_model({**hp, "seed": hp["seed"] + i}) for i in range(2)]
         alone = [_alone(task, copy.deepcopy(m), batch) for m in models]

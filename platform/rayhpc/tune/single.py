@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from rayhpc.data import DataConfig
-from rayhpc.optim import make_optimizer, optimizer_step
+from rayhpc.optim import optimizer_step
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
 
@@ -36,7 +36,8 @@ def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = Dat
     entered = time.perf_counter()
     train, val = task.split_data(hp, data)
     model = task.initial_model(hp).to(device)
-    opt = make_optimizer(hp, model.parameters())
+    opt = task.optimizer(model.parameters(), hp)
+    scheduler = task.scheduler(opt, hp)
     workers = loader_workers(device, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
     train_batches = Batches(train, device, workers)
     val_batches = Batches(val, device, workers) if val is not None else None
@@ -47,7 +48,7 @@ def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = Dat
         total, steps = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
         for batch in train_batches(epoch_indices(len(train), hp["seed"], epoch), hp["batch_size"]):
             total += optimizer_step(model, opt, lambda part: task.loss(model, part), batch, hp,
-                                    epoch * per_epoch + steps, epochs * per_epoch, batch_size_of)
+                                    epoch * per_epoch + steps, epochs * per_epoch, batch_size_of, scheduler)
             steps += 1
         values = {"train_loss": float(total) / steps}
         if val_batches is not None:

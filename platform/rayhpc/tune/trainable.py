@@ -188,7 +188,7 @@ def pack_step(pack, opt, batch, members: list[dict], step: int, total_steps: int
     clipping); each member's loss on the batch. A pack of one is the plain model and `torch.optim`."""
     if isinstance(pack, SinglePack):
         return optimizer_step(pack.model, opt, lambda part: pack.losses(part)[0], batch, members[0], step,
-                              total_steps, batch_size_of).reshape(1)
+                              total_steps, batch_size_of, pack.scheduler(opt, members[0], step)).reshape(1)
     opt.scale_lr([lr_factor(m, step, total_steps) for m in members])
     opt.zero_grad()
     out, n = torch.zeros(pack.size, device=opt.device), batch_size_of(batch)

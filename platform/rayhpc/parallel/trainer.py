@@ -65,10 +65,10 @@ def stack_pairs(dataset, where: str) -> tuple[torch.Tensor, torch.Tensor]:
 def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbose: bool = True) -> ParallelResult:
     """Train (or resume) the run `cfg` describes; input errors are raised before Ray starts."""
     made = {}
-    job = start_job(cfg, explicit, workers=lambda c: c.world_size,
-                    check=lambda c, res: made.update(zip(("recipe", "data"), make_recipe(c))))
+    start_job(cfg, explicit, workers=lambda c: c.world_size,
+              check=lambda c, res: made.update(zip(("recipe", "data"), make_recipe(c))))
     recipe = made["recipe"]
-    cfg = recipe.cfg  # its steps resolved (`epochs` counted in steps of the task's training data)
+    cfg = recipe.cfg  # the resolved config (resume, CPUs per rank), its steps counted from `epochs` if given
     recipe.task.ship()
     import ray
 

@@ -103,7 +103,7 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     run = RankRun(cfg, coords, parts, [s or 0 for s in stage_ids], optimizers, schedulers, schedule, pipe_stages,
                   pp_group, x.to(ctx.device), y.to(ctx.device), recipe, val)
     ctx.state["run"], ctx.state["gauges"] = run, WorkerMetrics(cfg.name, ctx.rank)
-    return total, sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for _, p in run.named_parameters())
+    return total, sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for _, q in run.named_parameters())
 
 
 @torch.no_grad()

@@ -23,13 +23,13 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank function
 
 GPT = f"{ROOT}/jobs/tasks/gpt.py:GPT"
 MLP_HP = {"hidden": 32, "depth": 4}  # the built-in task, 4 Linear layers: 2 per stage under pp 2
-LAYOUTS = {
+LAYOUTS = {  # the GPT's runs every pipeline schedule too (GPT_LAYOUTS)
     "tp2 mlp": dict(tp=2),
-    "pp2 gpipe": dict(pp=2, microbatches=4, schedule="gpipe"),
-    "pp2 1f1b": dict(pp=2, microbatches=4, schedule="1f1b"),
     "tp2 x pp2 mlp": dict(tp=2, pp=2, microbatches=4, schedule="1f1b"),
     "dp2 x tp2 mlp": dict(dp=2, tp=2),
 }
+PIPELINES = {"pp2 gpipe": dict(pp=2, microbatches=4, schedule="gpipe"),
+             "pp2 1f1b": dict(pp=2, microbatches=4, schedule="1f1b")}
 PARALLELISM = ("tp", "pp", "dp", "microbatches", "schedule", "stages_per_rank")
 
 
@@ -76,9 +76,9 @@ def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
     assert_equal_to_reference(resumed, cfg)
 
 
-def test_the_job_script_trains_and_prints_loss_and_throughput(tmp_path):
+def test_the_job_script_trains_and_prints_loss_and_throughput(ray_address, tmp_path):
     proc = run_job("train_parallel.py", "--tp", "2", "--pp", "2", "--microbatches", "8", "--schedule", "1f1b",
-                   "--hp", "hidden=32,depth=4", "--storage-path", str(tmp_path))
+                   "--hp", "hidden=32,depth=4", "--storage-path", str(tmp_path), "--address", ray_address)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "mesh pp(2) x dp(1) x tp(2)" in proc.stdout and "1f1b, 8 microbatches of 4 samples" in proc.stdout
     losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines()
@@ -200,9 +200,9 @@ def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
 BENCH_GPT_HP = {"dim": 32, "layers": 4, "block": 16, "corpus_bytes": 20000}
 
 
-def test_the_parallel_benchmark_prints_the_bubble_of_every_schedule_and_the_gpt_layouts(tmp_path):
+def test_the_parallel_benchmark_prints_the_bubble_of_every_schedule_and_the_gpt_layouts(ray_address, tmp_path):
     proc = run_job("bench_parallel.py", "--microbatches", "1,2", "--hidden", "64", "--microbatch-size", "8",
-                   "--steps", "1", "--gpt-steps", "2", "--gpt-batch-size", "8",
+                   "--steps", "1", "--gpt-steps", "2", "--gpt-batch-size", "8", "--address", ray_address,
                    "--gpt-hp", ",".join(f"{k}={v}" for k, v in BENCH_GPT_HP.items()), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line.split() for line in proc.stdout.splitlines()]
@@ -238,7 +238,7 @@ def shard_report(ctx) -> dict:
 
 GPT_HP = {"corpus_bytes": 20000, "block": 16, "dim": 32, "heads": 4, "layers": 2}
 # the built-in models' layouts, on the user's GPT (a batch of 8: 2 microbatches per stage for TP x PP)
-GPT_LAYOUTS = {"tp2": LAYOUTS["tp2 mlp"], "pp2 gpipe": LAYOUTS["pp2 gpipe"], "pp2 1f1b": LAYOUTS["pp2 1f1b"],
+GPT_LAYOUTS = {"tp2": LAYOUTS["tp2 mlp"], **PIPELINES,
                "tp2 x pp2": {**LAYOUTS["tp2 x pp2 mlp"], "microbatches": 2}, "dp2 x tp2": LAYOUTS["dp2 x tp2 mlp"]}
 # several stages per rank: 4 blocks, so 2 ranks hold 2 stages each (rank 0 holds stages 0 and 2 looped, 0 and 3 in a V)
 FOUR_BLOCKS = {"hparams": {**GPT_HP, "layers": 4}, "pp": 2, "microbatches": 4}

@@ -246,30 +246,33 @@ PREEMPT = {
 }
 
 
-@pytest.mark.parametrize("how", PREEMPT)
-def test_requeue_mid_sweep_resumes_without_rerunning_finished_trials(how, slurm):
+def test_requeue_mid_sweep_resumes_without_rerunning_finished_trials(slurm):
+    """Preempted twice, once by each way (`scontrol requeue`, then the USR1 warning), each time after two
+    more trials finished: every restart runs only the trials that had not finished."""
     storage = f"/tmp/rayhpc-slurm-results-{uuid.uuid4().hex[:8]}"
     job = submit("python", "-u", "jobs/tune_mlp.py", "--num-samples", "6", "--pack", "1", "--epochs", "60",
                  "--storage-path", storage)
     exp_dir = Path(storage) / "mlp-sweep"
-    results = exp_dir / "results.parquet"
-    deadline = time.monotonic() + 300
-    while (before := finished(exp_dir)).shape[0] < 2:  # from results.parts/ while the sweep runs
-        assert time.monotonic() < deadline, job_log(job)
-        time.sleep(0.5)
-    subprocess.run(PREEMPT[how](job), check=True)
-    skip_requeue_delay(job)
+    befores = []
+    for restart, how in enumerate(PREEMPT):
+        deadline = time.monotonic() + 300
+        while (before := finished(exp_dir)).shape[0] < 2 * (restart + 1):  # from results.parts/ while it runs
+            assert time.monotonic() < deadline, job_log(job)
+            time.sleep(0.5)
+        subprocess.run(PREEMPT[how](job), check=True)
+        skip_requeue_delay(job)
+        befores.append(before)
     info = wait_done(job)
     log = job_log(job)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
-    assert "(restart 0)" in log and "(restart 1)" in log, "the log was not appended to across the restart"
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", log
+    assert "(restart 0)" in log and "(restart 2)" in log, "the log was not appended to across the restarts"
     assert log.rstrip().endswith("rayhpc: command exited with code 0")
     assert not (LOGS / job / "cluster.json").exists(), "the connection file outlived the job"
-    final = pd.read_parquet(results)
+    final = pd.read_parquet(exp_dir / "results.parquet")
     assert len(final) == 6 and final["trial_id"].is_unique and set(final["status"]) == {"finished"}, final
-    again = final.set_index("trial_id").loc[before.index]
-    # a finished trial that ran again would have new timings
-    assert again["train_seconds"].tolist() == before["train_seconds"].tolist()
+    for before in befores:  # a finished trial that ran again would have new timings
+        again = final.set_index("trial_id").loc[before.index]
+        assert again["train_seconds"].tolist() == before["train_seconds"].tolist()
     assert_nothing_left(job)
 
 

@@ -440,9 +440,15 @@ def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_nex
     head = wait_cluster(job)["head"]
     secrets = [LOGS / job / "auth_token", LOGS / job / "cluster.json", LOGS / "prometheus" / f"{job}.json"]
     assert all(path.exists() for path in secrets)
-    for pid in processes_on(job, head):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    # the node is lost: everything of the job on it dies, including what a process was starting as the
+    # first ones were killed (Ray's agents), so kill until nothing of the job is left there
+    deadline = time.monotonic() + 10
+    while (alive := processes_on(job, head)) and time.monotonic() < deadline:
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    assert not alive, f"processes of job {job} on {head} outlived SIGKILL: {alive}"
     wait_done(job)
     deadline = time.monotonic() + 30
     while [path for path in secrets if path.exists()] and time.monotonic() < deadline:

@@ -322,9 +322,9 @@ BAD = {
     "method raises": (lambda p: ["--task", f"{p}:Raises"], "error: task (--task) {p}:Raises: model(hp) raised "
                       "ValueError: no such layer"),
     "unknown hparam": (lambda p: ["--task", f"{p}:Good", "--config", _yaml(p, "space: {depth: {choice: [1, 2]}}")],
-                       "error: space.depth: unknown parameter; allowed: lr, batch_size, optimizer, momentum, "
-                       "weight_decay, beta1, beta2, eps, warmup_steps, decay, min_lr_ratio, clip_grad_norm, "
-                       "accumulate, seed, width"),
+                       "error: space.depth: unknown parameter; allowed: optimizer, lr, momentum, weight_decay, "
+                       "beta1, beta2, eps, clip_grad_norm, warmup_steps, warmup_fraction, decay, min_lr_ratio, "
+                       "batch_size, accumulate, seed, width"),
     "mistyped hparam": (lambda p: ["--task", f"{p}:Good", "--config", _yaml(p, "space: {width: {choice: [4, wide]}}")],
                         "error: space.width: Input should be a valid integer (got 'wide')"),
     "mlp data for a task": (lambda p: ["--task", f"{p}:Good", "--data", str(p)], "error: data.path (--data): only "

@@ -511,3 +511,38 @@ def test_status_shows_other_users_private_jobs_and_odd_names_without_a_traceback
         subprocess.run(["scancel", mine, odd], check=True)
     wait_done(mine)
     assert_nothing_left(mine)
+
+
+def test_the_clean_up_finds_a_process_whose_retitling_hid_its_marker(tmp_path):
+    """setproctitle may overwrite the environment block /proc/PID/environ shows, marker and job id
+    included (a Ray agent outlived two jobs so): `reap` also kills what runs below a marked process."""
+    from rayhpc.slurm import node
+
+    job = str(900000 + os.getpid() % 99999)
+    script = tmp_path / "retitled.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "if sys.argv[1:] == ['child']:\n"
+                      "    import ray._raylet\n"
+                      "    ray._raylet.setproctitle('ray::DashboardAgent')  # as Ray's agents retitle themselves\n"
+                      "    time.sleep(60)\n"
+                      "else:\n"
+                      "    subprocess.Popen([sys.executable, __file__, 'child'])\n"
+                      "    time.sleep(60)\n")
+    markers = [f"{node.NODE_MARKER}={job}:n1"]
+    env = {"PATH": os.environ["PATH"], node.NODE_MARKER: f"{job}:n1", "SLURM_JOB_ID": job}
+    parent = subprocess.Popen([sys.executable, str(script)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (child := node.descendants({parent.pid})) or \
+                Path(f"/proc/{min(child)}/cmdline").read_bytes()[:5] != b"ray::":
+            assert time.monotonic() < deadline, "the child never retitled itself"
+            time.sleep(0.1)
+        assert node.marked_processes(job, markers) == [parent.pid], "the retitled child still shows its marker"
+        assert node.job_processes(job, markers) == sorted([parent.pid, *child])
+        assert node.reap(job, markers) == []
+        assert parent.wait(timeout=10) == -signal.SIGKILL and not node.descendants({parent.pid})
+    finally:
+        for pid in [*node.descendants({parent.pid}), parent.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()

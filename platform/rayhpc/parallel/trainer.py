@@ -18,12 +18,13 @@ from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.task import task_for
 from rayhpc.task.batches import collate
+from rayhpc.train.checkpoint import Progress, latest_checkpoint, load_progress, write_progress
 from rayhpc.train.config import train_hparams
 from rayhpc.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
 
-PROGRESS_FILE = "progress.json"  # written into a checkpoint folder once every rank has saved
+LOSSES_FILE = "losses.json"  # the loss of every step so far, beside the training job's progress file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,22 +134,21 @@ def describe_layout(cfg: ParallelConfig, params: list[tuple[int, int]], start_se
 
 
 def save(group: WorkerGroup, cfg: ParallelConfig, step: int, losses: list[float]) -> Path:
-    """A sharded checkpoint of the weights after `step` steps; the progress file marks it complete."""
+    """A sharded checkpoint of the weights after `step` steps; the progress file (written once every rank
+    has saved) marks it complete."""
     path = cfg.experiment_dir / f"checkpoint_{step:06d}"
     group.run(worker.save_checkpoint, str(path))
-    (path / PROGRESS_FILE).write_text(json.dumps({"step": step, "losses": losses}))
+    (path / LOSSES_FILE).write_text(json.dumps(losses))
+    write_progress(path, Progress(global_step=step))
     return path
 
 
 def resume_point(cfg: ParallelConfig) -> tuple[int, list[float], Path | None]:
     """(first step to run, losses so far, checkpoint to load) for a resumed run; (0, [], None) otherwise."""
-    if not cfg.resume:
+    latest = latest_checkpoint(cfg.experiment_dir) if cfg.resume else None
+    if latest is None:
         return 0, [], None
-    complete = sorted(p.parent for p in cfg.experiment_dir.glob(f"checkpoint_*/{PROGRESS_FILE}"))
-    if not complete:
-        return 0, [], None
-    progress = json.loads((complete[-1] / PROGRESS_FILE).read_text())
-    return progress["step"], progress["losses"], complete[-1]
+    return load_progress(latest).global_step, json.loads((latest / LOSSES_FILE).read_text()), latest
 
 
 def format_summary(result: ParallelResult) -> str:

@@ -4,14 +4,16 @@
     python -m rayhpc.slurm.node reap JOB [JOB_DIR]                                  # per node, at the end
 
 Ray rewrites its processes' titles (`ray::IDLE`) and some of them outlive their parents, so neither
-command lines nor the process tree find them all. What Ray cannot rewrite is the environment a
-process was started with: `run` starts Ray with `RAYHPC_RAY_NODE=<job>:<node>` (the sbatch startup
-starts the user's command with `RAYHPC_COMMAND=<job>`), every process Ray forks inherits it, and
-`reap` kills this user's processes that carry it *and* the job's `SLURM_JOB_ID`: a job submitted from
-inside the command inherits the marker (sbatch exports the environment), but Slurm gives its processes
-their own job id, so they live on when this job ends. `run` is also the child subreaper of what it
-starts, so processes that lose their parent stay in the Slurm step (where Slurm's own tracking
-finds them) rather than moving to init.
+command lines nor the process tree alone find them all. `run` starts Ray with
+`RAYHPC_RAY_NODE=<job>:<node>` (the sbatch startup starts the user's command with
+`RAYHPC_COMMAND=<job>`), every process Ray forks inherits it, and `reap` kills this user's processes
+that carry it *and* the job's `SLURM_JOB_ID`: a job submitted from inside the command inherits the
+marker (sbatch exports the environment), but Slurm gives its processes their own job id, so they live
+on when this job ends. A retitled process (setproctitle) may show a clobbered start of its
+environment in /proc, marker included, so `reap` also kills every process below a marked one, and
+`run` is the child subreaper of what it starts: processes that lose their parent become its
+children (staying in the Slurm step, where Slurm's own tracking finds them too), and its own
+clean-up kills everything below it.
 
 Ray's temp dir (sockets, logs, object spilling) lives in a folder made by `mkdtemp` (0700, random
 name, created exclusively) in node-local /tmp: Ray makes its own folders 0777, and inside this one
@@ -75,10 +77,43 @@ def marked_processes(job: str, markers: list[str]) -> list[int]:
     return found
 
 
+def descendants(roots: set[int]) -> set[int]:
+    """This user's processes below `roots` (one pass over /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == os.getuid():
+                ppid = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    found, todo = set(), list(roots)
+    while todo:
+        below = [c for c in children.get(todo.pop(), []) if c not in found]
+        found.update(below)
+        todo += below
+    return found
+
+
+def job_processes(job: str, markers: list[str]) -> list[int]:
+    """The marked processes of `job` and every process below them; where this process is the node's
+    `run` (a subreaper: orphans of what it started become its children), everything below it too.
+    The tree matters because a marker can vanish from /proc/PID/environ: Ray's agents and workers
+    retitle themselves (`ray::DashboardAgent`, setproctitle), which may overwrite the start of the
+    environment block that file shows."""
+    marked = set(marked_processes(job, markers))
+    own = descendants({os.getpid()}) if _SUBREAPER else set()
+    return sorted((marked | descendants(marked) | own) - _ancestors())
+
+
+_SUBREAPER: list[bool] = []  # holds True in `run`: this process is the subreaper of the node's Ray
+
+
 def reap(job: str, markers: list[str], timeout_s: float = 10.0) -> list[int]:
-    """SIGKILL every marked process of `job` until none is left; the pids still there after `timeout_s`."""
+    """SIGKILL every process of `job` (`job_processes`) until none is left; the pids still there after
+    `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while (pids := marked_processes(job, markers)) and time.monotonic() < deadline:
+    while (pids := job_processes(job, markers)) and time.monotonic() < deadline:
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -161,6 +196,7 @@ def run(job_dir: Path, command: list[str]) -> int:
     GPUs, and clean up after it, whether it ends by itself or by SIGTERM (scancel, the job's end)."""
     job = os.environ["SLURM_JOB_ID"]
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _SUBREAPER.append(True)
     root = tempfile.mkdtemp(prefix=TEMP_PREFIX.format(job=job), dir=temp_base())
     head = "--head" in command
     ip = node_ip(os.environ.get("RAYHPC_HEAD_IP") if head else None)

@@ -41,7 +41,7 @@ def report(metrics: dict, *, strategy: str, model, optimizer, progress: Progress
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         if rank == 0:
-            (folder / PROGRESS_FILE).write_text(json.dumps(dataclasses.asdict(progress)))
+            write_progress(folder, progress)
         if strategy == "fsdp":
             _save_sharded(model, optimizer, folder)
         elif rank == 0:
@@ -96,11 +96,17 @@ def load_full_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
         return torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)["model"]
 
 
+def write_progress(folder: str | Path, progress: Progress) -> None:
+    """Where training stands, written last into a checkpoint folder: it marks the folder complete."""
+    (Path(folder) / PROGRESS_FILE).write_text(json.dumps(dataclasses.asdict(progress)))
+
+
 def load_progress(folder: str | Path) -> Progress:
     return Progress(**json.loads((Path(folder) / PROGRESS_FILE).read_text()))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The run's checkpoint folder furthest into training (None before the first checkpoint)."""
+    """The run's complete checkpoint folder furthest into training (None before the first checkpoint): the
+    training job's (Ray Train's copies of them) and the model-parallel job's."""
     folders = [p for p in Path(run_dir).glob("checkpoint_*") if (p / PROGRESS_FILE).exists()]
     return max(folders, key=lambda p: load_progress(p).global_step, default=None)

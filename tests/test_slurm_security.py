@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SUBMITTED
+from rayhpc.interrupt import descendants
 from rayhpc.slurm.private import UnsafePath, check_ancestors
 from rayhpc.slurm.submit import log_dir, slurm_job
 from test_slurm import (
@@ -533,16 +534,16 @@ def test_the_clean_up_finds_a_process_whose_retitling_hid_its_marker(tmp_path):
     parent = subprocess.Popen([sys.executable, str(script)], env=env)
     try:
         deadline = time.monotonic() + 30
-        while not (child := node.descendants({parent.pid})) or \
+        while not (child := descendants(parent.pid)) or \
                 Path(f"/proc/{min(child)}/cmdline").read_bytes()[:5] != b"ray::":
             assert time.monotonic() < deadline, "the child never retitled itself"
             time.sleep(0.1)
         assert node.marked_processes(job, markers) == [parent.pid], "the retitled child still shows its marker"
         assert node.job_processes(job, markers) == sorted([parent.pid, *child])
         assert node.reap(job, markers) == []
-        assert parent.wait(timeout=10) == -signal.SIGKILL and not node.descendants({parent.pid})
+        assert parent.wait(timeout=10) == -signal.SIGKILL and not descendants(parent.pid)
     finally:
-        for pid in [*node.descendants({parent.pid}), parent.pid]:
+        for pid in [*descendants(parent.pid), parent.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         parent.wait()

@@ -123,9 +123,9 @@ def _force_exit() -> None:
     os._exit(exit_code())
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, read from /proc (empty where there is none: Ray's own reaper then
-    stops a local Ray, though not always its agents)."""
+def descendants(*pids: int) -> list[int]:
+    """Every process below `pids`, read from /proc in one pass (empty where there is none: Ray's own
+    reaper then stops a local Ray, though not always its agents)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -134,9 +134,9 @@ def descendants(pid: int) -> list[int]:
             continue
         ppid = int(text[text.rindex(")") + 2:].split()[1])  # the name in (...) may hold spaces
         children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
+    found, todo = [], list(pids)
     while todo:
-        below = children.get(todo.pop(), [])
+        below = [c for c in children.get(todo.pop(), []) if c not in found]
         found += below
         todo += below
     return found

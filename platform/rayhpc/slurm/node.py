@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rayhpc.interrupt import descendants
 from rayhpc.slurm.layout import node_ip
 from rayhpc.slurm.private import write_private
 
@@ -77,43 +78,22 @@ def marked_processes(job: str, markers: list[str]) -> list[int]:
     return found
 
 
-def descendants(roots: set[int]) -> set[int]:
-    """This user's processes below `roots` (one pass over /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        try:
-            if entry.name.isdigit() and entry.stat().st_uid == os.getuid():
-                ppid = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-    found, todo = set(), list(roots)
-    while todo:
-        below = [c for c in children.get(todo.pop(), []) if c not in found]
-        found.update(below)
-        todo += below
-    return found
-
-
-def job_processes(job: str, markers: list[str]) -> list[int]:
-    """The marked processes of `job` and every process below them; where this process is the node's
-    `run` (a subreaper: orphans of what it started become its children), everything below it too.
+def job_processes(job: str, markers: list[str], subreaper: bool = False) -> list[int]:
+    """The marked processes of `job` and every process below them; with `subreaper` (this process is
+    the node's `run`: orphans of what it started become its children), everything below it too.
     The tree matters because a marker can vanish from /proc/PID/environ: Ray's agents and workers
     retitle themselves (`ray::DashboardAgent`, setproctitle), which may overwrite the start of the
     environment block that file shows."""
-    marked = set(marked_processes(job, markers))
-    own = descendants({os.getpid()}) if _SUBREAPER else set()
-    return sorted((marked | descendants(marked) | own) - _ancestors())
+    marked = marked_processes(job, markers)
+    roots = [*marked, os.getpid()] if subreaper else marked
+    return sorted(set(marked + descendants(*roots)) - _ancestors())
 
 
-_SUBREAPER: list[bool] = []  # holds True in `run`: this process is the subreaper of the node's Ray
-
-
-def reap(job: str, markers: list[str], timeout_s: float = 10.0) -> list[int]:
+def reap(job: str, markers: list[str], subreaper: bool = False, timeout_s: float = 10.0) -> list[int]:
     """SIGKILL every process of `job` (`job_processes`) until none is left; the pids still there after
     `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while (pids := job_processes(job, markers)) and time.monotonic() < deadline:
+    while (pids := job_processes(job, markers, subreaper)) and time.monotonic() < deadline:
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -174,7 +154,7 @@ def clean_up(job: str, job_dir: Path | None, root: str | None = None) -> dict:
     (`root` None) also the command's processes and every temp folder of the job (where nodes share
     /tmp, one node's Ray ending early must not take another's). Reports what was left."""
     markers = [f"{NODE_MARKER}={job}:{node_name()}"] + ([f"{COMMAND_MARKER}={job}"] if root is None else [])
-    left = reap(job, markers)
+    left = reap(job, markers, subreaper=root is not None)  # `root`: called by `run`, the subreaper
     if root is not None:
         shutil.rmtree(root, ignore_errors=True)
     dirs = ([root] if os.path.exists(root) else []) if root is not None else remove_temp_roots(job)
@@ -196,7 +176,6 @@ def run(job_dir: Path, command: list[str]) -> int:
     GPUs, and clean up after it, whether it ends by itself or by SIGTERM (scancel, the job's end)."""
     job = os.environ["SLURM_JOB_ID"]
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    _SUBREAPER.append(True)
     root = tempfile.mkdtemp(prefix=TEMP_PREFIX.format(job=job), dir=temp_base())
     head = "--head" in command
     ip = node_ip(os.environ.get("RAYHPC_HEAD_IP") if head else None)

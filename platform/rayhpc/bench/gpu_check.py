@@ -142,7 +142,7 @@ def check_model_parallel(work: Path, gpus: int) -> list[Line]:
 
     lines = []
     for name, layout in layouts(gpus).items():
-        world = ParallelConfig(**layout).degrees.world_size
+        world = ParallelConfig(**layout).parallelism.world_size
         cfg = ParallelConfig(storage_path=work / "parallel", name=re.sub(r"\W+", "-", name), steps=4,
                              precision="fp32", compute={"gpu": True, "num_workers": world}, **layout)
         result = run_parallel(cfg, verbose=False)

@@ -67,12 +67,8 @@ class ParallelConfig(TaskJobConfig):
     timeout_s: float = Field(120.0, gt=0, description="longest wait for any rank before the run fails")
 
     @property
-    def degrees(self) -> Parallelism:
-        return self.parallelism
-
-    @property
     def world_size(self) -> int:
-        return self.compute.num_workers or self.degrees.world_size
+        return self.compute.num_workers or self.parallelism.world_size
 
     @property
     def global_batch(self) -> int:

@@ -79,7 +79,7 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
     compute = cfg.compute
     with WorkerGroup(cfg.world_size, cpus_per_worker=compute.cpus_per_worker, gpus_per_worker=float(compute.gpu),
                      timeout_s=cfg.timeout_s) as group:
-        group.describe_rank = cfg.degrees.describe
+        group.describe_rank = cfg.parallelism.describe
         params = group.run(worker.setup, recipe, ray.put(made["data"]))
         if checkpoint is not None:
             group.run(worker.load_checkpoint, str(checkpoint), start)

@@ -236,7 +236,7 @@ def train_step(ctx: WorkerContext, step: int) -> dict:
             scheduler.step()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # every rank's step time is its device's
-    value = sum(v.item() for v in losses) / len(losses) if losses[0] is not None else None
+    value = torch.stack(losses).mean().item() if losses[0] is not None else None  # one host sync per step
     seconds = time.perf_counter() - started
     ctx.state["gauges"].record(value, len(x) / seconds, seconds, ctx.device)  # loss: None off the last stage
     return {"loss": value, "seconds": seconds, "coords": run.coords}

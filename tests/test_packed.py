@@ -283,3 +283,25 @@ def test_a_trial_trained_alone_takes_the_same_options(mlp):
     want = plain_member(mlp, hp, train, val, 2)
     for key, value in got.items():
         torch.testing.assert_close(value, want[key], msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["padded mlp", "func"])
+def test_a_members_weights_come_out_of_a_pack_checkpoint_as_its_own_models(mlp, kind):
+    """What `--init-from` loads of a packed trial: each member's slice of the checkpointed pack, cut back
+    to its own width, equals the plain MLP the member was made from; a member that left the pack (ASHA)
+    too, from where it was kept. Checked: the width not cut back or the slot index off by one fail."""
+    from rayhpc.tune.packing import member_slice, member_state_dict
+
+    depth = 2 if kind == "padded mlp" else 3
+    members = [full_hparams(mlp.hp_model, dict(hidden=h, depth=depth, seed=s))
+               for h, s in ([(4, 0), (8, 1), (6, 2)] if depth == 2 else [(8, 0), (8, 1), (8, 2)])]
+    models = [mlp.initial_model(hp) for hp in members]
+    pack = make_pack(mlp, members, CPU)
+    state = {"best": {"val_loss": torch.zeros(3)}, "slots": [0, 2], "retired": {1: member_slice(pack.state_dict(), 1)}}
+    pack.keep([0, 2])
+    state["model"] = pack.state_dict()
+    for j, model in enumerate(models):
+        got, want = member_state_dict(state, j), model.state_dict()
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], msg=lambda m: f"member {j} {key}: {m}")

@@ -173,6 +173,7 @@ def test_shards_partition_the_data_and_reshuffle_every_epoch():
     (["--strategy", "zero3"], "error: strategy (--strategy): Input should be 'ddp' or 'fsdp' (got 'zero3')"),
     (["--global-batch-size", "64", "--batch-size-per-worker", "32"], "error: global_batch_size (--global-batch-size) "
                                                                     "and batch_size_per_worker"),
+    (["--init-from", "/"], "error: init_from (--init-from) /: / is not a sweep's folder (it has no sweep.yaml)"),
 ])
 def test_bad_input_exits_2_within_seconds(args, expected, tmp_path):
     started = time.monotonic()
@@ -181,3 +182,26 @@ def test_bad_input_exits_2_within_seconds(args, expected, tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().startswith(expected), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert time.monotonic() - started < 30 and not (tmp_path / "ray").exists()
+
+
+def test_a_run_started_from_a_sweep_trial_begins_with_its_weights(ray_address, tmp_path):
+    """`--init-from SWEEP_DIR[:TRIAL_ID]`: the best trial (a padded MLP pack's member, or a FuncPack's one
+    named by id) starts the run with its weights and its own task hyperparameters. Proof independent of
+    the extraction: at lr 1e-12 the run's first val_loss is the one the sweep's pack computed for that
+    member. Checked: the member index off by one, or the padded width not cut back, fail here."""
+    from rayhpc.tune.config import SweepConfig
+    from rayhpc.tune.sweep import run_sweep
+
+    space = {"depth": {"choice": [2, 3]}, "hidden": {"choice": [8, 16]}, "lr": {"loguniform": [0.01, 0.1]}}
+    table = run_sweep(validate(SweepConfig, {"storage_path": str(tmp_path), "name": "s", "num_samples": 8,
+                                             "epochs": 2, "space": space}))
+    best = table.sort_values("best_val_loss").iloc[0]
+    other = table[(table["config.depth"] != best["config.depth"]) & (table["pack_size"] > 1)].iloc[-1]
+    for name, spec, row in [("best", str(tmp_path / "s"), best), ("named", f"{tmp_path / 's'}:{other['trial_id']}",
+                                                                  other)]:
+        cfg = validate(TrainConfig, {"storage_path": str(tmp_path), "name": name, "epochs": 1, "init_from": spec,
+                                     "compute": {"num_workers": 1}, "optim": {"lr": 1e-12}})
+        result = run_training(cfg)
+        assert result.cfg.hparams == {"depth": row["config.depth"], "hidden": row["config.hidden"]}
+        torch.testing.assert_close(float(result.metrics["val_loss"].iloc[0]), float(row["val_loss"]), rtol=1e-5,
+                                   atol=0)

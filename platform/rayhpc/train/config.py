@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from rayhpc.config import Compute, ConfigError, Optim, Schedule
 from rayhpc.task.config import TaskJobConfig
-from rayhpc.task.hparams import PLATFORM_KEYS, TRAINING_KEYS, full_hparams
+from rayhpc.task.hparams import PLATFORM_KEYS, TRAINING_KEYS, full_hparams, task_keys
 
 PLATFORM_FLAGS = {"batch_size": "--global-batch-size", "seed": "--seed",
                   **{key: "--" + key.replace("_", "-") for key in TRAINING_KEYS}}
@@ -89,6 +89,9 @@ class TrainConfig(DataParallelJob):
                                                         "blocks(model), else its ModuleLists' entries) or the model")
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none", description="per block: full keeps only its input; selective also its matmul outputs")
+    init_from: str | None = Field(None, description="start from a sweep trial's weights: SWEEP_DIR (its best "
+                                  "trial by the task's objective) or SWEEP_DIR:TRIAL_ID; the trial's own task "
+                                  "hyperparameters are the defaults of --hp")
 
     @property
     def effective_lr(self) -> float:
@@ -112,3 +115,17 @@ def train_hparams(cfg: DataParallelJob, hp_model) -> dict:
 
 def bind_train(cfg: DataParallelJob, task) -> tuple[DataParallelJob, dict]:
     return cfg, train_hparams(cfg, task.hp_model)
+
+
+def bind_training(cfg: TrainConfig, task) -> tuple[TrainConfig, dict, dict | None]:
+    """`bind_train`, and with `init_from` the trial's weights (None without), checked against this run's
+    model before anything starts; the trial's own task hyperparameters fill the ones the run leaves unset."""
+    if cfg.init_from is None:
+        return *bind_train(cfg, task), None
+    from rayhpc.tune.weights import check_fits, trial_weights
+
+    weights = trial_weights(cfg.init_from, task.objective)
+    own = {k: v for k, v in weights.hp.items() if k in task_keys(task.hp_model)}
+    cfg, hp = bind_train(cfg.model_copy(update={"hparams": {**own, **cfg.hparams}}), task)
+    check_fits(weights, task.initial_model(hp))
+    return cfg, hp, weights

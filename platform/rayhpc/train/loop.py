@@ -96,13 +96,15 @@ def _ray_train_report(w: Worker, metrics: dict, with_checkpoint: bool) -> None:
 
 
 def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.device, rank: int, world: int,
-                restore: Callable) -> Worker:
+                restore: Callable, init: dict | None = None) -> Worker:
     """One rank's training state in a process group that is up: the task's data split, the model
-    from the trial's seed wrapped for `cfg.strategy`, its optimizer, and `restore(model, optimizer)`'s
-    Progress (None: a fresh start)."""
+    from the trial's seed (or with the weights `init`) wrapped for `cfg.strategy`, its optimizer, and
+    `restore(model, optimizer)`'s Progress (None: a fresh start)."""
     torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker)))
     train, val = task.split_data(hp, cfg.data)  # before seeding the model: data() may draw
     model = task.initial_model(hp)
+    if init is not None:  # whole, before sharding: FSDP2 then shards these weights
+        model.load_state_dict(init)
     model = parallelize(model, cfg.strategy, device, cfg.use_bf16, blocks=model_blocks(task.obj, model),
                         ac=cfg.activation_checkpointing, compile_mode=cfg.compile)
     optimizer = task.optimizer(model.parameters(), hp)
@@ -126,7 +128,7 @@ def train_loop_per_worker(config: dict) -> None:
     worker = make_worker(cfg, task, hp, device, ctx.get_world_rank(), ctx.get_world_size(),
                          lambda model, optimizer: checkpoint.restore(
                              ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
-                             device=device))
+                             device=device), config.get("init"))
     for epoch in range(worker.progress.epoch, worker.epochs):
         run_epoch(worker, epoch)
 

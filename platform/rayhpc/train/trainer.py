@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from pathlib import Path
@@ -11,9 +12,11 @@ import pandas as pd
 
 from rayhpc import interrupt
 from rayhpc.job import start_job
-from rayhpc.train.config import TrainConfig, bind_train, train_hparams
+from rayhpc.train.config import TrainConfig, bind_training, train_hparams
 from rayhpc.train.loop import train_loop_per_worker
 from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +39,18 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
 
     `callbacks` are extra `ray.train.UserCallback`s (tests use one to kill a worker).
     """
-    job = start_job(cfg, explicit, bind=bind_train, workers=lambda c: c.compute.num_workers)
-    cfg = job.cfg
-    trainer = make_trainer(cfg, job.task, train_hparams(cfg, job.task.hp_model), callbacks)
+    init = {}
+
+    def bind(c: TrainConfig, task):
+        c, hp, init["weights"] = bind_training(c, task)
+        return c, hp
+
+    job = start_job(cfg, explicit, bind=bind, workers=lambda c: c.compute.num_workers)
+    cfg, weights = job.cfg, init["weights"]
+    if weights is not None:
+        log.info("init: the weights of trial %s (%s)", weights.trial_id, weights.checkpoint)
+    trainer = make_trainer(cfg, job.task, train_hparams(cfg, job.task.hp_model), callbacks,
+                           init=weights.state if weights is not None else None)
     fit_started, started = time.time(), time.perf_counter()
     try:
         result = trainer.fit()
@@ -54,9 +66,10 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     return TrainResult(cfg, metrics, checkpoint, job.ray_seconds, fit_started, fit_seconds)
 
 
-def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), verbose: bool = True):
-    """The TorchTrainer for `cfg` on `task` with hyperparameters `hp`: NCCL on GPUs, gloo on CPUs,
-    checkpoints under the run folder."""
+def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), verbose: bool = True,
+                 init: dict | None = None):
+    """The TorchTrainer for `cfg` on `task` with hyperparameters `hp` (and initial weights `init`): NCCL on
+    GPUs, gloo on CPUs, checkpoints under the run folder."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -65,7 +78,7 @@ def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), verbos
     resources = {"CPU": cfg.compute.cpus_per_worker, **({"GPU": 1.0} if gpu else {})}
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg, "task": task, "hp": hp},
+        train_loop_config={"cfg": cfg, "task": task, "hp": hp, "init": init},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.compute.num_workers, use_gpu=gpu,
                                                resources_per_worker=resources),

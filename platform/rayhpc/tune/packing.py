@@ -300,3 +300,27 @@ def _alone(task: LoadedTask, model: nn.Module, batch) -> tuple:
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p) if p.grad is None else p.grad
+
+
+def member_state_dict(state: dict, j: int) -> dict[str, torch.Tensor]:
+    """Member `j`'s weights as its own model's state dict, from a pack's checkpoint state
+    (`rayhpc.tune.trainable`): a member ASHA stopped as it left, else its slice of the pack."""
+    size = len(state["best"]["val_loss"])
+    part = state["retired"].get(j)
+    if part is None:
+        part = member_slice(state["model"], None if size == 1 else state["slots"].index(j))
+    if size == 1:
+        return part  # a pack of one is the plain model
+    if "params" in part:  # FuncPack: stack_module_state's names are the model's own
+        return {**part["params"], **part["buffers"]}
+    h = int(part["mask"].sum())  # PaddedMLPPack: the member's own width of the padded one
+    return {"layers.0.weight": part["w1"][:, :h].T.contiguous(), "layers.0.bias": part["b1"][0, :h].clone(),
+            "layers.2.weight": part["w2"][:h, :].T.contiguous(), "layers.2.bias": part["b2"][0].clone()}
+
+
+def member_slice(state, pos: int | None):
+    """Member `pos`'s part of a pack's state dict (every tensor is stacked over members; None: a pack of
+    one, whose tensors are the member's own)."""
+    if isinstance(state, dict):
+        return {k: member_slice(v, pos) for k, v in state.items()}
+    return (state if pos is None else state[pos]).detach().cpu().clone()

@@ -22,7 +22,7 @@ from rayhpc.data import DataConfig
 from rayhpc.optim import lr_factor, optimizer_step, split_batch
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
-from rayhpc.tune.packing import SinglePack, make_pack
+from rayhpc.tune.packing import SinglePack, make_pack, member_slice
 from rayhpc.tune.pbt import MUTABLE, PbtRules, exploit_explore
 
 STATE_FILE = "pack_state.pt"
@@ -153,21 +153,13 @@ def _asha(keeper, pack_id: int | str, pack, opt, state: dict, values: dict, sett
     model = pack.state_dict()
     for pos in leaving:
         j = state["slots"][pos]  # its weights as they were when it stopped (a pack of one's are not stacked)
-        state["retired"][j] = _member_slice(model, None if isinstance(pack, SinglePack) else pos)
+        state["retired"][j] = member_slice(model, None if isinstance(pack, SinglePack) else pos)
         state["stopped"][j] = epoch
     staying = [pos for pos in range(len(state["slots"])) if pos not in leaving]
     state["slots"] = [state["slots"][pos] for pos in staying]
     if staying:
         pack.keep(staying)
         opt.keep(staying, pack.parameters())
-
-
-def _member_slice(state, pos: int | None):
-    """Member `pos`'s part of a pack's state dict (every tensor is stacked over members; None: a pack of
-    one, whose tensors are the member's own)."""
-    if isinstance(state, dict):
-        return {k: _member_slice(v, pos) for k, v in state.items()}
-    return (state if pos is None else state[pos]).detach().cpu().clone()
 
 
 def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, epochs: int) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""A sweep trial's trained weights as its own model's state dict: what `rayhpc train --init-from
+SWEEP_DIR[:TRIAL_ID]` starts from.
+
+A trial's weights are in its Tune trial's last checkpoint, in the format of the runner that
+trained it: a pack's stacked state (`pack_state.pt`: the member is sliced out and, for the
+built-in MLP's padded pack, cut back to its own width), a warm trial's `model.pt`, or a
+TorchTrainer trial's checkpoint (`model.pt` or FSDP's DCP shards, gathered). Everything read
+is checked first to be this user's alone (`check_trusted`): a checkpoint is never loaded
+from where another user could have written it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rayhpc.config import ConfigError
+from rayhpc.slurm.private import UnsafePath, check_trusted
+from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict
+
+KEY = "init_from (--init-from)"
+
+
+@dataclass(frozen=True)
+class TrialWeights:
+    trial_id: str
+    hp: dict  # the trial's hyperparameters as it was trained (PBT's changes included)
+    state: dict[str, torch.Tensor]  # its model's state dict, on CPU
+    checkpoint: Path
+
+
+def trial_weights(spec: str, objective: tuple[str, str]) -> TrialWeights:
+    """The weights of the trial `spec` names: `SWEEP_DIR:TRIAL_ID`, or `SWEEP_DIR` for its best trial by
+    `objective` (name, "min" or "max"). Any problem is one `ConfigError` line naming --init-from."""
+    from rayhpc.tune.results import read_results
+
+    folder, _, trial_id = spec.partition(":") if not Path(spec).is_dir() else (spec, "", "")
+    sweep = Path(folder).expanduser().resolve()
+    if not (sweep / "sweep.yaml").is_file():
+        raise ConfigError(f"{KEY} {spec}: {sweep} is not a sweep's folder (it has no sweep.yaml)")
+    _trusted(sweep, below=False)
+    table = read_results(sweep)
+    row = _pick(table, trial_id, objective, spec)
+    tune_id, member = (row["trial_id"].rsplit("-", 1)[0], int(row["trial_id"].rsplit("-", 1)[1])) \
+        if row["pack_size"] > 1 else (row["trial_id"], 0)
+    trial_dir, last = _checkpoint(sweep, tune_id, row["trial_id"], spec)
+    config = json.loads((trial_dir / "params.json").read_text()) if (trial_dir / "params.json").exists() else {}
+    hp = _members(sweep, config)[member]
+    if (last / "pack_state.pt").exists():
+        from rayhpc.tune.packing import member_state_dict
+
+        state = torch.load(last / "pack_state.pt", map_location="cpu", weights_only=True)
+        hp = {**hp, **(state["hp"][member] if state["hp"] else {})}
+        return TrialWeights(row["trial_id"], hp, member_state_dict(state, member), last)
+    return TrialWeights(row["trial_id"], hp, load_full_state_dict(last), last)
+
+
+def _trusted(path: Path, below: bool) -> None:
+    try:
+        check_trusted(path, below=below)
+    except UnsafePath as exc:
+        raise ConfigError(f"{KEY}: {exc}") from None
+
+
+def _pick(table, trial_id: str, objective: tuple[str, str], spec: str):
+    if table.empty:
+        raise ConfigError(f"{KEY} {spec}: the sweep has no trial results yet")
+    if trial_id:
+        rows = table[table["trial_id"] == trial_id]
+        if rows.empty:
+            some = ", ".join(table["trial_id"].head(5))
+            raise ConfigError(f"{KEY} {spec}: no trial {trial_id} in the sweep; its trials: {some}"
+                              + (f" ... ({len(table)})" if len(table) > 5 else ""))
+        return rows.iloc[0]
+    column = f"best_{objective[0]}"
+    done = table.dropna(subset=[column]) if column in table else table.iloc[0:0]
+    if done.empty:
+        raise ConfigError(f"{KEY} {spec}: no trial reported {objective[0]} (this task's objective), so there is "
+                          "no best; name one as SWEEP_DIR:TRIAL_ID")
+    return done.sort_values(column, ascending=objective[1] == "min").iloc[0]
+
+
+def _checkpoint(sweep: Path, tune_id: str, trial_id: str, spec: str) -> tuple[Path, Path]:
+    """(the Tune trial's folder, its last checkpoint), both checked to be this user's alone."""
+    found = [p for p in sweep.iterdir() if p.is_dir() and f"_{tune_id}_" in p.name]
+    if len(found) != 1:
+        raise ConfigError(f"{KEY} {spec}: trial {trial_id} has no checkpoint folder in {sweep} (array-job trials "
+                          "keep none)" if not found else f"{KEY} {spec}: {len(found)} folders match trial {trial_id}")
+    _trusted(found[0], below=True)
+    ckpts = sorted(found[0].glob("checkpoint_*"))
+    trainer = sweep / f"train-trial_id={tune_id}"  # a TorchTrainer trial's checkpoints are its own run's
+    if not ckpts and trainer.is_dir():
+        _trusted(trainer, below=True)
+        ckpts = [c for c in [latest_checkpoint(trainer)] if c is not None]
+    if not ckpts:
+        raise ConfigError(f"{KEY} {spec}: trial {trial_id} ended before its first checkpoint")
+    return found[0], ckpts[-1]
+
+
+def _members(sweep: Path, config: dict) -> list[dict]:
+    from rayhpc.tune.plan import PLAN_FILE, load_plan
+    from rayhpc.tune.trainable import members_of
+
+    packs = load_plan(sweep) if (sweep / PLAN_FILE).exists() else None
+    return members_of(config, packs)
+
+
+def check_fits(weights: TrialWeights, model: torch.nn.Module) -> None:
+    """Refuse (one line) weights that do not fit `model`: a name missing on either side, or a shape."""
+    own, state = model.state_dict(), weights.state
+    problems = [f"{k} missing there" for k in own if k not in state]
+    problems += [f"{k} is not in this run's model" for k in state if k not in own]
+    problems += [f"{k} is {list(state[k].shape)} there, {list(v.shape)} here" for k, v in own.items()
+                 if k in state and state[k].shape != v.shape]
+    if problems:
+        raise ConfigError(f"{KEY}: trial {weights.trial_id}'s weights do not fit this run's model: {problems[0]}"
+                          + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                          + f"; was it another task, or other --hp? it had {_task_hp(weights.hp)}")
+
+
+def _task_hp(hp: dict) -> str:
+    from rayhpc.task.hparams import PLATFORM_KEYS
+
+    own = {k: v for k, v in hp.items() if k not in PLATFORM_KEYS and not (isinstance(v, float) and math.isnan(v))}
+    return ", ".join(f"{k}={v}" for k, v in own.items()) or "no hyperparameters of its own"

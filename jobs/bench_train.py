@@ -68,6 +68,7 @@ def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str =
     config.write_text(yaml.safe_dump({
         "name": name, "storage_path": str(work), "compute": {"num_workers": args.workers, "gpu": args.gpu},
         "epochs": args.epochs, "strategy": strategy, "batch_size_per_worker": args.batch,
+        "precision": "bf16" if args.gpu else "tf32",  # as the raw baseline: bf16 autocast on GPUs
         **(job or {"hparams": {"hidden": args.hidden, "depth": args.depth},
                    "data": {"synthetic": {"num_samples": args.samples, "in_features": args.in_features,
                                           "out_features": args.in_features}}})}))

@@ -59,6 +59,11 @@ def plain_trial(model, train, val, hp: dict, epochs: int, loss_fn, metric_fn=Non
     return model.state_dict(), history
 
 
+def steps(train, members: list[dict], epochs: int) -> int:
+    """Optimizer steps of `epochs` epochs at the pack's batch size (the last step of an epoch may be short)."""
+    return epochs * math.ceil(len(train) / members[0]["batch_size"])
+
+
 def packed_trials(task, members, train, val, epochs: int):
     """The same trials as one pack, through the platform's pack, packed optimiser and epoch loop."""
     pack = make_pack(task, members, CPU)
@@ -66,7 +71,7 @@ def packed_trials(task, members, train, val, epochs: int):
     train_batches, val_batches = Batches(train, CPU), Batches(val, CPU)
     history = []
     for epoch in range(epochs):
-        train_epoch(pack, opt, train_batches, members, epoch, epochs)
+        train_epoch(pack, opt, train_batches, members, epoch, steps(train, members, epochs))
         history.append(pack.evaluate(val_batches.all(1000)))
     return pack, history
 
@@ -192,13 +197,13 @@ def test_members_that_leave_a_pack_keep_their_weights_and_the_others_train_on(ml
     assert isinstance(pack, PaddedMLPPack if kind == "padded mlp" else FuncPack)
     opt = pack.optimizer(members)
     batches = Batches(train, CPU)
-    train_epoch(pack, opt, batches, members, 0, 3)
+    train_epoch(pack, opt, batches, members, 0, steps(train, members, 3))
     stopped = pack.member(1).state_dict()
     pack.keep([0, 2])
     opt.keep([0, 2], pack.parameters())
     assert pack.size == 2 and all(p.shape[0] == 2 for p in pack.parameters())
     for epoch in (1, 2):
-        train_epoch(pack, opt, batches, [members[0], members[2]], epoch, 3)
+        train_epoch(pack, opt, batches, [members[0], members[2]], epoch, steps(train, members, 3))
     for position, (i, epochs) in enumerate([(0, 3), (2, 3)]):
         want = plain_member(mlp, members[i], train, val, epochs)
         for key, value in pack.member(position).state_dict().items():
@@ -225,7 +230,7 @@ def test_pbt_exploit_copies_weights_and_optimizer_state_then_explore_perturbs_lr
     train, _ = mlp_split(mlp)
     pack = make_pack(mlp, members, CPU)
     opt = pack.optimizer(members)
-    train_epoch(pack, opt, Batches(train, CPU), members, 0, 1)
+    train_epoch(pack, opt, Batches(train, CPU), members, 0, steps(train, members, 1))
     state = {"hp": [{"lr": m["lr"]} for m in members], "pbt": []}
     rules = PbtRules(interval=1, quantile=0.34, resample=0.0, space={"lr": ParamSpec(loguniform=(1e-4, 1.0))},
                      metric="val_loss", mode="min", seed=0)

@@ -195,6 +195,42 @@ def test_packed_trials_equal_unpacked_trials(ray_address, tmp_path):
                                rtol=1e-4, atol=1e-6)
 
 
+def test_a_sweep_of_steps_cuts_each_trials_last_epoch_and_spans_its_schedule(ray_address, tmp_path):
+    """`steps` instead of `epochs`: 70 steps of 52 per epoch are 2 epochs, the second cut after 18, and
+    the linear decay reaches 0.1 x lr at step 70. Each packed member's weights (read as --init-from reads them)
+    equal a plain SGD loop under torch's LambdaLR over the same 70 steps. Checked: the cut removed, or
+    the schedule spanning whole epochs, fail."""
+    from torch.nn.functional import mse_loss
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from rayhpc.task.hparams import full_hparams
+    from rayhpc.tune.weights import trial_weights
+
+    steps, fixed = 70, {"optimizer": "sgd", "decay": "linear", "min_lr_ratio": 0.1, "hidden": 16}
+    cfg = sweep(tmp_path, name="steps", search="grid", steps=steps, pack=2, space={"lr": {"grid": [0.02, 0.05]}, **fixed})
+    table = run_sweep(cfg)
+    assert set(table["iterations"]) == {2} and set(table["pack_size"]) == {2}
+    task = task_for("mlp", cfg.data)
+    train, _ = mlp_split(task)
+    for _, row in table.iterrows():
+        hp = full_hparams(task.hp_model, {**fixed, "lr": row["config.lr"]})
+        model = task.initial_model(hp)
+        opt = torch.optim.SGD(model.parameters(), lr=hp["lr"])
+        decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.9 * (1 - s / (steps - 1)))
+        sampler, done = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=0), 0
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for x, y in list(DataLoader(train, batch_size=32, sampler=sampler))[:steps - done]:
+                opt.zero_grad()
+                mse_loss(model(x), y).backward()
+                opt.step()
+                decay.step()
+                done += 1
+        got = trial_weights(f"{tmp_path / 'steps'}:{row['trial_id']}", ("val_loss", "min")).state
+        for key, want in model.state_dict().items():
+            torch.testing.assert_close(got[key], want, msg=lambda m: f"{row['trial_id']} {key}: {m}")
+
+
 def test_parquet_data_replaces_the_synthetic_task(ray_address, tmp_path):
     x = torch.randn(400, 3)
     y = x @ torch.tensor([1.0, -2.0, 0.5])

@@ -279,3 +279,38 @@ def test_the_training_loop_compiles_the_blocks_it_is_told_to(ray_cluster, tmp_pa
     run_epoch(worker, 0)
     assert list((tmp_path / "inductor").rglob("*.py")), "the loop ran the blocks eagerly"
     assert rows[-1]["val_loss"] < math.log(256), rows[-1]  # below a uniform guess over the 256 bytes
+
+
+def test_every_job_takes_one_precision_vocabulary_and_bf16_computes_in_bf16():
+    """`precision` is fp32 | tf32 | bf16 in the training, model-parallel and sweep jobs alike. On CPUs tf32 is
+    fp32 exactly, and bf16 (autocast) gives a loss that differs from fp32 by bf16's rounding but no more:
+    checked against a plain fp32 model evaluated here. Checked: autocast made a no-op fails."""
+    from rayhpc.config import Precision
+    from rayhpc.parallel.config import ParallelConfig
+    from rayhpc.precision import autocast, set_matmul_precision
+    from rayhpc.tune.config import SweepConfig
+
+    for job in (TrainConfig, ParallelConfig, SweepConfig):
+        assert job.model_fields["precision"].annotation is Precision, job
+    torch.manual_seed(0)
+    model, x = MLP(64, 256, 8), torch.randn(128, 64)
+    want = model(x)
+    for precision, close in [("fp32", 0.0), ("tf32", 0.0), ("bf16", 2e-2)]:
+        set_matmul_precision(precision)
+        with autocast(precision, x.device):
+            got = model(x)
+        assert torch.backends.cuda.matmul.allow_tf32 is (precision != "fp32")
+        assert (got.dtype == torch.bfloat16) is (precision == "bf16"), precision
+        torch.testing.assert_close(got.float(), want, rtol=close, atol=close)
+        if precision == "bf16":
+            assert not torch.equal(got.float(), want), "bf16 computed in fp32"
+    set_matmul_precision("fp32")
+    # a runner: the single-trial loop (array tasks) trains in what it is told
+    from rayhpc.task import task_for
+    from rayhpc.tune.single import train_single
+
+    task = task_for("mlp", validate(TrainConfig, {}).data)
+    hp = full_hparams(task.hp_model, {"hidden": 64})
+    for value in ("train_loss", "val_loss"):
+        runs = {p: train_single(task, hp, 1, precision=p)[value] for p in ("fp32", "tf32", "bf16")}
+        assert runs["fp32"] == runs["tf32"] != runs["bf16"] and abs(runs["bf16"] / runs["fp32"] - 1) < 0.05, runs

@@ -41,6 +41,10 @@ CASES = {
     "gpu fraction for distributed trials": (lambda d: ["--gpus-per-trial", "0.5", "--workers-per-trial", "2"],
                                             "error: gpus_per_trial (--gpus-per-trial) 0.5: with workers_per_trial 2 "
                                             "every worker is one NCCL rank on a whole GPU"),
+    "steps and epochs": (lambda d: ["--steps", "100", "--epochs", "3"],
+                         "error: steps (--steps) 100 and epochs (--epochs) 3: give one, not both"),
+    "steps under asha": (lambda d: ["--steps", "100", "--scheduler", "asha"],
+                         "error: steps (--steps) 100: scheduler asha compares trials epoch by epoch; give epochs"),
     "bf16 on CPUs": (lambda d: ["--precision", "bf16", "--gpus-per-trial", "0"],
                      "error: precision (--precision) bf16: autocast is for GPUs"),
     "cpus beyond cluster": (lambda d: ["--cpus-per-trial", str(CPUS + 1)],

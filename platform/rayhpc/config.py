@@ -71,6 +71,12 @@ class JobConfig(StrictModel):
         os.replace(tmp, self.saved_file)
 
 
+# one vocabulary for every job's `precision:` (`rayhpc.precision` applies it)
+Precision = Literal["fp32", "tf32", "bf16"]
+PRECISION_HELP = ("fp32; tf32: fp32 with TF32 matmuls on GPUs (as fp32 on CPUs); bf16: mixed precision, weights and "
+                  "optimizer in fp32 (FSDP's policy under FSDP, autocast elsewhere)")
+
+
 class PerWorker(StrictModel):
     """What each worker reserves (the `compute:` section, shared by every job with workers)."""
 

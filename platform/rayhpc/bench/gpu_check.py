@@ -93,7 +93,7 @@ def check_packed_sweep(work: Path, gpus: int) -> Line:
         return Line("packed sweep, 0.5 GPU per pack", "FAIL", _failed(proc))
     table = pd.read_parquet(work / "sweep" / "gpu-sweep" / "results.parquet")
     first = next(line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "sweep gpu-sweep:" in line)
-    stated = "fp32" in first and "2 per GPU" in first
+    stated = "tf32" in first and "2 per GPU" in first
     ok = stated and set(table["status"]) == {"finished"} and len(table) == 32
     return Line("packed sweep, 0.5 GPU per pack", "PASS" if ok else "FAIL",
                 f"{len(table)} trials {dict(table['status'].value_counts())}, {2 * gpus} packs at once; "

@@ -51,6 +51,13 @@ def warmup_steps(hp: dict, total_steps: int) -> int:
     return round(fraction * total_steps) if fraction is not None else hp.get("warmup_steps", 0)
 
 
+def step_plan(per_epoch: int, epochs: int | None, steps: int | None) -> tuple[int, int]:
+    """(optimizer steps in all, epochs to run) of a run of `steps` steps, else of `epochs` epochs of
+    `per_epoch` steps; `steps` take as many epochs as they need, the last one cut short."""
+    total = steps or epochs * per_epoch
+    return total, math.ceil(total / per_epoch)
+
+
 def lr_factor(hp: dict, step: int, total_steps: int) -> float:
     """The share of `lr` used by optimizer step `step` (0-based) of `total_steps`: a linear warm-up over
     `warmup_steps` ((step + 1) / (warmup_steps + 1)), then `decay`: cosine or linear from 1 down to

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import Compute, ConfigError, Optim, Schedule
+from rayhpc.config import PRECISION_HELP, Compute, ConfigError, Optim, Precision, Schedule
 from rayhpc.parallel.mesh import Degrees
 from rayhpc.task.config import TaskJobConfig
 
@@ -55,8 +55,7 @@ class ParallelConfig(TaskJobConfig):
     schedule: Schedule = Schedule()
     accumulate: int = Field(1, ge=1, description="schedule steps (pipeline) or micro-batches per optimizer step "
                             "on each replica (the batch is unchanged: less memory, the same step)")
-    precision: Literal["fp32", "tf32", "bf16"] = Field("tf32", description="fp32; tf32: fp32 with TF32 matmuls on "
-                                                       "GPUs (as fp32 on CPUs); bf16: autocast mixed precision")
+    precision: Precision = Field("tf32", description=PRECISION_HELP)
     steps: int | None = Field(None, ge=1, description="optimizer steps (default 20, or from epochs)")
     epochs: int | None = Field(None, ge=1, description="passes over the training data, instead of steps: "
                                "steps = epochs x (training samples // global_batch_size)")

@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import Compute, ConfigError, Optim, Schedule
+from rayhpc.config import PRECISION_HELP, Compute, ConfigError, Optim, Precision, Schedule
 from rayhpc.task.config import TaskJobConfig
 from rayhpc.task.hparams import PLATFORM_KEYS, TRAINING_KEYS, full_hparams, task_keys
 
@@ -82,8 +82,7 @@ class TrainConfig(DataParallelJob):
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel, or FSDP2 fully_shard "
                                              "per layer")
     scale_lr: bool = Field(False, description="multiply lr by the number of workers (the Horovod convention)")
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 mixed precision on GPU, "
-                                                       "fp32 on CPU")
+    precision: Precision = Field("tf32", description=PRECISION_HELP)
     metrics_every_steps: int | None = Field(None, ge=1, description="also record a metrics row every K steps")
     compile: Literal["none", "blocks", "model"] = Field("none", description="torch.compile each block (the task's "
                                                         "blocks(model), else its ModuleLists' entries) or the model")
@@ -99,7 +98,7 @@ class TrainConfig(DataParallelJob):
 
     @property
     def use_bf16(self) -> bool:
-        return self.precision == "bf16" or (self.precision == "auto" and self.compute.gpu)
+        return self.precision == "bf16"
 
 
 def train_hparams(cfg: DataParallelJob, hp_model) -> dict:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
-from rayhpc.optim import optimizer_step
+from rayhpc.optim import optimizer_step, step_plan
+from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
 from rayhpc.train import checkpoint
@@ -61,16 +62,17 @@ class Worker:
 
     @property
     def total_steps(self) -> int:
-        return self.cfg.steps or self.cfg.epochs * self.steps_per_epoch
+        return step_plan(self.steps_per_epoch, self.cfg.epochs, self.cfg.steps)[0]
 
     @property
     def epochs(self) -> int:
         """Epochs to run: `epochs`, or as many as `steps` take (the last one cut short)."""
-        return math.ceil(self.total_steps / self.steps_per_epoch)
+        return step_plan(self.steps_per_epoch, self.cfg.epochs, self.cfg.steps)[1]
 
     def loss(self, batch) -> torch.Tensor:
-        autocast = self.cfg.use_bf16 and self.cfg.strategy == "ddp" and self.device.type == "cuda"
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        if self.cfg.strategy == "fsdp":  # bf16 is FSDP's own mixed-precision policy there
+            return self.task.loss(self.model, batch)
+        with autocast(self.cfg.precision, self.device):
             return self.task.loss(self.model, batch)
 
     def validate(self) -> dict[str, float]:
@@ -101,6 +103,7 @@ def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.devi
     from the trial's seed (or with the weights `init`) wrapped for `cfg.strategy`, its optimizer, and
     `restore(model, optimizer)`'s Progress (None: a fresh start)."""
     torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker)))
+    set_matmul_precision(cfg.precision)
     train, val = task.split_data(hp, cfg.data)  # before seeding the model: data() may draw
     model = task.initial_model(hp)
     if init is not None:  # whole, before sharding: FSDP2 then shards these weights

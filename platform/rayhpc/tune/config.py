@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rayhpc.config import ConfigError, StrictModel
+from rayhpc.config import PRECISION_HELP, ConfigError, Precision, StrictModel
 from rayhpc.task.config import TaskJobConfig
 from rayhpc.task.hparams import PlatformHParams, full_hparams
 from rayhpc.tune.pbt import MUTABLE, mutable
@@ -51,9 +51,12 @@ class SweepConfig(TaskJobConfig):
     gpus_per_trial: float | None = Field(None, ge=0, le=1, description="GPUs per trial process (per worker with "
                                          "workers_per_trial > 1): 1, or 1/k to put k packs on each GPU (k <= 8); "
                                          "unset: 0 without GPUs, else 1")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32, or bf16 autocast on GPUs (every trial, "
-                                               "packed or distributed)")
-    epochs: int = Field(10, ge=1, description="training epochs per trial (one report and checkpoint each)")
+    precision: Precision = Field("tf32", description=PRECISION_HELP + "; every trial, packed or distributed "
+                                 "(bf16 needs GPUs)")
+    epochs: int | None = Field(None, ge=1, description="training epochs per trial, one report and checkpoint each "
+                               "(default 10)")
+    steps: int | None = Field(None, ge=1, description="optimizer steps per trial, instead of epochs: the epochs "
+                              "they take (by the trial's batch size), the last one cut short")
     search: Literal["random", "grid", "optuna"] = Field("random", description="how configs are drawn")
     scheduler: Literal["fifo", "asha", "pbt"] = Field("fifo", description="run trials to the end, stop bad ones "
                                                       "early (asha), or evolve each pack's members (pbt)")
@@ -75,10 +78,15 @@ class SweepConfig(TaskJobConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_samples(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("search") == "grid" and data.get("num_samples") is None:
-            return {**data, "num_samples": 1}  # a grid search runs each grid point once
-        return data
+    def _defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("search") == "grid" and data.get("num_samples") is None:
+            data = {**data, "num_samples": 1}  # a grid search runs each grid point once
+        if data.get("steps") is not None and data.get("epochs") is not None:
+            raise ConfigError(f"steps (--steps) {data['steps']} and epochs (--epochs) {data['epochs']}: give one, "
+                              "not both")
+        return data if data.get("steps") is not None else {**data, "epochs": data.get("epochs") or 10}
 
     @field_validator("space", mode="before")
     @classmethod
@@ -92,6 +100,9 @@ class SweepConfig(TaskJobConfig):
         if self.gpus_per_trial and self.workers_per_trial > 1 and self.gpus_per_trial != 1:
             raise ConfigError(f"gpus_per_trial (--gpus-per-trial) {self.gpus_per_trial:g}: with workers_per_trial "
                               f"{self.workers_per_trial} every worker is one NCCL rank on a whole GPU; use 1 or 0")
+        if self.steps is not None and self.scheduler != "fifo":
+            raise ConfigError(f"steps (--steps) {self.steps}: scheduler {self.scheduler} compares trials epoch by "
+                              "epoch; give epochs")
         if self.scheduler == "pbt":
             self._check_pbt()
         if self.pack is not None and self.pack > 1 and self.workers_per_trial > 1:

@@ -22,7 +22,7 @@ def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -
     return TrainConfig(
         name=f"train-trial_id={trial_id}", storage_path=sweep.experiment_dir, task=sweep.task, strategy=sweep.strategy,
         compute=Compute(num_workers=sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial, gpu=gpu),
-        epochs=sweep.epochs, global_batch_size=hp["batch_size"], seed=hp["seed"],
+        epochs=sweep.epochs, steps=sweep.steps, global_batch_size=hp["batch_size"], seed=hp["seed"],
         optim=Optim(**{k: hp[k] for k in Optim.model_fields}),
         schedule=Schedule(**{k: hp[k] for k in Schedule.model_fields}),
         accumulate=hp["accumulate"],

@@ -27,7 +27,7 @@ def value_columns(metric_names: tuple[str, ...], objective: tuple[str, str]) -> 
     return columns + ([f"best_{objective[0]}"] if f"best_{objective[0]}" not in columns else [])
 
 
-def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: list[str],
+def trial_rows(trial, packs: list[list[dict]] | None, epochs: int | None, searched: list[str],
                columns: list[str], interrupted: frozenset[str] = frozenset()) -> list[dict]:
     """One row per member of a Tune trial (a pack of one is a plain trial); `interrupted`: the trials a
     stop signal ended (Tune stops them as if they had finished; `--resume` runs them on)."""
@@ -36,7 +36,7 @@ def trial_rows(trial, packs: list[list[dict]] | None, epochs: int, searched: lis
     per_member = last.get("members", {})
     iterations = int(last.get("epoch", 0))
     status = _STATUS.get(trial.status, trial.status.lower())
-    if status == "finished" and iterations < epochs:
+    if status == "finished" and (trial.trial_id in interrupted or (epochs is not None and iterations < epochs)):
         status = "interrupted" if trial.trial_id in interrupted else "early-stopped"
     error = _error_line(trial) if status == "error" else None
     rows = []

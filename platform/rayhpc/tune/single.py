@@ -20,20 +20,23 @@ from typing import Callable
 import torch
 
 from rayhpc.data import DataConfig
-from rayhpc.optim import optimizer_step
+from rayhpc.optim import optimizer_step, step_plan
+from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
 
 
-def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = DataConfig(),
-                 on_epoch: Callable | None = None, device: torch.device = torch.device("cpu")) -> dict:
-    """Train one trial for `epochs`; returns its final model, its last values (`train_loss`, `val_loss`,
+def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfig = DataConfig(),
+                 on_epoch: Callable | None = None, device: torch.device = torch.device("cpu"),
+                 precision: str = "tf32", steps: int | None = None) -> dict:
+    """Train one trial for `epochs` (or `steps`, the last epoch cut short); returns its final model, its last values (`train_loss`, `val_loss`,
     `val_<metric>`), the best of each, and its time.
 
     `data` is the sweep's `data:` section (the validation hold-out); `on_epoch(epoch, values,
     model)` runs after each epoch (the plain Ray Tune baseline reports and checkpoints there).
     """
     entered = time.perf_counter()
+    set_matmul_precision(precision)
     train, val = task.split_data(hp, data)
     model = task.initial_model(hp).to(device)
     opt = task.optimizer(model.parameters(), hp)
@@ -44,15 +47,19 @@ def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = Dat
     values, best = {}, {}
     modes = {"train_loss": "min", "val_loss": "min", task.objective[0]: task.objective[1]}  # what "best" means
     per_epoch = math.ceil(len(train) / hp["batch_size"])
+    last, epochs = step_plan(per_epoch, epochs, steps)
     for epoch in range(epochs):
-        total, steps = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
+        total, done = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
         for batch in train_batches(epoch_indices(len(train), hp["seed"], epoch), hp["batch_size"]):
-            total += optimizer_step(model, opt, lambda part: task.loss(model, part), batch, hp,
-                                    epoch * per_epoch + steps, epochs * per_epoch, batch_size_of, scheduler)
-            steps += 1
-        values = {"train_loss": float(total) / steps}
+            if epoch * per_epoch + done >= last:
+                break
+            total += optimizer_step(model, opt, lambda part: _loss(task, model, part, precision, device), batch, hp,
+                                    epoch * per_epoch + done, last, batch_size_of, scheduler)
+            done += 1
+        values = {"train_loss": float(total) / done}
         if val_batches is not None:
-            values.update(evaluate(task, model, val_batches.all(eval_batch(hp["batch_size"]))))
+            with autocast(precision, device):
+                values.update(evaluate(task, model, val_batches.all(eval_batch(hp["batch_size"]))))
         for name, mode in modes.items():
             if name in values:
                 better = min if mode == "min" else max
@@ -60,6 +67,11 @@ def train_single(task: LoadedTask, hp: dict, epochs: int, data: DataConfig = Dat
         if on_epoch is not None:
             on_epoch(epoch + 1, values, model)
     return {"model": model, **values, **best, "iterations": epochs, "train_seconds": time.perf_counter() - entered}
+
+
+def _loss(task: LoadedTask, model, batch, precision: str, device: torch.device) -> torch.Tensor:
+    with autocast(precision, device):
+        return task.loss(model, batch)
 
 
 def task_device(gpus: float | None) -> torch.device:
@@ -95,7 +107,8 @@ def main(argv=None) -> int:
     cfg = validate(SweepConfig, load_yaml(args.config))
     task = task_for(args.task or cfg.task, cfg.data)
     (hp,) = load_plan(Path(args.config).parent)[args.index]  # the trials the submission drew
-    result = train_single(task, hp, cfg.epochs, cfg.data, device=task_device(cfg.gpus_per_trial))
+    result = train_single(task, hp, cfg.epochs, cfg.data, device=task_device(cfg.gpus_per_trial),
+                          precision=cfg.precision, steps=cfg.steps)
     row = {"index": args.index, "config": hp, "node": socket.gethostname(),
            **{k: v for k, v in result.items() if k != "model"}}
     out = Path(args.out)

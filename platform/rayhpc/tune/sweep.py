@@ -88,7 +88,7 @@ def check_resources(cfg: SweepConfig, res: cluster.Resources) -> None:
                           f"use at least {1 / MAX_CONTEXTS_PER_GPU:g} and larger packs (--pack)")
     if cfg.precision == "bf16" and trial_gpus(cfg, res) == 0:
         raise ConfigError(f"precision (--precision) bf16: autocast is for GPUs, and this sweep trains on CPUs "
-                          f"({res.describe()}); use fp32")
+                          f"({res.describe()}); use fp32 or tf32")
     if cfg.workers_per_trial > 1:
         cluster.check_workers(res, cfg.workers_per_trial, cfg.cpus_per_trial, trial_gpus(cfg, res) > 0,
                               key="workers_per_trial (--workers-per-trial)")
@@ -109,9 +109,9 @@ def _settings(job: Started[SweepConfig]) -> TrialSettings:
         p = cfg.pbt
         pbt = PbtRules(p.perturbation_interval, p.quantile_fraction, p.resample_probability, mutable(cfg.space),
                        *job.info.objective, cfg.seed)
-    return TrialSettings(epochs=cfg.epochs, threads=max(1, int(cfg.cpus_per_trial)),
+    return TrialSettings(epochs=cfg.epochs, steps=cfg.steps, threads=max(1, int(cfg.cpus_per_trial)),
                          defaults=cfg.defaults(task.hp_model), data_keys=tuple(sorted(job.info.data_reads)),
-                         data=cfg.data, objective=job.info.objective, bf16=cfg.precision == "bf16", pbt=pbt)
+                         data=cfg.data, objective=job.info.objective, precision=cfg.precision, pbt=pbt)
 
 
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
@@ -261,5 +261,6 @@ def _describe(cfg: SweepConfig, packs, gpus: float) -> None:
         trials = f"{n} trials in {len(packs)} pack(s) of up to {max(len(p) for p in packs)}"
     each = "worker" if cfg.workers_per_trial > 1 else "trial process"
     where = f", {1 / gpus:g} per GPU" if 0 < gpus and cfg.workers_per_trial == 1 else ""
-    log.info(f"sweep {cfg.name}: {trials}, {cfg.epochs} epochs each, {cfg.precision}, scheduler {cfg.scheduler}, "
+    length = f"{cfg.steps} steps" if cfg.steps else f"{cfg.epochs} epochs"
+    log.info(f"sweep {cfg.name}: {trials}, {length} each, {cfg.precision}, scheduler {cfg.scheduler}, "
              f"{cfg.cpus_per_trial:g} CPU + {gpus:g} GPU per {each}{where} -> {cfg.experiment_dir}")

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from rayhpc.data import DataConfig
-from rayhpc.optim import lr_factor, optimizer_step, split_batch
+from rayhpc.optim import lr_factor, optimizer_step, split_batch, step_plan
+from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
 from rayhpc.tune.packing import SinglePack, make_pack, member_slice
@@ -32,13 +33,14 @@ STATE_FILE = "pack_state.pt"
 class TrialSettings:
     """What every trial of a sweep shares."""
 
-    epochs: int
+    epochs: int | None  # per trial, or
+    steps: int | None  # optimizer steps per trial (the epochs they take, by the trial's batch size)
     threads: int  # torch threads per trial process
     defaults: dict  # every hyperparameter's value where the trial's config does not set it
     data_keys: tuple[str, ...]  # hyperparameters data() reads: trials that agree on them share the data
     data: DataConfig  # the sweep's data section: the validation hold-out
     objective: tuple[str, str]  # (reported name, "min" or "max")
-    bf16: bool = False  # bf16 autocast (GPUs)
+    precision: str = "tf32"  # `rayhpc.precision`'s vocabulary
     pbt: PbtRules | None = None  # population-based training of each pack's members
 
 
@@ -75,12 +77,14 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     # Ray Train logs every persisted checkpoint at INFO; a sweep makes one per trial-epoch.
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     torch.set_num_threads(settings.threads)
+    set_matmul_precision(settings.precision)
     device = _device()
     members = [{**settings.defaults, **m} for m in members_of(config, packs)]
     hp = members[0]  # what every member shares: batch size, optimiser kind, seed, data
     train, val = trial_data(task, hp, settings)
+    total, epochs = step_plan(math.ceil(len(train) / hp["batch_size"]), settings.epochs, settings.steps)
     state = _restore(tune.get_checkpoint())
-    if state is not None and (state["epoch"] >= settings.epochs or not state["slots"]):
+    if state is not None and (state["epoch"] >= epochs or not state["slots"]):
         # restored from its final checkpoint (the driver died before recording the end):
         # report the final metrics again instead of training anything twice
         tune.report(state["metrics"])
@@ -90,19 +94,19 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     resumed_from = state["epoch"]
     # members are ASHA's trials by plan position (a searcher's packs: by Tune trial)
     pack_id = config["pack"] if "pack" in config else tune.get_context().get_trial_id()
-    for epoch in range(state["epoch"], settings.epochs):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+    for epoch in range(state["epoch"], epochs):
+        with autocast(settings.precision, device):
             current = [members[j] for j in state["slots"]]
-            values = {"train_loss": train_epoch(pack, opt, train_batches, current, epoch, settings.epochs)}
+            values = {"train_loss": train_epoch(pack, opt, train_batches, current, epoch, total)}
         if val_batches is not None:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+            with autocast(settings.precision, device):
                 values.update(pack.evaluate(val_batches.all(eval_batch(hp["batch_size"]))))
         values = _scatter(state["values"], values, state["slots"], len(members))  # stopped members' frozen
         _update_best(state["best"], values, settings.objective)
         state["epoch"] = epoch + 1
         if keeper is not None:
             _asha(keeper, pack_id, pack, opt, state, values, settings)
-        if settings.pbt is not None and state["epoch"] < settings.epochs:
+        if settings.pbt is not None and state["epoch"] < epochs:
             exploit_explore(pack, opt, state, values, settings.pbt, state["epoch"], pack_id)
         seconds = state["seconds"] + time.perf_counter() - entered
         metrics = _metrics(values, state, settings.objective, seconds, resumed_from)
@@ -147,7 +151,7 @@ def _asha(keeper, pack_id: int | str, pack, opt, state: dict, values: dict, sett
     epoch, (metric, _) = state["epoch"], settings.objective
     results = [(f"{pack_id}-{j}", epoch, float(values[metric][j])) for j in state["slots"]]
     stops = ray.get(keeper.decide.remote(metric, results))
-    leaving = [pos for pos, stop in enumerate(stops) if stop] if epoch < settings.epochs else []
+    leaving = [pos for pos, stop in enumerate(stops) if stop] if epoch < settings.epochs else []  # asha: epochs
     if not leaving:
         return
     model = pack.state_dict()
@@ -162,15 +166,18 @@ def _asha(keeper, pack_id: int | str, pack, opt, state: dict, values: dict, sett
         opt.keep(staying, pack.parameters())
 
 
-def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, epochs: int) -> torch.Tensor:
-    """One pass over the training data; returns each member's mean batch loss. `members`: the pack's
-    members' hyperparameters, in pack order (batch size, seed and accumulation are the pack's)."""
+def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, total_steps: int) -> torch.Tensor:
+    """One pass over the training data (cut short at optimizer step `total_steps`, the run's last); returns
+    each member's mean batch loss. `members`: the pack's members' hyperparameters, in pack order (batch
+    size, seed and accumulation are the pack's)."""
     hp = members[0]
-    per_epoch = math.ceil(len(batches) / hp["batch_size"])
+    first = epoch * math.ceil(len(batches) / hp["batch_size"])
     pack.train()
     total, steps = torch.zeros(pack.size, device=batches.device), 0
     for i, batch in enumerate(batches(epoch_indices(len(batches), hp["seed"], epoch), hp["batch_size"])):
-        total += pack_step(pack, opt, batch, members, epoch * per_epoch + i, epochs * per_epoch)
+        if first + i >= total_steps:
+            break
+        total += pack_step(pack, opt, batch, members, first + i, total_steps)
         steps += 1
     return (total / steps).cpu()
 

@@ -145,8 +145,9 @@ class Trial:
         saved = ray.put(self.saved) if self.saved else None  # one copy, read by every rank
         started = time.perf_counter()
         local = warm.group.run(_setup, self.cfg, self.task, self.hp, [saved])
-        extra |= {"setup_s": time.perf_counter() - started, "rank0_param_elements": local[0]}
-        for epoch in range(self.saved.progress["epoch"] if self.saved else 0, self.cfg.epochs):
+        (elements, epochs), *_ = local
+        extra |= {"setup_s": time.perf_counter() - started, "rank0_param_elements": elements}
+        for epoch in range(self.saved.progress["epoch"] if self.saved else 0, epochs):
             by_rank = warm.group.run(_epoch, epoch)
             for reports in zip(*by_rank):  # one report, as every rank saw it
                 metrics, blob, progress, _ = reports[0]
@@ -201,9 +202,9 @@ class Collected:
         self.reports.append((metrics, blob, progress, rng) if w.rank == 0 else (None, None, None, rng))
 
 
-def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, saved: list) -> int:
+def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, saved: list) -> tuple[int, int]:
     """Drop the previous trial (model, optimizer, batches), then build this one; restore its state.
-    Returns the parameter elements the rank holds."""
+    Returns the parameter elements the rank holds, and the epochs the trial runs."""
     import ray
 
     ctx.state.clear()
@@ -227,7 +228,7 @@ def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, sav
         _set_rng_states(torch.load(io.BytesIO(saved.rng), weights_only=True)[ctx.rank], ctx.device)
     worker.sink = ctx.state["sink"] = Collected()
     ctx.state["trial"] = worker
-    return _local_elements(worker.model)
+    return _local_elements(worker.model), worker.epochs
 
 
 def _local_elements(model) -> int:

@@ -1,0 +1,27 @@
+"""One precision vocabulary for every job's `precision:` (`rayhpc.config.Precision`):
+
+- `fp32`: fp32 throughout;
+- `tf32`: fp32 weights and activations, matmuls and convolutions in TF32 on GPUs that have it
+  (7-8x the plain fp32 peak on an H100); the same as fp32 on CPUs;
+- `bf16`: mixed precision: weights, gradients and the optimizer in fp32, compute in bf16
+  (FSDP's `MixedPrecisionPolicy` where FSDP shards the model, `torch.autocast` elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def set_matmul_precision(precision: str) -> None:
+    """TF32 matmuls for `tf32` and `bf16` (their fp32 parts), none for `fp32`; process-wide."""
+    torch.backends.cuda.matmul.allow_tf32 = precision != "fp32"
+    torch.backends.cudnn.allow_tf32 = precision != "fp32"
+
+
+def autocast(precision: str, device: torch.device):
+    """The forward's context: bf16 autocast on `device` for `bf16`, else nothing."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -7,6 +7,7 @@ epoch) would show; the first also against the same trial on the `TorchTrainer` p
 """
 
 import json
+import math
 import os
 import signal
 import sys
@@ -26,6 +27,7 @@ from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, loa
 from rayhpc.tune.sweep import run_sweep
 from test_sweep import kill_driver_after, sweep
 from test_train import assert_same_weights
+from test_training_options import reference_schedule
 
 sys.path.insert(0, str(ROOT / "tests" / "tasks"))
 from dropout import Dropout  # noqa: E402  (the task file the sweeps load, imported here for the reference)
@@ -33,8 +35,11 @@ from dropout import Dropout  # noqa: E402  (the task file the sweeps load, impor
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 EPOCHS = 3
 TASK = f"{ROOT / 'tests' / 'tasks' / 'dropout.py'}:Dropout"
-LRS = [0.1, 0.03, 0.3]
-FIXED = {"batch_size": 32, "optimizer": "sgd", "momentum": 0.9, "step_ms": 30.0}
+LRS = [0.03, 0.01, 0.1]
+# every training option away from its default: AdamW, a warm-up of 10 steps (of 8 a epoch: checkpoints
+# after epoch 1 are mid-warm-up, after epoch 2 mid-decay), cosine decay, clipping that bites, 2 micro-batches
+FIXED = {"batch_size": 32, "optimizer": "adamw", "weight_decay": 0.05, "beta1": 0.8, "warmup_steps": 10,
+         "decay": "cosine", "min_lr_ratio": 0.1, "clip_grad_norm": 0.5, "accumulate": 2, "step_ms": 30.0}
 
 
 def dist_sweep(tmp_path, name: str, runner: str, lrs=LRS, **kw):
@@ -45,8 +50,12 @@ def dist_sweep(tmp_path, name: str, runner: str, lrs=LRS, **kw):
 
 def two_ranks(lr: float, seed: int = 0) -> dict:
     """The trial as two plain DDP ranks train it, in one process: rank r's DistributedSampler batches of
-    16 (32 global) and its own RNG stream (both ranks seed alike, then draw their own dropout masks and
-    DataLoader seeds), the two gradients averaged, SGD with momentum; a validation pass per epoch."""
+    16 (32 global), each as 2 micro-batches whose gradients add up (weighted by their share), and its own
+    RNG stream (both ranks seed alike, then draw their own dropout masks and DataLoader seeds); the two
+    gradients averaged, clipped by their total norm, torch's AdamW under LinearLR then CosineAnnealingLR;
+    a validation pass per epoch. Checked: Adam in place of AdamW, clipping off, or a constant lr in the
+    platform fail; one micro-batch in place of 2 changes no value here (the masks are drawn in the same
+    order), so the accumulation tests count the micro-batches."""
     task, hp = Dropout(), {"width": 16, "p": 0.25, "step_ms": 0.0}
     data, _ = task.data(hp)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
@@ -54,9 +63,10 @@ def two_ranks(lr: float, seed: int = 0) -> dict:
     train, val = Subset(data, order[n_val:]), Subset(data, order[:n_val])
     torch.manual_seed(seed)
     model = task.model(hp)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.999), weight_decay=0.05)
     rng = [torch.get_rng_state()] * 2
     samplers = [DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=seed) for r in (0, 1)]
+    schedule = reference_schedule(opt, 10, EPOCHS * math.ceil(len(samplers[0]) / 16), 0.1)
 
     def as_rank(r, fn):
         torch.set_rng_state(rng[r])
@@ -73,11 +83,14 @@ def two_ranks(lr: float, seed: int = 0) -> dict:
             grads = []
             for r, (bx, by) in enumerate(batches):
                 model.zero_grad()
-                as_rank(r, lambda: F.mse_loss(model(bx), by).backward())
+                for mx, my in zip(bx.tensor_split(2), by.tensor_split(2)):
+                    as_rank(r, lambda: (F.mse_loss(model(mx), my) * len(mx) / len(bx)).backward())
                 grads.append([p.grad.clone() for p in model.parameters()])
             for p, g0, g1 in zip(model.parameters(), *grads):
                 p.grad = (g0 + g1) / 2
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
+            schedule.step()
         model.eval()
         for r in (0, 1):  # each rank's validation pass (no dropout; its DataLoader draws a seed)
             as_rank(r, lambda: [F.mse_loss(model(bx), by) for bx, by in DataLoader(val, batch_size=64)])
@@ -182,7 +195,7 @@ def test_a_killed_rank_restarts_the_group_and_the_trial_ends_equal(ray_address, 
 
 
 def test_trials_that_asha_stops_hand_their_group_to_the_next(ray_address, tmp_path):
-    lrs = [0.1, 1e-4, 0.3, 1e-5]  # the tiny rates lose at the first rung
+    lrs = [0.1, 1e-5, 0.03, 1e-6]  # the tiny rates lose at the first rung
     table = run_sweep(sweep(tmp_path, name="asha", task=TASK, search="grid", epochs=EPOCHS, workers_per_trial=2,
                             max_concurrent=1, scheduler="asha", asha={"grace_period": 1, "reduction_factor": 2},
                             space={"lr": {"grid": lrs}, **FIXED, "step_ms": 0.0}, trial_runner="warm"))

@@ -90,21 +90,22 @@ def test_fsdp_equals_ddp(ddp_run, tmp_path):
 
 class KillWorkerOnce(UserCallback):
     """In Ray Train's controller: logs each report with the live worker PIDs, and SIGKILLs one
-    worker right after the report of optimizer step `step` (a mid-epoch checkpoint)."""
+    worker right after the first report of optimizer step `step` (a mid-epoch checkpoint), and of
+    each of `steps` if it is several."""
 
-    def __init__(self, step: int, log: str):
-        self.step, self.log, self.killed = step, log, False
+    def __init__(self, step: int, log: str, *more: int):
+        self.left, self.log = {step, *more}, log
 
     def after_report(self, run_context, metrics, checkpoint):
         from ray.util.state import list_actors
 
         workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
         pids = sorted(w.pid for w in workers)
+        kill = metrics[0]["global_step"] in self.left
         with open(self.log, "a") as f:
-            f.write(json.dumps({"step": metrics[0]["global_step"], "pids": pids, "kill": not self.killed
-                                and metrics[0]["global_step"] == self.step}) + "\n")
-        if not self.killed and metrics[0]["global_step"] == self.step:
-            self.killed = True
+            f.write(json.dumps({"step": metrics[0]["global_step"], "pids": pids, "kill": kill}) + "\n")
+        if kill:
+            self.left.discard(metrics[0]["global_step"])
             os.kill(pids[-1], signal.SIGKILL)
 
 

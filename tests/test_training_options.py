@@ -141,12 +141,13 @@ def test_adamw_schedule_clipping_and_accumulation_on_two_ranks_equal_one_plain_p
     torch.testing.assert_close([got[s] for s in sorted(got)], [lrs[s - 1] for s in sorted(got)])
 
 
-def test_a_run_resumed_mid_warm_up_equals_the_uninterrupted_one(ray_address, tmp_path, reference):
-    """A worker killed after step 30 of 40 warm-up steps: the group restarts from the step-30 checkpoint
-    (Adam's moments with it; the schedule follows the step count the checkpoint holds)."""
+def test_a_run_resumed_mid_warm_up_and_mid_decay_equals_the_uninterrupted_one(ray_address, tmp_path, reference):
+    """A worker killed after step 30 of 40 warm-up steps, and again after step 60 (of 78, in the cosine
+    decay): the group restarts from the step-30 and step-60 checkpoints (AdamW's moments with them; the
+    schedule follows the step count the checkpoint holds)."""
     cfg = options_cfg(tmp_path, "resumed", checkpoint_every_steps=10)
-    run = run_training(cfg, callbacks=(KillWorkerOnce(step=30, log=str(tmp_path / "reports.jsonl")),))
-    assert '"kill": true' in (tmp_path / "reports.jsonl").read_text()
+    run = run_training(cfg, callbacks=(KillWorkerOnce(30, str(tmp_path / "reports.jsonl"), 60),))
+    assert (tmp_path / "reports.jsonl").read_text().count('"kill": true') == 2
     assert_same_weights(load_full_state_dict(run.checkpoint_dir), reference[0])
 
 

@@ -5,7 +5,7 @@
     python jobs/train_parallel.py --dp 2 --tp 2 --cpus-per-worker 0.5 --optimizer adamw --lr 1e-3 \
         --warmup-steps 5 --decay cosine --clip-grad-norm 1.0 --accumulate 2
     python jobs/train_parallel.py --task jobs/tasks/gpt.py:GPT --tp 2 --gpu
-    python jobs/train_parallel.py --tp 2 --checkpoint-every-steps 10 --name run1
+    python jobs/train_parallel.py --tp 2 --checkpoint-every 10 --name run1
     python jobs/train_parallel.py --name run1 --resume    # continue from the latest sharded checkpoint
 
 World size = dp * pp * tp (TP innermost on the mesh). Checkpoints: <storage-path>/<name>/checkpoint_<step>/.

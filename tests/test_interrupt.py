@@ -33,7 +33,7 @@ CLUSTER_SERVICES = {"_AutoscalingCoordinatorActor"}
 JOBS = {
     "tune": (["tune_mlp.py", "--num-samples", "2", "--epochs", "100000"], "train_pack_*/checkpoint_*"),
     "train": (["train_mlp.py", "--num-workers", "2", "--epochs", "100000"], "checkpoint_*/progress.json"),
-    "parallel": (["train_parallel.py", "--tp", "2", "--steps", "1000000", "--checkpoint-every-steps", "20"],
+    "parallel": (["train_parallel.py", "--tp", "2", "--steps", "1000000", "--checkpoint-every", "20"],
                  "checkpoint_*/progress.json"),
     "ps": (["train_ps.py", "--num-servers", "2", "--epochs", "100000"], "checkpoint_*/server_1.pt"),
 }

@@ -64,14 +64,16 @@ def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address,
 
 
 def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
-    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 3 steps; the run is resumed
-    from step 3 as if it had been stopped before step 6 was saved."""
-    cfg = parallel_cfg(storage_path=tmp_path, steps=6, dp=2, tp=2, checkpoint_every_steps=3)
+    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 2 steps, the latest 2 kept; the run
+    is resumed from step 4 as if it had been stopped before step 6 was saved."""
+    cfg = parallel_cfg(storage_path=tmp_path, steps=6, dp=2, tp=2, checkpoint={"every": 2, "keep": 2})
     full = run_parallel(cfg, verbose=False)
     assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000006"
+    assert sorted(p.name for p in (tmp_path / cfg.name).glob("checkpoint_*")) == ["checkpoint_000004",
+                                                                                  "checkpoint_000006"]
     shutil.rmtree(full.checkpoint)
     resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)
-    assert len(resumed.step_seconds) == 3, "the resumed run did not start from step 3"
+    assert len(resumed.step_seconds) == 2, "the resumed run did not start from step 4"
     assert resumed.losses == pytest.approx(full.losses, rel=1e-6)
     assert_equal_to_reference(resumed, cfg)
 
@@ -315,7 +317,7 @@ def test_the_gpt_resumed_from_a_sharded_checkpoint_with_adam_state_ends_equal(la
     """Shards of the weights and of Adam's state (TP x PP; two stages per rank in a V), saved every 2 steps;
     resumed from step 2 it ends equal to one process only if the optimizer's state came back too (its
     moments and step count)."""
-    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint_every_steps": 2})
+    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint": {"every": 2}})
     full = run_parallel(cfg, verbose=False)
     shutil.rmtree(full.checkpoint)
     resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)

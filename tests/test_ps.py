@@ -80,7 +80,8 @@ def test_sync_equals_ddp_with_the_same_data_order(ray_address, tmp_path, servers
     events = tensorboard_scalars(cfg.experiment_dir / "tensorboard")
     torch.testing.assert_close(events["epoch/val_loss"], result.metrics["val_loss"].tolist())
     assert (result.steps["staleness"] == 0).all() and len(result.steps) == 2 * result.metrics["global_step"].iloc[-1]
-    assert sorted(p.name for p in result.checkpoint.iterdir()) == [f"server_{j}.pt" for j in range(servers)]
+    assert sorted(p.name for p in result.checkpoint.iterdir()) == ["progress.json", *(f"server_{j}.pt" for j in
+                                                                                     range(servers))]
 
 
 def test_async_without_staleness_equals_sync(ray_address, tmp_path):
@@ -143,7 +144,7 @@ def test_a_killed_worker_is_replaced_and_the_run_finishes(ray_address, tmp_path,
 
 
 def test_a_killed_server_restarts_everything_from_the_checkpoint(ray_address, tmp_path):
-    cfg = ps_cfg(tmp_path, epochs=3, compute={"num_workers": 2, "num_servers": 2}, checkpoint_every_steps=10,
+    cfg = ps_cfg(tmp_path, epochs=3, compute={"num_workers": 2, "num_servers": 2}, checkpoint={"every": 10},
                  optim={"optimizer": "adam", "lr": 0.01})
     hook, killed = kill_once("server", 1)
     result = run_ps(cfg, on_epoch=hook)
@@ -155,7 +156,7 @@ def test_a_killed_server_restarts_everything_from_the_checkpoint(ray_address, tm
 
 def test_resume_after_the_driver_is_killed(ray_address, tmp_path):
     args = ["--storage-path", str(tmp_path), "--name", "ps", "--address", ray_address, "--epochs", "6", "--hp",
-            "hidden=16", "--lr", "0.05", "--checkpoint-every-steps", "5", "--num-servers", "2"]
+            "hidden=16", "--lr", "0.05", "--checkpoint-every", "5", "--num-servers", "2"]
     job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "train_ps.py"), *args], cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -119,13 +119,14 @@ def test_flags_are_derived_from_the_config_fields():
         "task", "data.path", "data.target", "data.val_fraction"}
     sweep = derived_flags(SweepConfig)
     assert sweep["--grace-period"] == "asha.grace_period" and "--space" not in sweep  # a dict key has no flag
+    assert sweep["--keep-checkpoints"] == train["--keep-checkpoints"] == "checkpoint.keep"
     assert not any(key.startswith("data.synthetic") for key in sweep.values())  # two sections down: YAML only
     parallel = derived_flags(ParallelConfig)
     assert parallel["--hp"] == "hparams"  # a field that names its own flag
     # the same section and flag names as the training job's, and the pipeline's in `parallelism:`
     assert {f: parallel[f] for f in ("--lr", "--warmup-steps", "--clip-grad-norm", "--accumulate", "--global-batch-size",
-                                     "--checkpoint-every-steps", "--epochs")} == {f: train[f] for f in (
-        "--lr", "--warmup-steps", "--clip-grad-norm", "--accumulate", "--global-batch-size", "--checkpoint-every-steps",
+                                     "--checkpoint-every", "--epochs")} == {f: train[f] for f in (
+        "--lr", "--warmup-steps", "--clip-grad-norm", "--accumulate", "--global-batch-size", "--checkpoint-every",
         "--epochs")}
     assert parallel["--schedule"] == "parallelism.schedule" and parallel["--tp"] == "parallelism.tp"
     for model in (CollectivesConfig, ScalingConfig):

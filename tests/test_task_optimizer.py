@@ -54,7 +54,7 @@ def test_ddp_with_the_tasks_optimizer_and_scheduler_killed_and_resumed_equals_on
     its new StepLR replayed to step 12 (the lr halved four times on the way)."""
     cfg = validate(TrainConfig, {"storage_path": str(tmp_path), "task": OWN, "epochs": 3, "optim": {"lr": LR},
                                  "compute": {"num_workers": 2}, "batch_size_per_worker": 16,
-                                 "checkpoint_every_steps": 4})
+                                 "checkpoint": {"every": 4}})
     run = run_training(cfg, callbacks=(KillWorkerOnce(step=12, log=str(tmp_path / "reports.jsonl")),))
     assert '"kill": true' in (tmp_path / "reports.jsonl").read_text()
     train = dataset()
@@ -70,7 +70,7 @@ def test_ddp_with_the_tasks_optimizer_and_scheduler_killed_and_resumed_equals_on
 def test_the_model_parallel_job_steps_them_and_resumes_them(ray_address, tmp_path):
     """FSDP2 over 2 ranks, 8 steps, resumed from the step-4 checkpoint."""
     cfg = ParallelConfig(task=OWN, parallelism={"dp": 2}, optim={"lr": LR}, steps=8, global_batch_size=32,
-                         checkpoint_every_steps=4, storage_path=tmp_path)
+                         checkpoint={"every": 4}, storage_path=tmp_path)
     full = run_parallel(cfg, verbose=False)
     shutil.rmtree(full.checkpoint)
     resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)

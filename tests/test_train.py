@@ -111,7 +111,7 @@ class KillWorkerOnce(UserCallback):
 
 def test_killed_worker_resumes_from_checkpoint_and_ends_equal(ddp_run, tmp_path):
     log = tmp_path / "reports.jsonl"
-    cfg = train_cfg(tmp_path, name="killed", checkpoint_every_steps=10)
+    cfg = train_cfg(tmp_path, name="killed", checkpoint={"every": 10})
     result = run_training(cfg, callbacks=(KillWorkerOnce(step=30, log=str(log)),))
     reports = [json.loads(line) for line in log.read_text().splitlines()]
     kill = next(i for i, r in enumerate(reports) if r["kill"])

@@ -145,7 +145,7 @@ def test_a_run_resumed_mid_warm_up_and_mid_decay_equals_the_uninterrupted_one(ra
     """A worker killed after step 30 of 40 warm-up steps, and again after step 60 (of 78, in the cosine
     decay): the group restarts from the step-30 and step-60 checkpoints (AdamW's moments with them; the
     schedule follows the step count the checkpoint holds)."""
-    cfg = options_cfg(tmp_path, "resumed", checkpoint_every_steps=10)
+    cfg = options_cfg(tmp_path, "resumed", checkpoint={"every": 10})
     run = run_training(cfg, callbacks=(KillWorkerOnce(30, str(tmp_path / "reports.jsonl"), 60),))
     assert (tmp_path / "reports.jsonl").read_text().count('"kill": true') == 2
     assert_same_weights(load_full_state_dict(run.checkpoint_dir), reference[0])

@@ -134,6 +134,22 @@ class Schedule(StrictModel):
         return self
 
 
+class Checkpoints(StrictModel):
+    """How many checkpoints are kept (a sweep's `checkpoint:` section; its trials checkpoint every epoch)."""
+
+    keep: int = Field(1, ge=1, description="checkpoints kept per trial (the latest is what resume needs; at "
+                      "10,000 trials each more is 10,000 more folders)", json_schema_extra={"flag": "--keep-checkpoints"})
+
+
+class StepCheckpoints(Checkpoints):
+    """When a training run checkpoints and how many it keeps (the `checkpoint:` section)."""
+
+    every: int | None = Field(None, ge=1, description="checkpoint every K optimizer steps (training runs also at "
+                              "each epoch's end)", json_schema_extra={"flag": "--checkpoint-every"})
+    keep: int = Field(2, ge=1, description="checkpoints kept, the latest ones (the latest is what resume needs)",
+                      json_schema_extra={"flag": "--keep-checkpoints"})
+
+
 J = TypeVar("J", bound=JobConfig)
 RESUME_ENV = "RAYHPC_RESUME"  # set by the sbatch startup in a requeued job: resume if there is something to resume
 

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import PRECISION_HELP, Compute, ConfigError, Optim, Precision, Schedule
+from rayhpc.config import PRECISION_HELP, Compute, ConfigError, Optim, Precision, Schedule, StepCheckpoints
 from rayhpc.parallel.mesh import Degrees
 from rayhpc.task.config import TaskJobConfig
 
@@ -60,7 +60,7 @@ class ParallelConfig(TaskJobConfig):
     epochs: int | None = Field(None, ge=1, description="passes over the training data, instead of steps: "
                                "steps = epochs x (training samples // global_batch_size)")
     global_batch_size: int = Field(32, ge=1, description="samples per optimizer step over all replicas")
-    checkpoint_every_steps: int | None = Field(None, ge=1, description="save a sharded checkpoint every K steps")
+    checkpoint: StepCheckpoints = StepCheckpoints()
     eval_every: int | None = Field(None, ge=1, description="validation loss every K steps (always after the last "
                                    "step, when the task has validation data)")
     timeout_s: float = Field(120.0, gt=0, description="longest wait for any rank before the run fails")

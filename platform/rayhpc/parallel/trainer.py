@@ -18,7 +18,7 @@ from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.task import task_for
 from rayhpc.task.batches import collate
-from rayhpc.train.checkpoint import Progress, latest_checkpoint, load_progress, write_progress
+from rayhpc.train.checkpoint import Progress, latest_checkpoint, load_progress, prune, write_progress
 from rayhpc.train.config import train_hparams
 from rayhpc.workers.group import WorkerGroup
 
@@ -93,9 +93,10 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
             step_seconds.append(seconds)
             say(f"step {step + 1}/{cfg.steps}: loss {loss:.5f}  {seconds * 1e3:.1f} ms  "
                 f"{cfg.global_batch / seconds:,.0f} samples/s{recipe.tokens(cfg.global_batch / seconds)}")
-            every = cfg.checkpoint_every_steps
+            every = cfg.checkpoint.every
             if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
                 checkpoint = save(group, cfg, step + 1, losses)
+                prune(cfg.experiment_dir, cfg.checkpoint.keep)
             if made["data"]["val"] is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0 \
                     and step + 1 < cfg.steps:  # the last step's comes below
                 say(f"step {step + 1}: {describe_validation(validate(group))}")
@@ -160,4 +161,4 @@ def format_summary(result: ParallelResult) -> str:
     validation = f"\n{describe_validation(result.validation)}" if result.validation else ""
     return (f"trained {len(losses)} steps: loss {losses[0]:.5f} -> {losses[-1]:.5f}; {speed}; "
             f"start-up {result.start_seconds:.1f} s{validation}\n"
-            f"checkpoint: {result.checkpoint or 'none (--checkpoint-every-steps K to save one)'}")
+            f"checkpoint: {result.checkpoint or 'none (--checkpoint-every K to save one)'}")

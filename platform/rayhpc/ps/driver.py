@@ -8,7 +8,8 @@ workers never wait for each other beyond the staleness bound) and the driver see
 - a dead server: every actor goes, the servers restart from the latest complete checkpoint (each
   server's shard, optimizer state and push counts) and the workers from that checkpoint's step.
 Checkpoints are written by the servers themselves when every worker has pushed a checkpoint step (each
-epoch's end, and every `checkpoint_every_steps`); a checkpoint is complete when all S shards are there.
+epoch's end, and every `checkpoint.every`); a checkpoint is complete when all S shards are there, and the
+driver then writes its progress file, the mark of a complete checkpoint in every job.
 In async mode a shard saved at step k may hold updates of faster workers beyond k, which the resumed
 workers (all restarting at k) compute again: async SGD tolerates that, and it is what Downpour does.
 """
@@ -79,7 +80,7 @@ def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
     say = log.info if verbose else (lambda *a, **k: None)
     run = Progress(cfg, made["steps_per_epoch"], made["validates"], started=time.time())
     failures: list[str] = []
-    checkpoint = latest_checkpoint(cfg, cfg.compute.num_servers) if cfg.resume else None
+    checkpoint = latest_checkpoint(cfg) if cfg.resume else None
     if checkpoint is not None:
         say(f"resuming from {checkpoint}")
     fleet = start_fleet(cfg, task, made, run, checkpoint)
@@ -91,7 +92,7 @@ def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
     finally:
         stop_fleet(fleet)
     return PSResult(cfg, run.table(), run.steps_table(), final, made["layout"], failures,
-                    latest_checkpoint(cfg, cfg.compute.num_servers))
+                    latest_checkpoint(cfg))
 
 
 def plan_run(cfg: PSConfig, task, hp: dict) -> dict:
@@ -219,7 +220,7 @@ def recover(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failur
     dead = dead_servers(fleet.servers)
     if dead or w is None:
         stop_fleet(fleet)
-        checkpoint = latest_checkpoint(cfg, cfg.compute.num_servers)
+        checkpoint = latest_checkpoint(cfg)
         failures.append(f"server(s) {dead or '?'} died; restarted every server and worker from "
                         f"{checkpoint.name if checkpoint else 'the start'}")
         say(failures[-1])

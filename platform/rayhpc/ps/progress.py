@@ -12,32 +12,36 @@ from typing import Callable
 import pandas as pd
 
 from rayhpc.ps.server import SHARD_FILE
+from rayhpc.train import checkpoint
 from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
 
 log = logging.getLogger(__name__)
 STEPS_FILE = "steps.parquet"
-KEEP_CHECKPOINTS = 2
 # the record of a step whose worker died before reporting it (see `Progress.mark_lost`)
 LOST = dict.fromkeys(("time", "pull_s", "compute_s", "push_s", "wait_s", "loss", "staleness", "bytes"),
                      float("nan")) | {"versions": [], "zero_copy": True, "lost": True}
 
 
 def checkpoint_steps(cfg, steps_per_epoch: int) -> list[int]:
-    """The steps after which the servers save: each epoch's end, and every `checkpoint_every_steps`."""
+    """The steps after which the servers save: each epoch's end, and every `checkpoint.every`."""
     total = cfg.epochs * steps_per_epoch
-    every = cfg.checkpoint_every_steps or steps_per_epoch
+    every = cfg.checkpoint.every or steps_per_epoch
     return sorted({*range(steps_per_epoch, total + 1, steps_per_epoch), *range(every, total + 1, every)})
 
 
-def complete_checkpoints(cfg, num_servers: int) -> list[Path]:
-    """Checkpoint folders holding every server's shard, oldest first."""
-    folders = sorted(cfg.experiment_dir.glob("checkpoint_*"))
-    return [f for f in folders if all((f / SHARD_FILE.format(index=j)).exists() for j in range(num_servers))]
+def mark_complete(cfg) -> Path:
+    """Give every checkpoint folder that holds all the servers' shards the progress file that marks a
+    checkpoint complete (`rayhpc.train.checkpoint`, whose finder then finds it); returns the run's folder."""
+    for folder in cfg.experiment_dir.glob("checkpoint_*"):
+        shards = [folder / SHARD_FILE.format(index=j) for j in range(cfg.compute.num_servers)]
+        if not (folder / checkpoint.PROGRESS_FILE).exists() and all(s.exists() for s in shards):
+            checkpoint.write_progress(folder, checkpoint.Progress(global_step=checkpoint_step(folder)))
+    return cfg.experiment_dir
 
 
-def latest_checkpoint(cfg, num_servers: int) -> Path | None:
-    complete = complete_checkpoints(cfg, num_servers)
-    return complete[-1] if complete else None
+def latest_checkpoint(cfg) -> Path | None:
+    """The complete checkpoint furthest into training (None before the first)."""
+    return checkpoint.latest_checkpoint(mark_complete(cfg))
 
 
 def checkpoint_step(folder: Path | None) -> int:
@@ -143,11 +147,11 @@ class Progress:
         return pd.read_parquet(self.steps_path) if self.steps_path.exists() else pd.DataFrame()
 
     def prune(self) -> None:
-        """Keep the newest `KEEP_CHECKPOINTS` complete checkpoints (and anything newer, being written)."""
-        complete = complete_checkpoints(self.cfg, self.cfg.compute.num_servers)
-        if len(complete) <= KEEP_CHECKPOINTS:
+        """Keep the newest `checkpoint.keep` complete checkpoints (and anything newer, being written)."""
+        complete, keep = checkpoint.complete_checkpoints(mark_complete(self.cfg)), self.cfg.checkpoint.keep
+        if len(complete) <= keep:
             return
-        oldest_kept = complete[-KEEP_CHECKPOINTS].name
+        oldest_kept = complete[-keep].name
         for folder in self.cfg.experiment_dir.glob("checkpoint_*"):
             if folder.name < oldest_kept:
                 shutil.rmtree(folder, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -105,8 +106,20 @@ def load_progress(folder: str | Path) -> Progress:
     return Progress(**json.loads((Path(folder) / PROGRESS_FILE).read_text()))
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The run's complete checkpoint folder furthest into training (None before the first checkpoint): the
-    training job's (Ray Train's copies of them) and the model-parallel job's."""
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's complete checkpoint folders, the one furthest into training last: the training job's
+    (Ray Train's copies of them) and the model-parallel job's."""
     folders = [p for p in Path(run_dir).glob("checkpoint_*") if (p / PROGRESS_FILE).exists()]
-    return max(folders, key=lambda p: load_progress(p).global_step, default=None)
+    return sorted(folders, key=lambda p: load_progress(p).global_step)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint furthest into training (None before the first checkpoint)."""
+    return next(reversed(complete_checkpoints(run_dir)), None)
+
+
+def prune(run_dir: str | Path, keep: int) -> None:
+    """Remove all but the `keep` complete checkpoints furthest into training (Ray Train prunes the training
+    job's itself; a folder still being written has no progress file yet and stays)."""
+    for folder in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import PRECISION_HELP, Compute, ConfigError, Optim, Precision, Schedule
+from rayhpc.config import PRECISION_HELP, Compute, ConfigError, Optim, Precision, Schedule, StepCheckpoints
 from rayhpc.task.config import TaskJobConfig
 from rayhpc.task.hparams import PLATFORM_KEYS, TRAINING_KEYS, full_hparams, task_keys
 
@@ -29,8 +29,7 @@ class DataParallelJob(TaskJobConfig):
     schedule: Schedule = Schedule()
     accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step on each worker (the batch "
                             "is unchanged: less memory, the same step)")
-    checkpoint_every_steps: int | None = Field(None, ge=1, description="also checkpoint every K optimizer steps "
-                                               "(always at the end of each epoch)")
+    checkpoint: StepCheckpoints = StepCheckpoints()
     max_failures: int = Field(2, ge=0, description="restarts after a failed worker (or server), from the latest "
                               "checkpoint")
     hparams: dict[str, Any] = Field({}, description="the task's own hyperparameters, e.g. hidden=16,depth=3",

@@ -197,7 +197,7 @@ def run_epoch(w: Worker, epoch: int) -> None:
             w.first_batch = batch_size_of(data)
         win.add(loss, batch_size_of(data))
         p.step_in_epoch, p.global_step = i + 1, p.global_step + 1
-        ckpt = cfg.checkpoint_every_steps and p.global_step % cfg.checkpoint_every_steps == 0
+        ckpt = cfg.checkpoint.every and p.global_step % cfg.checkpoint.every == 0
         rows = cfg.metrics_every_steps and p.global_step % cfg.metrics_every_steps == 0
         if (ckpt or rows) and i + 1 < n_steps:
             w.report({"kind": "step", **_rates(w, win, epoch)}, bool(ckpt))

@@ -85,7 +85,7 @@ def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), verbos
         run_config=ray.train.RunConfig(
             name=cfg.name, storage_path=str(cfg.storage_path.resolve()),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             callbacks=[MetricsRecorder(cfg.experiment_dir, cfg.epochs, verbose), *callbacks],
             # Ray Train logs every report at INFO; the recorder logs one line per epoch instead
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),

@@ -151,7 +151,7 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
             failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
             # keeping few checkpoints makes Tune save the experiment state after every trial
             # checkpoint, so a killed driver's --resume never re-runs an epoch already done
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             callbacks=[recorder, ProgressPrinter(recorder), SweepMonitor(recorder, cfg.name), WatchStopSignals(),
                        *callbacks],
         ),

@@ -3,7 +3,7 @@
 Units are all-gathered one at a time in forward and backward and freed after use, so a
 rank holds one unit's whole parameters at a time. The last unit's backward runs right
 after its forward, so it keeps its gathered weights in between (freeing them would only
-all-gather them again; torchtitan does the same). With bf16, compute runs in bf16 while
+all-gather them again; torchtitan does the same); on one rank every unit does. With bf16, compute runs in bf16 while
 gradients are reduced in fp32, so the update matches fp32 training closely.
 (`ray.train.torch.prepare_model(parallel_strategy="fsdp")` is FSDP1, which refuses CPUs.)
 """
@@ -25,7 +25,10 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh=None, bf16: bool =
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
+    # on one rank the "shard" is the whole parameter: freeing the gathered copy after forward saves no
+    # memory worth having and costs a copy per unit in backward (FSDP2 one worker: 65 -> 58 ms a step)
+    shared = (mesh.size() if mesh is not None else torch.distributed.get_world_size()) > 1
     for i, unit in enumerate(units):
-        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(units) - 1)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=shared and i < len(units) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

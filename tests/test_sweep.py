@@ -25,6 +25,7 @@ from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.plan import load_plan
 from rayhpc.tune.results import read_results
 from rayhpc.tune.sweep import run_sweep
+from rayhpc.tune.trainable import load_pack_state
 from test_packed import mlp_split, plain_trial
 
 COLUMNS = ["trial_id", "status", "config.hidden", "config.lr", "val_loss", "best_val_loss", "iterations",
@@ -85,7 +86,7 @@ def test_asha_stops_members_of_a_pack_where_tunes_asha_stops_the_same_trials(ray
     assert reports[-1]["active_members"] == 8 - len(expected), "stopped members were not dropped from the pack"
     # the final checkpoint keeps each stopped member's weights as they were when it stopped
     (last,) = sorted(trial_dir.glob("checkpoint_*"))[-1:]
-    state = torch.load(last / "pack_state.pt", weights_only=True)
+    state = load_pack_state(last)
     assert sorted(state["retired"]) == sorted(expected) and sorted(state["stopped"].items()) == sorted(expected.items())
     member = sorted(expected)[0]
     want = stopped_member_weights(cfg, member, expected[member])
@@ -170,7 +171,7 @@ def test_pbt_evolves_the_members_of_a_pack(ray_address, tmp_path):
     table = run_sweep(cfg)
     assert len(table) == 8 and set(table["status"]) == {"finished"} and set(table["iterations"]) == {4}
     (trial_dir,) = [d for d in (tmp_path / "pbt").iterdir() if d.is_dir() and (d / "result.json").exists()]
-    state = torch.load(sorted(trial_dir.glob("checkpoint_*"))[-1] / "pack_state.pt", weights_only=True)
+    state = load_pack_state(sorted(trial_dir.glob("checkpoint_*"))[-1])
     rounds = state["pbt"]
     assert [r["epoch"] for r in rounds] == [2, 2], rounds  # one round (epoch 4 is the last), 8 x 0.25 members
     initial = [m["lr"] for m in load_plan(cfg.experiment_dir)[0]]

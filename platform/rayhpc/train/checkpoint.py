@@ -1,9 +1,12 @@
-"""Training checkpoints: rank 0 saves DDP state with torch.save; FSDP ranks save their shards with DCP.
+"""Checkpoints, one layout for every job: rank 0 saves DDP state with torch.save; FSDP ranks their shards
+with DCP.
 
-A checkpoint folder holds `progress.json` (where training stands) and either
-`model.pt` (DDP: full model and optimizer state) or the files of
-`torch.distributed.checkpoint` (FSDP: one shard file per rank plus metadata;
-Ray Train merges the ranks' folders into one).
+A checkpoint folder holds `progress.json` (where training stands; written last, it marks the folder
+complete) and either `model.pt` (the model's and the optimizer's state: DDP's, a warm trial's, a pack's
+stacked members') or the files of `torch.distributed.checkpoint` (FSDP and the model-parallel job: one
+shard file per rank plus metadata; Ray Train merges the ranks' folders into one), with `rng.pt` (torch's
+RNG states, by rank) where the run draws random numbers after a resume. A pack adds `pack.pt`, what its
+members did (`rayhpc.tune.trainable`); the parameter server's servers each their own shard file.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from rayhpc.train.parallelize import unwrap
 
 PROGRESS_FILE = "progress.json"
 DDP_FILE = "model.pt"
+RNG_FILE = "rng.pt"
 
 
 @dataclasses.dataclass

@@ -23,10 +23,11 @@ from rayhpc.optim import lr_factor, optimizer_step, split_batch, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
+from rayhpc.train import checkpoint
 from rayhpc.tune.packing import SinglePack, make_pack, member_slice
 from rayhpc.tune.pbt import MUTABLE, PbtRules, exploit_explore
 
-STATE_FILE = "pack_state.pt"
+PACK_FILE = "pack.pt"  # what the members did (values, best, who stopped, PBT's rounds), beside model.pt
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     members = [{**settings.defaults, **m} for m in members_of(config, packs)]
     hp = members[0]  # what every member shares: batch size, optimiser kind, seed, data
     train, val = trial_data(task, hp, settings)
-    total, epochs = step_plan(math.ceil(len(train) / hp["batch_size"]), settings.epochs, settings.steps)
+    per_epoch = math.ceil(len(train) / hp["batch_size"])
+    total, epochs = step_plan(per_epoch, settings.epochs, settings.steps)
     state = _restore(tune.get_checkpoint())
     if state is not None and (state["epoch"] >= epochs or not state["slots"]):
         # restored from its final checkpoint (the driver died before recording the end):
@@ -111,8 +113,8 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
         seconds = state["seconds"] + time.perf_counter() - entered
         metrics = _metrics(values, state, settings.objective, seconds, resumed_from)
         with tempfile.TemporaryDirectory() as tmp:
-            torch.save({**state, "seconds": seconds, "metrics": metrics, "model": pack.state_dict(),
-                        "optim": opt.state_dict(), "rng": torch.get_rng_state()}, Path(tmp) / STATE_FILE)
+            _save(Path(tmp), {**state, "seconds": seconds, "metrics": metrics}, pack, opt,
+                  min(total, state["epoch"] * per_epoch))
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
         if not state["slots"]:
             return  # every member stopped
@@ -131,9 +133,9 @@ def _build(task: LoadedTask, members: list[dict], device: torch.device, state: d
     if len(state["slots"]) < len(members):
         pack.keep(state["slots"])
     opt = pack.optimizer([members[j] for j in state["slots"]])
-    pack.load_state_dict(to_device(state["model"], device))
-    opt.load_state_dict(to_device(state["optim"], device))
-    torch.set_rng_state(state["rng"])
+    pack.load_state_dict(to_device(state.pop("model"), device))
+    opt.load_state_dict(to_device(state.pop("optim"), device))
+    torch.set_rng_state(state.pop("rng"))
     return pack, opt, state
 
 
@@ -235,11 +237,28 @@ def _metrics(values: dict, state: dict, objective: tuple[str, str], seconds: flo
             "active_members": len(state["slots"]), "members": per_member}
 
 
-def _restore(checkpoint) -> dict | None:
-    if checkpoint is None:
+def _save(folder: Path, state: dict, pack, opt, step: int) -> None:
+    """The pack's checkpoint after optimizer step `step`, in the layout of every job's
+    (`rayhpc.train.checkpoint`), `pack.pt` beside."""
+    torch.save({"model": pack.state_dict(), "optim": opt.state_dict()}, folder / checkpoint.DDP_FILE)
+    torch.save(torch.get_rng_state(), folder / checkpoint.RNG_FILE)
+    torch.save(state, folder / PACK_FILE)
+    checkpoint.write_progress(folder, checkpoint.Progress(epoch=state["epoch"], global_step=step,
+                                                          train_seconds=state["seconds"]))
+
+
+def load_pack_state(folder: Path) -> dict:
+    """A pack checkpoint's state as `train_pack` keeps it: `pack.pt` with the model, optimizer and RNG."""
+    state = torch.load(folder / PACK_FILE, map_location="cpu", weights_only=True)
+    weights = torch.load(folder / checkpoint.DDP_FILE, map_location="cpu", weights_only=True)
+    return {**state, **weights, "rng": torch.load(folder / checkpoint.RNG_FILE, weights_only=True)}
+
+
+def _restore(ckpt) -> dict | None:
+    if ckpt is None:
         return None
-    with checkpoint.as_directory() as d:
-        return torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=True)
+    with ckpt.as_directory() as d:
+        return load_pack_state(Path(d))
 
 
 def _device() -> torch.device:

@@ -67,7 +67,6 @@ class Warm:
 
 
 _WARM: Warm | None = None
-RNG_FILE = "rng.pt"  # every rank's torch RNG states, beside the DDP layout's model.pt and progress.json
 
 
 def _warm_group(sweep: SweepConfig, gpu: bool) -> Warm:
@@ -164,7 +163,7 @@ class Trial:
         self.saved = saved
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / checkpoint.DDP_FILE).write_bytes(saved.state)
-            (Path(tmp) / RNG_FILE).write_bytes(saved.rng)
+            (Path(tmp) / checkpoint.RNG_FILE).write_bytes(saved.rng)
             (Path(tmp) / checkpoint.PROGRESS_FILE).write_text(json.dumps(saved.progress))
             # a trial that ASHA stopped ends in here (SystemExit from Tune), its group idle
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
@@ -176,7 +175,7 @@ def _load(ckpt) -> Saved | None:
         return None
     with ckpt.as_directory() as d:
         return Saved((Path(d) / checkpoint.DDP_FILE).read_bytes(),
-                     json.loads((Path(d) / checkpoint.PROGRESS_FILE).read_text()), (Path(d) / RNG_FILE).read_bytes())
+                     json.loads((Path(d) / checkpoint.PROGRESS_FILE).read_text()), (Path(d) / checkpoint.RNG_FILE).read_bytes())
 
 
 def _to_bytes(obj) -> bytes:

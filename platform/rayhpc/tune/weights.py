@@ -2,7 +2,7 @@
 SWEEP_DIR[:TRIAL_ID]` starts from.
 
 A trial's weights are in its Tune trial's last checkpoint, in the format of the runner that
-trained it: a pack's stacked state (`pack_state.pt`: the member is sliced out and, for the
+trained it: a pack's stacked state (`model.pt` with `pack.pt`: the member is sliced out and, for the
 built-in MLP's padded pack, cut back to its own width), a warm trial's `model.pt`, or a
 TorchTrainer trial's checkpoint (`model.pt` or FSDP's DCP shards, gathered). Everything read
 is checked first to be this user's alone (`check_trusted`): a checkpoint is never loaded
@@ -50,10 +50,12 @@ def trial_weights(spec: str, objective: tuple[str, str]) -> TrialWeights:
     trial_dir, last = _checkpoint(sweep, tune_id, row["trial_id"], spec)
     config = json.loads((trial_dir / "params.json").read_text()) if (trial_dir / "params.json").exists() else {}
     hp = _members(sweep, config)[member]
-    if (last / "pack_state.pt").exists():
+    from rayhpc.tune.trainable import PACK_FILE, load_pack_state
+
+    if (last / PACK_FILE).exists():
         from rayhpc.tune.packing import member_state_dict
 
-        state = torch.load(last / "pack_state.pt", map_location="cpu", weights_only=True)
+        state = load_pack_state(last)
         hp = {**hp, **(state["hp"][member] if state["hp"] else {})}
         return TrialWeights(row["trial_id"], hp, member_state_dict(state, member), last)
     return TrialWeights(row["trial_id"], hp, load_full_state_dict(last), last)

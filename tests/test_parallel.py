@@ -26,11 +26,12 @@ MLP_HP = {"hidden": 32, "depth": 4}  # the built-in task, 4 Linear layers: 2 per
 LAYOUTS = {  # the GPT's runs every pipeline schedule too (GPT_LAYOUTS)
     "tp2 mlp": dict(tp=2),
     "tp2 x pp2 mlp": dict(tp=2, pp=2, microbatches=4, schedule="1f1b"),
-    "dp2 x tp2 mlp": dict(dp=2, tp=2),
+    "fsdp2 x tp2 mlp": dict(fsdp=2, tp=2),
+    "dp2 x fsdp2 mlp": dict(dp=2, fsdp=2),  # HSDP: sharded in pairs, the pairs replicas
 }
 PIPELINES = {"pp2 gpipe": dict(pp=2, microbatches=4, schedule="gpipe"),
              "pp2 1f1b": dict(pp=2, microbatches=4, schedule="1f1b")}
-PARALLELISM = ("tp", "pp", "dp", "microbatches", "schedule", "stages_per_rank")
+PARALLELISM = ("tp", "pp", "dp", "fsdp", "microbatches", "schedule", "stages_per_rank")
 
 
 def parallel_cfg(**kw) -> ParallelConfig:
@@ -66,7 +67,7 @@ def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address,
 def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
     """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 2 steps, the latest 2 kept; the run
     is resumed from step 4 as if it had been stopped before step 6 was saved."""
-    cfg = parallel_cfg(storage_path=tmp_path, steps=6, dp=2, tp=2, checkpoint={"every": 2, "keep": 2})
+    cfg = parallel_cfg(storage_path=tmp_path, steps=6, fsdp=2, tp=2, checkpoint={"every": 2, "keep": 2})
     full = run_parallel(cfg, verbose=False)
     assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000006"
     assert sorted(p.name for p in (tmp_path / cfg.name).glob("checkpoint_*")) == ["checkpoint_000004",
@@ -82,7 +83,7 @@ def test_the_job_script_trains_and_prints_loss_and_throughput(ray_address, tmp_p
     proc = run_job("train_parallel.py", "--tp", "2", "--pp", "2", "--microbatches", "8", "--schedule", "1f1b",
                    "--hp", "hidden=32,depth=4", "--storage-path", str(tmp_path), "--address", ray_address)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "mesh pp(2) x dp(1) x tp(2)" in proc.stdout and "1f1b, 8 microbatches of 4 samples" in proc.stdout
+    assert "mesh pp(2) x dp(1) x fsdp(1) x tp(2)" in proc.stdout and "1f1b, 8 microbatches of 4 samples" in proc.stdout
     losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines()
               if line.startswith("step ")]
     assert len(losses) == 20 and "samples/s" in proc.stdout
@@ -144,14 +145,14 @@ def test_epochs_are_counted_in_steps_of_the_tasks_training_data():
 
 
 def test_mesh_mismatch_names_every_factor():
-    with pytest.raises(ConfigError, match=r"^compute\.num_workers \(--num-workers\) 3: dp\(1\) \* pp\(2\) \* tp\(2\) = 4 "
-                                          r"!= world size 3$"):
+    with pytest.raises(ConfigError, match=r"^compute\.num_workers \(--num-workers\) 3: "
+                                          r"dp\(1\) \* fsdp\(1\) \* pp\(2\) \* tp\(2\) = 4 != world size 3$"):
         validate(ParallelConfig, {"parallelism": {"tp": 2, "pp": 2}, "compute": {"num_workers": 3}})
 
 
 @pytest.mark.parametrize("args, expected", [
     (["--tp", "2", "--pp", "2", "--num-workers", "3"],
-     "error: compute.num_workers (--num-workers) 3: dp(1) * pp(2) * tp(2) = 4 != world size 3"),
+     "error: compute.num_workers (--num-workers) 3: dp(1) * fsdp(1) * pp(2) * tp(2) = 4 != world size 3"),
     (["--tp", "3"], "error: hparams.hidden (--hp) 4: not divisible by tp (--tp) 3 (the task's tp_divisible)"),
     (["--tp", "4", "--hp", "depth=3", "--cpus-per-worker", "0.25"],  # the last layer, column-parallel: 2 outputs
      "error: tp_plan: layers.4 (Linear, ColwiseParallel) splits out_features 2, not divisible by tp (--tp) 4"),
@@ -172,9 +173,10 @@ def test_mesh_mismatch_names_every_factor():
      "error: parallelism.microbatches (--microbatches) 5: do not divide the per-replica micro-batch 32"),
     (["--pp", "2", "--microbatches", "4", "--accumulate", "16"],
      "error: parallelism.microbatches (--microbatches) 4: do not divide the per-replica micro-batch 2 "
-     "(global_batch_size 32 / dp 1 / accumulate 16)"),
-    (["--dp", "2", "--accumulate", "3"],
-     "error: accumulate (--accumulate) 3: does not divide the per-replica batch 16 (global_batch_size 32 / dp 2)"),
+     "(global_batch_size 32 / dp 1 x fsdp 1 / accumulate 16)"),
+    (["--fsdp", "2", "--accumulate", "3"],
+     "error: accumulate (--accumulate) 3: does not divide the per-replica batch 16 (global_batch_size 32 / dp 1 x "
+     "fsdp 2)"),
     (["--steps", "5", "--epochs", "2"], "error: steps (--steps) 5 and epochs (--epochs) 2: give one, not both"),
     (["--optimizer", "adamx"], "error: optim.optimizer (--optimizer): unknown optimizer 'adamx': expected sgd, adam, "
                                "adamw or a torch.optim class"),
@@ -241,11 +243,11 @@ def shard_report(ctx) -> dict:
 GPT_HP = {"corpus_bytes": 20000, "block": 16, "dim": 32, "heads": 4, "layers": 2}
 # the built-in models' layouts, on the user's GPT (a batch of 8: 2 microbatches per stage for TP x PP)
 GPT_LAYOUTS = {"tp2": LAYOUTS["tp2 mlp"], **PIPELINES,
-               "tp2 x pp2": {**LAYOUTS["tp2 x pp2 mlp"], "microbatches": 2}, "dp2 x tp2": LAYOUTS["dp2 x tp2 mlp"]}
+               "tp2 x pp2": {**LAYOUTS["tp2 x pp2 mlp"], "microbatches": 2}, "fsdp2 x tp2": LAYOUTS["fsdp2 x tp2 mlp"]}
 # several stages per rank: 4 blocks, so 2 ranks hold 2 stages each (rank 0 holds stages 0 and 2 looped, 0 and 3 in a V)
 FOUR_BLOCKS = {"hparams": {**GPT_HP, "layers": 4}, "pp": 2, "microbatches": 4}
 GPT_LAYOUTS |= {f"pp2 {s}": {**FOUR_BLOCKS, "schedule": s} for s in ("interleaved1f1b", "interleavedzb", "zbv")}
-GPT_LAYOUTS["dp2 x pp2 zbv"] = {**FOUR_BLOCKS, "dp": 2, "microbatches": 2, "schedule": "zbv"}
+GPT_LAYOUTS["fsdp2 x pp2 zbv"] = {**FOUR_BLOCKS, "fsdp": 2, "microbatches": 2, "schedule": "zbv"}
 
 
 # the column- and row-parallel linears of each model by name (the Megatron pattern, written out here,
@@ -333,7 +335,7 @@ OPTIONS = {"optim": {"optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.1, "bet
            "global_batch_size": 16, "steps": 5}
 
 
-@pytest.mark.parametrize("layout", ["tp2 x pp2", "dp2 x tp2"])
+@pytest.mark.parametrize("layout", ["tp2 x pp2", "fsdp2 x tp2"])
 def test_the_gpt_with_every_training_option_equals_one_process(layout, ray_address, tmp_path):
     """AdamW, warm-up + cosine, clipping by the norm over every rank's shards (TP, FSDP and the pipeline's
     stages), 4 micro-batches per step (pipeline: 4 schedule steps of 2 microbatches): every step's loss

@@ -20,14 +20,15 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh=None, bf16: bool = False) -> nn.Module:
-    """Shard each of `units`, then `model`, over `mesh` (a 1-D device mesh; None: the whole world)."""
+    """Shard each of `units`, then `model`, over `mesh` (a 1-D device mesh; 2-D: replicated over the first
+    dim and sharded over the second, HSDP; None: the whole world)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     # on one rank the "shard" is the whole parameter: freeing the gathered copy after forward saves no
     # memory worth having and costs a copy per unit in backward (FSDP2 one worker: 65 -> 58 ms a step)
-    shared = (mesh.size() if mesh is not None else torch.distributed.get_world_size()) > 1
+    shared = (mesh.size(mesh.ndim - 1) if mesh is not None else torch.distributed.get_world_size()) > 1
     for i, unit in enumerate(units):
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=shared and i < len(units) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)

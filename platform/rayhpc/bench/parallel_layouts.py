@@ -55,12 +55,12 @@ def print_bubble_table(cfgs: list[ParallelConfig], data, gpu: bool) -> None:
 GPT_LAYOUTS = {  # name: (degrees and schedule, ranks)
     "1 process": ({}, 1),
     "tp2": ({"tp": 2}, 2),
-    "dp2": ({"dp": 2}, 2),
+    "fsdp2": ({"fsdp": 2}, 2),
     "pp2 1f1b": ({"pp": 2, "schedule": "1f1b"}, 2),
     "pp2 interleaved1f1b": ({"pp": 2, "schedule": "interleaved1f1b"}, 2),
     "pp2 zbv": ({"pp": 2, "schedule": "zbv"}, 2),
     "tp2 x pp2": ({"tp": 2, "pp": 2, "schedule": "1f1b"}, 4),
-    "dp2 x tp2": ({"dp": 2, "tp": 2}, 4),
+    "fsdp2 x tp2": ({"fsdp": 2, "tp": 2}, 4),
 }
 
 

@@ -13,11 +13,12 @@ from rayhpc.task.config import TaskJobConfig
 
 
 class ParallelCompute(Compute):
-    num_workers: int | None = Field(None, ge=1, description="world size; must equal dp * pp * tp (the default)")
+    num_workers: int | None = Field(None, ge=1, description="world size; must equal dp * fsdp * pp * tp (the "
+                                    "default)")
 
 
 class Parallelism(Degrees):
-    """The degrees (pp x dp x tp, their product the world size) and the pipeline's schedule."""
+    """The degrees (pp x dp x fsdp x tp, their product the world size) and the pipeline's schedule."""
 
     schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv"] = Field(
         "gpipe", description="pipeline schedule: gpipe, 1f1b (one stage per rank); interleaved1f1b, interleavedzb "
@@ -80,7 +81,7 @@ class ParallelConfig(TaskJobConfig):
     @property
     def micro_batch(self) -> int:
         """Samples per replica in one forward/backward (one schedule step under a pipeline)."""
-        return self.global_batch_size // self.parallelism.dp // self.accumulate
+        return self.global_batch_size // self.parallelism.replicas // self.accumulate
 
     def with_steps(self, n_train: int) -> "ParallelConfig":
         """This config with `steps` set: as given, else from `epochs` over `n_train` samples, else 20."""
@@ -97,18 +98,19 @@ class ParallelConfig(TaskJobConfig):
         except ConfigError as exc:
             raise ConfigError(f"compute.num_workers (--num-workers) {self.compute.num_workers}: {exc}") from None
         self._check_schedule()
-        if self.global_batch_size % p.dp:
+        shares = f"dp {p.dp} x fsdp {p.fsdp}"  # the data-parallel ranks, each with its share of the batch
+        if self.global_batch_size % p.replicas:
             raise ConfigError(f"global_batch_size (--global-batch-size) {self.global_batch_size}: not divisible by "
-                              f"parallelism.dp (--dp) {p.dp}")
-        per_replica = self.global_batch_size // p.dp
+                              f"the data-parallel ranks, parallelism.dp (--dp) x parallelism.fsdp (--fsdp) = {shares}")
+        per_replica = self.global_batch_size // p.replicas
         if per_replica % self.accumulate:
             raise ConfigError(f"accumulate (--accumulate) {self.accumulate}: does not divide the per-replica batch "
-                              f"{per_replica} (global_batch_size {self.global_batch_size} / dp {p.dp}) into equal "
+                              f"{per_replica} (global_batch_size {self.global_batch_size} / {shares}) into equal "
                               "micro-batches")
         if self.micro_batch % p.n_microbatches:
             raise ConfigError(f"parallelism.microbatches (--microbatches) {p.n_microbatches}: do not divide the "
                               f"per-replica micro-batch {self.micro_batch} (global_batch_size {self.global_batch_size}"
-                              f" / dp {p.dp} / accumulate {self.accumulate})")
+                              f" / {shares} / accumulate {self.accumulate})")
         return self
 
     def _check_schedule(self) -> None:

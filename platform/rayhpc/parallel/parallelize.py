@@ -1,5 +1,6 @@
 """Compose the parallelisms on one rank's share of the model, in torchtitan's order:
-keep this rank's pipeline stage, then TP inside the stage, then FSDP2 over the data-parallel replicas."""
+keep this rank's pipeline stage, then TP inside the stage, then FSDP2 over the data-parallel ranks (sharded
+over fsdp, replicated over dp)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from rayhpc.parallel.pp import SPLIT_BACKWARD
 
 def parallelize(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, recipe) -> nn.Module:
     """Pipeline stage `stage_id` of `model` (in place; None: the whole model), tensor-parallel over
-    mesh["tp"] and sharded over mesh["dp"].
+    mesh["tp"], sharded over mesh["fsdp"] and replicated over mesh["dp"].
 
     Parameter names stay those of the whole model (`layers.4.weight`, `blocks.2.attn.wq.weight`),
     so gathered weights and checkpoints line up with an unsharded run.
@@ -21,12 +22,14 @@ def parallelize(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, 
     stage = keep_stage(model, recipe.stage_starts(model), stage_id) if stage_id is not None else model
     if degrees.tp > 1:
         apply_tp(stage, mesh["tp"], recipe.tp_plan(stage))
-    if degrees.dp > 1:  # gradients averaged over the replicas
+    if degrees.replicas > 1:  # gradients averaged over the data-parallel ranks
         # the zero-bubble schedules compute weight gradients in a pass of their own, outside autograd's
         # hooks, and with nested FSDP units (torch 2.13) the result differed from one process (measured);
         # with the stage as one unit it is equal: FSDP then gathers a whole stage at once there
         nested = recipe.cfg.parallelism.schedule not in SPLIT_BACKWARD
-        apply_fsdp(stage, shard_units(stage) if nested else [], mesh=mesh["dp"])
+        # a 2-D mesh is FSDP2's HSDP: replicate over its first dim, shard over its second
+        data_mesh = mesh["dp", "fsdp"] if degrees.dp > 1 else mesh["fsdp"]
+        apply_fsdp(stage, shard_units(stage) if nested else [], mesh=data_mesh)
     return stage
 
 

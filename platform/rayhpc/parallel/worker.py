@@ -124,7 +124,7 @@ def materialise(module: nn.Module, full: dict[str, torch.Tensor]) -> None:
 def quiet_warnings() -> None:
     """Silence two warnings that fire every run without anything to act on: FSDP2 warns that a
     sharded Linear returns a view (only in-place ops on it would be wrong; the models use none),
-    and DTensor that gathering a 2-D (dp x tp) shard takes two all-gathers (once, at the end)."""
+    and DTensor that gathering a 2-D (fsdp x tp) shard takes two all-gathers (once, at the end)."""
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
@@ -138,8 +138,9 @@ def replica_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def replica_slice(run: RankRun, idx):
     """This data-parallel replica's share of a global batch's indices."""
-    per = len(idx) // run.cfg.parallelism.dp
-    return idx[run.coords["dp"] * per:(run.coords["dp"] + 1) * per]
+    p = run.cfg.parallelism
+    per, share = len(idx) // p.replicas, p.replica(run.coords)
+    return idx[share * per:(share + 1) * per]
 
 
 def forward_loss(run: RankRun, x: torch.Tensor, y: torch.Tensor, train: bool, scale: float = 1.0):
@@ -277,10 +278,10 @@ def evaluate(ctx: WorkerContext) -> dict:
 
 
 def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:
-    """The stages' whole weights, returned by one rank per pipeline rank (tp = dp = 0)."""
+    """The stages' whole weights, returned by one rank per pipeline rank (tp = dp = fsdp = 0)."""
     run: RankRun = ctx.state["run"]
     weights = {k: v for part in run.parts for k, v in full_state(part).items()}
-    return weights if run.coords["tp"] == run.coords["dp"] == 0 else {}
+    return weights if run.coords["tp"] == run.coords["dp"] == run.coords["fsdp"] == 0 else {}
 
 
 def _states(run: RankRun) -> list[dict]:

@@ -208,7 +208,8 @@ def test_a_sweep_of_steps_cuts_each_trials_last_epoch_and_spans_its_schedule(ray
     from rayhpc.tune.weights import trial_weights
 
     steps, fixed = 70, {"optimizer": "sgd", "decay": "linear", "min_lr_ratio": 0.1, "hidden": 16}
-    cfg = sweep(tmp_path, name="steps", search="grid", steps=steps, pack=2, space={"lr": {"grid": [0.02, 0.05]}, **fixed})
+    cfg = sweep(tmp_path, name="steps", search="grid", steps=steps, pack=2,
+                space={"lr": {"grid": [0.02, 0.05]}, **fixed})
     table = run_sweep(cfg)
     assert set(table["iterations"]) == {2} and set(table["pack_size"]) == {2}
     task = task_for("mlp", cfg.data)

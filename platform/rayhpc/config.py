@@ -138,7 +138,8 @@ class Checkpoints(StrictModel):
     """How many checkpoints are kept (a sweep's `checkpoint:` section; its trials checkpoint every epoch)."""
 
     keep: int = Field(1, ge=1, description="checkpoints kept per trial (the latest is what resume needs; at "
-                      "10,000 trials each more is 10,000 more folders)", json_schema_extra={"flag": "--keep-checkpoints"})
+                      "10,000 trials each more is 10,000 more folders)",
+                      json_schema_extra={"flag": "--keep-checkpoints"})
 
 
 class StepCheckpoints(Checkpoints):

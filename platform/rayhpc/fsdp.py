@@ -3,8 +3,9 @@
 Units are all-gathered one at a time in forward and backward and freed after use, so a
 rank holds one unit's whole parameters at a time. The last unit's backward runs right
 after its forward, so it keeps its gathered weights in between (freeing them would only
-all-gather them again; torchtitan does the same); on one rank every unit does. With bf16, compute runs in bf16 while
-gradients are reduced in fp32, so the update matches fp32 training closely.
+all-gather them again; torchtitan does the same); on one rank every unit does. With bf16,
+compute runs in bf16 while gradients are reduced in fp32, so the update matches fp32
+training closely.
 (`ray.train.torch.prepare_model(parallel_strategy="fsdp")` is FSDP1, which refuses CPUs.)
 """
 

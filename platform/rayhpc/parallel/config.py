@@ -101,7 +101,8 @@ class ParallelConfig(TaskJobConfig):
         shares = f"dp {p.dp} x fsdp {p.fsdp}"  # the data-parallel ranks, each with its share of the batch
         if self.global_batch_size % p.replicas:
             raise ConfigError(f"global_batch_size (--global-batch-size) {self.global_batch_size}: not divisible by "
-                              f"the data-parallel ranks, parallelism.dp (--dp) x parallelism.fsdp (--fsdp) = {shares}")
+                              f"the {p.replicas} data-parallel ranks, parallelism.dp (--dp) {p.dp} x parallelism.fsdp "
+                              f"(--fsdp) {p.fsdp}")
         per_replica = self.global_batch_size // p.replicas
         if per_replica % self.accumulate:
             raise ConfigError(f"accumulate (--accumulate) {self.accumulate}: does not divide the per-replica batch "

@@ -129,7 +129,8 @@ def describe_layout(cfg: ParallelConfig, params: list[tuple[int, int]], start_se
                 f"{cfg.micro_batch // p.n_microbatches} samples" if p.pp > 1 else "")
     accumulate = f", {cfg.accumulate} micro-batches of {cfg.micro_batch} per replica" if cfg.accumulate > 1 else ""
     return (f"parallel: {cfg.world_size} ranks of {cfg.compute.cpus_per_worker:g} CPU, mesh pp({p.pp}) x "
-            f"dp({p.dp}) x fsdp({p.fsdp}) x tp({p.tp}) on {'GPU (nccl)' if cfg.compute.gpu else 'CPU (gloo)'}, {cfg.precision}; "
+            f"dp({p.dp}) x fsdp({p.fsdp}) x tp({p.tp}) on {'GPU (nccl)' if cfg.compute.gpu else 'CPU (gloo)'}, "
+            f"{cfg.precision}; "
             f"{params[0][0]:,} parameters, {min(n[1] for n in params):,}-{max(n[1] for n in params):,} per rank; "
             f"batch {cfg.global_batch}{accumulate}{pipeline}; group ready in {start_seconds:.1f} s")
 

@@ -115,9 +115,10 @@ def bind_train(cfg: DataParallelJob, task) -> tuple[DataParallelJob, dict]:
     return cfg, train_hparams(cfg, task.hp_model)
 
 
-def bind_training(cfg: TrainConfig, task) -> tuple[TrainConfig, dict, dict | None]:
-    """`bind_train`, and with `init_from` the trial's weights (None without), checked against this run's
-    model before anything starts; the trial's own task hyperparameters fill the ones the run leaves unset."""
+def bind_training(cfg: TrainConfig, task) -> tuple[TrainConfig, dict, Any]:
+    """`bind_train`, and with `init_from` the trial's weights (`rayhpc.tune.weights.TrialWeights`; None
+    without), checked against this run's model before anything starts; the trial's own task
+    hyperparameters fill the ones the run leaves unset."""
     if cfg.init_from is None:
         return *bind_train(cfg, task), None
     from rayhpc.tune.weights import check_fits, trial_weights

@@ -29,8 +29,8 @@ from rayhpc.task.load import LoadedTask
 def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfig = DataConfig(),
                  on_epoch: Callable | None = None, device: torch.device = torch.device("cpu"),
                  precision: str = "tf32", steps: int | None = None) -> dict:
-    """Train one trial for `epochs` (or `steps`, the last epoch cut short); returns its final model, its last values (`train_loss`, `val_loss`,
-    `val_<metric>`), the best of each, and its time.
+    """Train one trial for `epochs` (or `steps`, the last epoch cut short) in `precision`; returns its final
+    model, its last values (`train_loss`, `val_loss`, `val_<metric>`), the best of each, and its time.
 
     `data` is the sweep's `data:` section (the validation hold-out); `on_epoch(epoch, values,
     model)` runs after each epoch (the plain Ray Tune baseline reports and checkpoints there).

@@ -175,7 +175,8 @@ def _load(ckpt) -> Saved | None:
         return None
     with ckpt.as_directory() as d:
         return Saved((Path(d) / checkpoint.DDP_FILE).read_bytes(),
-                     json.loads((Path(d) / checkpoint.PROGRESS_FILE).read_text()), (Path(d) / checkpoint.RNG_FILE).read_bytes())
+                     json.loads((Path(d) / checkpoint.PROGRESS_FILE).read_text()),
+                     (Path(d) / checkpoint.RNG_FILE).read_bytes())
 
 
 def _to_bytes(obj) -> bytes:

@@ -26,9 +26,8 @@ MLP_HP = {"hidden": 32, "depth": 4}  # the built-in task, 4 Linear layers: 2 per
 LAYOUTS = {  # the GPT's runs every pipeline schedule too (GPT_LAYOUTS)
     "tp2 mlp": dict(tp=2),
     "tp2 x pp2 mlp": dict(tp=2, pp=2, microbatches=4, schedule="1f1b"),
-    "fsdp2 x tp2 mlp": dict(fsdp=2, tp=2),
     "dp2 x fsdp2 mlp": dict(dp=2, fsdp=2),  # HSDP: sharded in pairs, the pairs replicas
-}
+}  # FSDP2 x TP: the GPT's layouts, the options test and the sharded resume
 PIPELINES = {"pp2 gpipe": dict(pp=2, microbatches=4, schedule="gpipe"),
              "pp2 1f1b": dict(pp=2, microbatches=4, schedule="1f1b")}
 PARALLELISM = ("tp", "pp", "dp", "fsdp", "microbatches", "schedule", "stages_per_rank")
@@ -243,7 +242,7 @@ def shard_report(ctx) -> dict:
 GPT_HP = {"corpus_bytes": 20000, "block": 16, "dim": 32, "heads": 4, "layers": 2}
 # the built-in models' layouts, on the user's GPT (a batch of 8: 2 microbatches per stage for TP x PP)
 GPT_LAYOUTS = {"tp2": LAYOUTS["tp2 mlp"], **PIPELINES,
-               "tp2 x pp2": {**LAYOUTS["tp2 x pp2 mlp"], "microbatches": 2}, "fsdp2 x tp2": LAYOUTS["fsdp2 x tp2 mlp"]}
+               "tp2 x pp2": {**LAYOUTS["tp2 x pp2 mlp"], "microbatches": 2}, "fsdp2 x tp2": dict(fsdp=2, tp=2)}
 # several stages per rank: 4 blocks, so 2 ranks hold 2 stages each (rank 0 holds stages 0 and 2 looped, 0 and 3 in a V)
 FOUR_BLOCKS = {"hparams": {**GPT_HP, "layers": 4}, "pp": 2, "microbatches": 4}
 GPT_LAYOUTS |= {f"pp2 {s}": {**FOUR_BLOCKS, "schedule": s} for s in ("interleaved1f1b", "interleavedzb", "zbv")}
@@ -305,7 +304,11 @@ def gpt_cfg(tmp_path, **layout) -> ParallelConfig:
                            "global_batch_size": 8, "storage_path": tmp_path, "name": "gpt", **layout})
 
 
-@pytest.mark.parametrize("layout", GPT_LAYOUTS)
+# the layouts the options test runs (with more: AdamW, schedule, clipping, accumulation) are not run twice
+OPTION_LAYOUTS = ["tp2 x pp2", "fsdp2 x tp2"]
+
+
+@pytest.mark.parametrize("layout", [name for name in GPT_LAYOUTS if name not in OPTION_LAYOUTS])
 def test_the_users_gpt_under_every_layout_equals_one_process(layout, ray_address, tmp_path):
     """The task's own plan (tp_plan, pipeline_split) on the worker group, with Adam (state that is
     sharded like the weights): every step's loss and the final weights equal one process."""
@@ -335,7 +338,7 @@ OPTIONS = {"optim": {"optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.1, "bet
            "global_batch_size": 16, "steps": 5}
 
 
-@pytest.mark.parametrize("layout", ["tp2 x pp2", "fsdp2 x tp2"])
+@pytest.mark.parametrize("layout", OPTION_LAYOUTS)
 def test_the_gpt_with_every_training_option_equals_one_process(layout, ray_address, tmp_path):
     """AdamW, warm-up + cosine, clipping by the norm over every rank's shards (TP, FSDP and the pipeline's
     stages), 4 micro-batches per step (pipeline: 4 schedule steps of 2 microbatches): every step's loss

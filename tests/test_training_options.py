@@ -19,11 +19,11 @@ from rayhpc.data import synthetic_tensors
 from rayhpc.models import MLP
 from rayhpc.optim import lr_factor, optimizer_step
 from rayhpc.task.hparams import full_hparams
-from rayhpc.train.checkpoint import load_full_state_dict
+from rayhpc.train.checkpoint import load_full_state_dict, load_progress
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.parallelize import apply_ac, apply_compile, model_blocks
 from rayhpc.train.trainer import run_training
-from test_train import EPOCHS, KillWorkerOnce, assert_same_weights
+from test_train import EPOCHS, KillWorkerOnce, assert_restarted_after, assert_same_weights
 
 # every option away from its default: a test that ignored one would differ
 OPTIONS = {"optim": {"optimizer": "adamw", "lr": 0.02, "weight_decay": 0.1, "beta1": 0.8, "clip_grad_norm": 0.3},
@@ -127,28 +127,40 @@ def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step():
     assert_same_weights(models[0].state_dict(), models[1].state_dict())
 
 
-@pytest.mark.parametrize("strategy, ac", [("ddp", "selective"), ("fsdp", "full")])
-def test_adamw_schedule_clipping_and_accumulation_on_two_ranks_equal_one_plain_process(ray_address, tmp_path,
-                                                                                        reference, strategy, ac):
-    """With activation checkpointing too (it changes no value), on the MLP's layers (FSDP2's units)."""
-    run = run_training(options_cfg(tmp_path, strategy, strategy=strategy, metrics_every_steps=10,
-                                   activation_checkpointing=ac))
+def assert_reference_run(run, reference) -> None:
+    """The run's final weights, and the lr of every 10th step (warm-up and decay), are the reference's."""
     weights, lrs = reference
     assert_same_weights(load_full_state_dict(run.checkpoint_dir), weights)
     steps = run.metrics[run.metrics["kind"] == "step"].drop_duplicates("global_step")
-    got = dict(zip(steps["global_step"], steps["lr"]))  # every 10th step (warm-up and decay): the lr it used
-    assert len(got) >= 6, got
+    got = dict(zip(steps["global_step"], steps["lr"]))
+    assert len(got) >= 6 and all(s % 10 == 0 for s in got), got  # the optional per-step rows
     torch.testing.assert_close([got[s] for s in sorted(got)], [lrs[s - 1] for s in sorted(got)])
 
 
-def test_a_run_resumed_mid_warm_up_and_mid_decay_equals_the_uninterrupted_one(ray_address, tmp_path, reference):
-    """A worker killed after step 30 of 40 warm-up steps, and again after step 60 (of 78, in the cosine
-    decay): the group restarts from the step-30 and step-60 checkpoints (AdamW's moments with them; the
-    schedule follows the step count the checkpoint holds)."""
-    cfg = options_cfg(tmp_path, "resumed", checkpoint={"every": 10})
+def test_fsdp2_with_every_option_on_two_ranks_equals_one_plain_process(ray_address, tmp_path, reference):
+    """AdamW, warm-up and cosine, clipping and 4 micro-batches under FSDP2, with full activation
+    checkpointing too (it changes no value), on the MLP's layers (FSDP2's units); the checkpoint is DCP's,
+    one shard file per rank."""
+    run = run_training(options_cfg(tmp_path, "fsdp", strategy="fsdp", metrics_every_steps=10,
+                                   activation_checkpointing="full"))
+    files = sorted(p.name for p in run.checkpoint_dir.iterdir())
+    assert ".metadata" in files and sum(f.endswith(".distcp") for f in files) == 2, files
+    assert_reference_run(run, reference)
+
+
+def test_ddp_with_every_option_killed_mid_warm_up_and_mid_decay_equals_one_plain_process(ray_address, tmp_path,
+                                                                                         reference):
+    """The same options under DDP with selective activation checkpointing; a worker killed after step 30
+    of 40 warm-up steps, and again after step 60 (of 78, in the cosine decay): the group restarts from the
+    step-30 and step-60 checkpoints (AdamW's moments with them; the schedule follows the step count the
+    checkpoint holds) and ends as the uninterrupted reference."""
+    cfg = options_cfg(tmp_path, "resumed", checkpoint={"every": 10}, metrics_every_steps=10,
+                      activation_checkpointing="selective")
     run = run_training(cfg, callbacks=(KillWorkerOnce(30, str(tmp_path / "reports.jsonl"), 60),))
-    assert (tmp_path / "reports.jsonl").read_text().count('"kill": true') == 2
-    assert_same_weights(load_full_state_dict(run.checkpoint_dir), reference[0])
+    assert_restarted_after(tmp_path / "reports.jsonl", [30, 60])
+    epochs = run.metrics[run.metrics["kind"] == "epoch"]
+    assert epochs["epoch"].tolist() == [1, 2, 3] and load_progress(run.checkpoint_dir).epoch == EPOCHS
+    assert_reference_run(run, reference)
 
 
 def test_a_run_of_steps_ends_mid_epoch_and_its_schedule_spans_them(ray_address, tmp_path):

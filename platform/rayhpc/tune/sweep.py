@@ -6,6 +6,8 @@ import functools
 import logging
 import math
 import os
+import shutil
+from pathlib import Path
 
 import pandas as pd
 from ray.tune import Callback
@@ -14,6 +16,7 @@ from rayhpc import cluster, interrupt
 from rayhpc.config import ConfigError
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
+from rayhpc.train import checkpoint
 from rayhpc.tune.config import SweepConfig, bind_sweep
 from rayhpc.tune.optim import PACKED
 from rayhpc.tune.packing import pack_key, packing_problem, shared_keys
@@ -130,6 +133,7 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
     trainable, max_concurrent = _trainable(job, packs, gpus, keeper)
     recorder = ResultsRecorder(cfg.experiment_dir, packs, cfg.epochs, searched(cfg.space), job.info)
     if cfg.resume and tune.Tuner.can_restore(str(cfg.experiment_dir)):
+        relink_pruned_checkpoints(cfg.experiment_dir)
         # the callbacks, schedulers and searcher come back from the saved tuner state
         return tune.Tuner.restore(str(cfg.experiment_dir), trainable, resume_unfinished=True, resume_errored=True)
     if packs is not None:
@@ -165,6 +169,25 @@ class WatchStopSignals(Callback):
 
     def setup(self, **info):
         interrupt.watch_tune()
+
+
+def relink_pruned_checkpoints(exp_dir: Path) -> None:
+    """Before a resume: give each trial's newest checkpoint the name of the one before it too (hard links).
+
+    Tune deletes a trial's older checkpoint (num_to_keep) as it registers a new one, and snapshots the
+    experiment state, which names the checkpoint to resume from, only afterwards: a driver killed in
+    between leaves a snapshot naming a deleted folder, and Tune then fails that trial on every retry
+    ("does not exist on storage anymore"), losing it. The newest complete checkpoint (`progress.json`,
+    written last) is what that trial would resume from anyway; the trainables restore from what a
+    folder holds, not from its name."""
+    for trial_dir in (p for p in exp_dir.iterdir() if p.is_dir() and (p / "params.json").exists()):
+        done = [c for c in sorted(trial_dir.glob("checkpoint_*")) if (c / checkpoint.PROGRESS_FILE).exists()]
+        if not done or done[-1].name == "checkpoint_000000":
+            continue
+        newest = done[-1]
+        before = trial_dir / f"checkpoint_{int(newest.name.removeprefix('checkpoint_')) - 1:06d}"
+        if not before.exists():
+            shutil.copytree(newest, before, copy_function=os.link)
 
 
 def _keeper(job: Started[SweepConfig], packed: bool):

@@ -433,6 +433,12 @@ def processes_on(job: str, node: str) -> list[int]:
     return found
 
 
+def signal_all(pids: set[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
 def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_next_job_its_temp_folder(slurm):
     """A lost head takes the batch script and its clean-up with it: every process of the job on the head is
     killed at once. The node that survives removes the job's token, connection file and Prometheus targets
@@ -441,13 +447,14 @@ def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_nex
     head = wait_cluster(job)["head"]
     secrets = [LOGS / job / "auth_token", LOGS / job / "cluster.json", LOGS / "prometheus" / f"{job}.json"]
     assert all(path.exists() for path in secrets)
-    # the node is lost: everything of the job on it dies, including what a process was starting as the
-    # first ones were killed (Ray's agents), so kill until nothing of the job is left there
+    # the node is lost: everything of the job on it dies at once. Ray's agents retitle themselves, which
+    # clobbers the node's name in their /proc environ, so they are found below the raylet; the tree is
+    # frozen (SIGSTOP) before the kill, so no process forks or is re-parented out of reach meanwhile
     deadline = time.monotonic() + 10
     while (alive := processes_on(job, head)) and time.monotonic() < deadline:
-        for pid in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        tree = {*alive, *descendants(*alive)}
+        signal_all(tree, signal.SIGSTOP)
+        signal_all({*tree, *descendants(*tree)}, signal.SIGKILL)
         time.sleep(0.2)
     assert not alive, f"processes of job {job} on {head} outlived SIGKILL: {alive}"
     wait_done(job)
@@ -543,7 +550,5 @@ def test_the_clean_up_finds_a_process_whose_retitling_hid_its_marker(tmp_path):
         assert node.reap(job, markers) == []
         assert parent.wait(timeout=10) == -signal.SIGKILL and not descendants(parent.pid)
     finally:
-        for pid in [*descendants(parent.pid), parent.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        signal_all({*descendants(parent.pid), parent.pid}, signal.SIGKILL)
         parent.wait()

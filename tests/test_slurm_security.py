@@ -421,12 +421,15 @@ def test_a_job_submitted_from_inside_a_job_outlives_the_first_jobs_clean_up(slur
 
 
 def processes_on(job: str, node: str) -> list[int]:
-    """The job's processes on one test node (they share this machine's process table)."""
-    want = {f"SLURM_JOB_ID={job}".encode(), f"SLURMD_NODENAME={node}".encode()}
+    """The job's processes on one test node: those in its network namespace (the node itself; Ray's retitled
+    agents can lose SLURMD_NODENAME from what /proc shows of their environment, never their namespace)."""
+    netns = Path("/var/run/netns") / f"n{node.removeprefix('node')}"
+    namespace = f"net:[{netns.stat().st_ino}]"
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and want <= set((proc / "environ").read_bytes().split(b"\0")):
+            if proc.name.isdigit() and f"SLURM_JOB_ID={job}".encode() in (proc / "environ").read_bytes().split(b"\0") \
+                    and netns_of(proc.name) == namespace:
                 found.append(int(proc.name))
         except OSError:
             continue

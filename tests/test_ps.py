@@ -1,6 +1,7 @@
 """The parameter server on a real local Ray: sync equals DDP (a plain-PyTorch two-rank reference), async
 with K = 0 equals sync, bounded staleness holds and converges, and killed workers and servers recover."""
 
+import math
 import os
 import signal
 import subprocess
@@ -34,9 +35,17 @@ def ps_cfg(tmp_path, **kw) -> PSConfig:
                                "batch_size_per_worker": 32, "hparams": {"hidden": 16}, **kw})
 
 
-def two_ranks(cfg: PSConfig) -> dict:
+def warmup_cosine(step: int, total: int, warmup: int) -> float:
+    """The lr factor: linear warm-up to 1 over `warmup` steps, then a cosine down to 0 at the last step."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - 1 - warmup)))
+
+
+def two_ranks(cfg: PSConfig, steps: int | None = None, warmup: int | None = None) -> dict:
     """DDP with 2 ranks in one plain process: each rank's DistributedSampler batch, the mean of the two
-    gradients, one optimizer step (the mlp task's rows without its 20% hold-out, split seed 0)."""
+    gradients, one optimizer step (the mlp task's rows without its 20% hold-out, split seed 0); with
+    `steps`, that many steps (the last epoch cut short) and with `warmup`, AdamW on `warmup_cosine`."""
     x, y = synthetic_tensors(cfg.data.synthetic)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     train = TensorDataset(x[order[round(0.2 * len(x)):]], y[order[round(0.2 * len(x)):]])
@@ -44,12 +53,19 @@ def two_ranks(cfg: PSConfig) -> dict:
     model = MLP(6, 16, 2)
     o = cfg.optim
     opt = (torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum) if o.optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay) if warmup is not None
            else torch.optim.Adam(model.parameters(), lr=o.lr))
     samplers = [DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=cfg.seed) for r in (0, 1)]
-    for epoch in range(cfg.epochs):
+    step = 0
+    for epoch in range(cfg.epochs or 1000):
         for s in samplers:
             s.set_epoch(epoch)
         for batches in zip(*(DataLoader(train, batch_size=32, sampler=s) for s in samplers)):
+            if step == steps:
+                return dict(model.named_parameters())
+            if warmup is not None:
+                opt.param_groups[0]["lr"] = o.lr * warmup_cosine(step, steps, warmup)
+            step += 1
             grads = []
             for bx, by in batches:
                 model.zero_grad()
@@ -67,21 +83,29 @@ def assert_same_weights(got: dict, want: dict, **tol) -> None:
         torch.testing.assert_close(got[key], want[key].detach(), msg=lambda m: f"{key}: {m}", **tol)
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_sync_equals_ddp_with_the_same_data_order(ray_address, tmp_path, servers):
-    cfg = ps_cfg(tmp_path, compute={"num_workers": 2, "num_servers": servers},
-                 optim={"lr": 0.05, "momentum": 0.9})
+def test_sync_equals_ddp_with_the_same_data_order(ray_address, tmp_path):
+    cfg = ps_cfg(tmp_path, compute={"num_workers": 2, "num_servers": 1}, optim={"lr": 0.05, "momentum": 0.9})
     result = run_ps(cfg)
     assert_same_weights(result.weights, two_ranks(cfg))
+    assert result.metrics["epoch"].tolist() == [1, 2] and result.metrics["val_loss"].iloc[-1] > 0
+    assert (result.steps["staleness"] == 0).all() and len(result.steps) == 2 * result.metrics["global_step"].iloc[-1]
+
+
+def test_sync_with_adamw_warm_up_cosine_accumulation_and_steps_equals_ddp(ray_address, tmp_path):
+    """40 steps of 26 an epoch: the second epoch is cut short; accumulation 2 leaves the step as it is."""
+    cfg = ps_cfg(tmp_path, epochs=None, steps=40, accumulate=2, compute={"num_workers": 2, "num_servers": 2},
+                 optim={"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1},
+                 schedule={"warmup_steps": 5, "decay": "cosine"})
+    result = run_ps(cfg)
+    assert_same_weights(result.weights, two_ranks(cfg, steps=40, warmup=5))
     # the parameters really are sharded: every server holds a part, the parts cover the model once
     sizes = result.layout.sizes()
-    assert len(sizes) == servers and all(s > 0 for s in sizes) and sum(sizes) == 6 * 16 + 16 + 16 * 2 + 2
-    assert result.metrics["epoch"].tolist() == [1, 2] and result.metrics["val_loss"].iloc[-1] > 0
+    assert len(sizes) == 2 and all(s > 0 for s in sizes) and sum(sizes) == 6 * 16 + 16 + 16 * 2 + 2
+    assert result.metrics["global_step"].tolist() == [26, 40] and len(result.steps) == 2 * 40
+    torch.testing.assert_close(result.metrics["lr"].tolist(), [0.01 * warmup_cosine(s, 40, 5) for s in (25, 39)])
     events = tensorboard_scalars(cfg.experiment_dir / "tensorboard")
     torch.testing.assert_close(events["epoch/val_loss"], result.metrics["val_loss"].tolist())
-    assert (result.steps["staleness"] == 0).all() and len(result.steps) == 2 * result.metrics["global_step"].iloc[-1]
-    assert sorted(p.name for p in result.checkpoint.iterdir()) == ["progress.json", *(f"server_{j}.pt" for j in
-                                                                                     range(servers))]
+    assert sorted(p.name for p in result.checkpoint.iterdir()) == ["progress.json", "server_0.pt", "server_1.pt"]
 
 
 def test_async_without_staleness_equals_sync(ray_address, tmp_path):
@@ -236,7 +260,7 @@ def test_workers_and_servers_export_their_series(ray_cluster, tmp_path):
     (["--num-servers", "1000000"], "error: compute.num_servers (--num-servers) 1000000: more than the model's"),
     (["--mode", "downpour"], "error: mode (--mode): Input should be 'sync' or 'async' (got 'downpour')"),
     (["--hp", "lr=0.1"], "error: hparams.lr (--hp): a platform hyperparameter; set it with --lr"),
-    (["--warmup-steps", "5"], "error: schedule.warmup_steps (--warmup-steps) 5: the parameter server does not take it"),
+    (["--clip-grad-norm", "1"], "error: optim.clip_grad_norm (--clip-grad-norm) 1.0: the parameter server does not"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
     proc = run_job_warm("train_ps.py", "--storage-path", str(tmp_path), *args)

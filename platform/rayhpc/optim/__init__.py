@@ -102,14 +102,27 @@ def split_batch(batch: Any, parts: int) -> list:
 def optimizer_step(model: torch.nn.Module, optimizer, loss_fn: Callable, batch: Any, hp: dict, step: int,
                    total_steps: int, size_of: Callable[[Any], int], scheduler=None) -> torch.Tensor:
     """One optimizer step on `batch`: the lr of the schedule (or of the task's own `scheduler`, stepped
-    after it), the gradient of `loss_fn` summed over `accumulate` micro-batches (each weighted by its
-    share of the samples, so the step equals one on the whole batch for a loss that is a mean over
-    samples), clipped to `clip_grad_norm`. Returns the batch's mean loss (detached). Under DDP, only
-    the last micro-batch all-reduces the gradients."""
+    after it), the gradient over `accumulate` micro-batches (`accumulate_gradient`), clipped to
+    `clip_grad_norm`. Returns the batch's mean loss (detached)."""
     if scheduler is None:
         set_lr(optimizer, hp, step, total_steps)
     optimizer.zero_grad(set_to_none=True)
-    micro = split_batch(batch, hp.get("accumulate", 1))
+    total = accumulate_gradient(model, loss_fn, batch, hp.get("accumulate", 1), size_of)
+    if hp.get("clip_grad_norm"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hp["clip_grad_norm"])
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return total
+
+
+def accumulate_gradient(model: torch.nn.Module, loss_fn: Callable, batch: Any, parts: int,
+                        size_of: Callable[[Any], int]) -> torch.Tensor:
+    """Add to the parameters' `.grad` the gradient of `loss_fn` on `batch`, summed over `parts`
+    micro-batches, each weighted by its share of the samples (for a loss that is a mean over samples, the
+    whole batch's gradient at a micro-batch's memory); returns the batch's mean loss (detached). Under
+    DDP, only the last micro-batch all-reduces the gradients."""
+    micro = split_batch(batch, parts)
     total, n = torch.zeros((), device=_device_of(model)), size_of(batch)
     for i, part in enumerate(micro):
         last = i == len(micro) - 1
@@ -118,11 +131,6 @@ def optimizer_step(model: torch.nn.Module, optimizer, loss_fn: Callable, batch: 
             share = size_of(part) / n
             (loss * share).backward()
         total += loss.detach().float() * share
-    if hp.get("clip_grad_norm"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), hp["clip_grad_norm"])
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
     return total
 
 

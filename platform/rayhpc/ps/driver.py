@@ -29,6 +29,7 @@ import torch
 
 from rayhpc.config import ConfigError
 from rayhpc.job import start_job
+from rayhpc.optim import step_plan
 from rayhpc.ps import shards
 from rayhpc.ps.config import PSConfig
 from rayhpc.ps.progress import Progress, checkpoint_step, checkpoint_steps, latest_checkpoint
@@ -78,7 +79,7 @@ def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
     job = start_job(cfg, explicit, bind=bind, workers=lambda c: c.compute.num_workers)
     cfg, task = job.cfg, job.task
     say = log.info if verbose else (lambda *a, **k: None)
-    run = Progress(cfg, made["steps_per_epoch"], made["validates"], started=time.time())
+    run = Progress(cfg, made, started=time.time())
     failures: list[str] = []
     checkpoint = latest_checkpoint(cfg) if cfg.resume else None
     if checkpoint is not None:
@@ -106,8 +107,11 @@ def plan_run(cfg: PSConfig, task, hp: dict) -> dict:
     layout = shards.plan({name: tuple(p.shape) for name, p in params.items()}, cfg.compute.num_servers)
     train, val = task.split_data(hp, cfg.data)
     n = len(epoch_indices(len(train), cfg.seed, 0, 0, cfg.compute.num_workers))
+    per_epoch = -(-n // cfg.per_worker_batch)
+    total, epochs = step_plan(per_epoch, cfg.epochs, cfg.steps)
     return {"hp": hp, "layout": layout, "initial": [f.numpy() for f in layout.flatten(params)],
-            "steps_per_epoch": -(-n // cfg.per_worker_batch), "shard_len": n, "validates": val is not None and len(val) > 0}
+            "steps_per_epoch": per_epoch, "total_steps": total, "epochs": epochs, "shard_len": n,
+            "validates": val is not None and len(val) > 0}
 
 
 def describe(cfg: PSConfig, made: dict) -> str:
@@ -125,11 +129,11 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
     its first epoch from the checkpoint's step."""
     step = checkpoint_step(checkpoint)
     run.restart_at(step)
-    per_epoch = made["steps_per_epoch"]
-    ends = [e * per_epoch for e in range(1, cfg.epochs + 1)]
+    per_epoch, total = made["steps_per_epoch"], made["total_steps"]
+    ends = [run.end_of(e) for e in range(made["epochs"])]
     server_cls = ray.remote(ParameterServer).options(num_cpus=cfg.compute.cpus_per_server)
     servers = [server_cls.remote(j, made["initial"][j], made["hp"], cfg.compute.num_workers, cfg.mode,
-                                 cfg.staleness, cfg.name, checkpoint_steps(cfg, per_epoch),
+                                 cfg.staleness, cfg.name, total, checkpoint_steps(cfg, per_epoch, total),
                                  ends if made["validates"] else [],
                                  str(cfg.experiment_dir), str(checkpoint) if checkpoint else None)
                for j in range(cfg.compute.num_servers)]
@@ -140,10 +144,10 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
             cfg, task, made["hp"], made["layout"], servers, "cuda" if gpu else "cpu")
         fleet.eval_queue.extend(run.validations_due(step))
         for _ in range(EVALS_AHEAD):
-            ask_validation(fleet, per_epoch)
-    if step < cfg.epochs * made["steps_per_epoch"]:
+            ask_validation(fleet, run)
+    if step < total:
         for w in range(cfg.compute.num_workers):
-            start_worker(cfg, task, made, fleet, w, step)
+            start_worker(cfg, task, made, run, fleet, w, step)
     return fleet
 
 
@@ -152,14 +156,14 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
 EVALS_AHEAD = 2
 
 
-def ask_validation(fleet: Fleet, per_epoch: int) -> None:
+def ask_validation(fleet: Fleet, run: Progress) -> None:
     """The evaluator's next validation: of the next epoch in the queue, once the servers reach its end."""
     if fleet.eval_queue:
         epoch = fleet.eval_queue.popleft()
-        fleet.evals[fleet.evaluator.evaluate.remote(epoch, (epoch + 1) * per_epoch)] = epoch
+        fleet.evals[fleet.evaluator.evaluate.remote(epoch, run.end_of(epoch))] = epoch
 
 
-def start_worker(cfg: PSConfig, task, made: dict, fleet: Fleet, w: int, step: int) -> None:
+def start_worker(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, w: int, step: int) -> None:
     """Worker `w` (new), running from global step `step` to the end of that step's epoch."""
     gpu = cfg.compute.gpu
     # two threads: `info()` answers while `run_epoch` runs (the driver gives each worker one epoch at a time)
@@ -167,7 +171,8 @@ def start_worker(cfg: PSConfig, task, made: dict, fleet: Fleet, w: int, step: in
                                        max_concurrency=2)
     fleet.workers[w] = cls.remote(w, cfg.compute.num_workers, cfg, task, made["hp"], made["layout"], fleet.servers,
                                   "cuda" if gpu else "cpu")
-    fleet.calls[fleet.workers[w].run_epoch.remote(step // made["steps_per_epoch"], step)] = w
+    epoch = step // made["steps_per_epoch"]
+    fleet.calls[fleet.workers[w].run_epoch.remote(epoch, step, run.end_of(epoch))] = w
 
 
 def supervise(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failures: list[str], on_epoch,
@@ -186,9 +191,8 @@ def supervise(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, fail
         return recover(cfg, task, made, run, fleet, failures, w, exc, say)
     run.add(result)
     run.prune()
-    if result["epoch"] + 1 < cfg.epochs:
-        nxt = (result["epoch"] + 1) * made["steps_per_epoch"]
-        fleet.calls[fleet.workers[w].run_epoch.remote(result["epoch"] + 1, nxt)] = w
+    if (epoch := result["epoch"] + 1) < made["epochs"]:
+        fleet.calls[fleet.workers[w].run_epoch.remote(epoch, run.end_of(epoch - 1), run.end_of(epoch))] = w
     if on_epoch is not None:
         on_epoch(w, result["epoch"], fleet)
     return fleet
@@ -203,7 +207,7 @@ def validated(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, fail
         run.add(ray.get(ref))
     except ray.exceptions.RayError as exc:
         return recover(cfg, task, made, run, fleet, failures, None, exc, say)
-    ask_validation(fleet, made["steps_per_epoch"])
+    ask_validation(fleet, run)
     return fleet
 
 
@@ -226,15 +230,15 @@ def recover(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failur
         say(failures[-1])
         return start_fleet(cfg, task, made, run, checkpoint)
     step = min(min(info["pushed"][w] for info in ray.get([s.info.remote() for s in fleet.servers])),
-               cfg.epochs * made["steps_per_epoch"])
+               made["total_steps"])
     ray.kill(fleet.workers[w])
     b, n, per_epoch = cfg.per_worker_batch, made["shard_len"], made["steps_per_epoch"]
     lost = run.mark_lost(w, step, lambda s: min(b, n - (s % per_epoch) * b))
     failures.append(f"worker {w} failed ({what}); replaced, continuing at step {step}"
                     + (f" ({len(lost)} pushed steps' records lost with it)" if lost else ""))
     say(failures[-1])
-    if step < cfg.epochs * made["steps_per_epoch"]:
-        start_worker(cfg, task, made, fleet, w, step)
+    if step < made["total_steps"]:
+        start_worker(cfg, task, made, run, fleet, w, step)
     return fleet
 
 

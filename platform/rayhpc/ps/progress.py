@@ -11,6 +11,7 @@ from typing import Callable
 
 import pandas as pd
 
+from rayhpc.optim import lr_factor
 from rayhpc.ps.server import SHARD_FILE
 from rayhpc.train import checkpoint
 from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
@@ -22,11 +23,11 @@ LOST = dict.fromkeys(("time", "pull_s", "compute_s", "push_s", "wait_s", "loss",
                      float("nan")) | {"versions": [], "zero_copy": True, "lost": True}
 
 
-def checkpoint_steps(cfg, steps_per_epoch: int) -> list[int]:
-    """The steps after which the servers save: each epoch's end, and every `checkpoint.every`."""
-    total = cfg.epochs * steps_per_epoch
+def checkpoint_steps(cfg, steps_per_epoch: int, total_steps: int) -> list[int]:
+    """The steps after which the servers save: each epoch's end, every `checkpoint.every`, and the last."""
     every = cfg.checkpoint.every or steps_per_epoch
-    return sorted({*range(steps_per_epoch, total + 1, steps_per_epoch), *range(every, total + 1, every)})
+    return sorted({*range(steps_per_epoch, total_steps + 1, steps_per_epoch), *range(every, total_steps + 1, every),
+                   total_steps})
 
 
 def mark_complete(cfg) -> Path:
@@ -49,11 +50,13 @@ def checkpoint_step(folder: Path | None) -> int:
 
 
 class Progress:
-    def __init__(self, cfg, steps_per_epoch: int, validates: bool, started: float):
-        self.cfg, self.per_epoch, self.validates, self.started = cfg, steps_per_epoch, validates, started
+    def __init__(self, cfg, made: dict, started: float):
+        """`made`: the run's plan (`rayhpc.ps.driver.plan_run`)."""
+        self.cfg, self.per_epoch, self.validates, self.started = cfg, made["steps_per_epoch"], made["validates"], started
+        self.hp, self.total, self.epochs = made["hp"], made["total_steps"], made["epochs"]
         self.records: dict[tuple[int, int], dict] = {}  # (worker, step) -> record
         self.val: dict[int, dict] = {}  # epoch -> validation metrics
-        self.recorder = MetricsRecorder(cfg.experiment_dir, cfg.epochs)
+        self.recorder = MetricsRecorder(cfg.experiment_dir, self.epochs)
         self.steps_path = cfg.experiment_dir / STEPS_FILE
         self.next_epoch = 0  # the first epoch without a metrics row
         self.best = float("inf")
@@ -72,18 +75,20 @@ class Progress:
             rows = rows[rows["global_step"] <= step]
         self.next_epoch = min(step // self.per_epoch, int(rows["epoch"].max()) if len(rows) else 0)
         self.val = {e: v for e, v in self.val.items() if e < self.next_epoch}
-        self.val.update({e: {} for e in range(self.next_epoch, step // self.per_epoch)
-                         if (e + 1) * self.per_epoch < step})
+        self.val.update({e: {} for e in range(self.next_epoch, step // self.per_epoch) if self.end_of(e) < step})
         if "best_val_loss" in rows and len(rows):
             self.best = float(rows["best_val_loss"].min())
         if self.steps_path.exists() and not self.records:  # a resumed job: the records of earlier sessions
             done = pd.read_parquet(self.steps_path)
             self.records = {(r["worker"], r["step"]): r for r in done[done["step"] < step].to_dict("records")}
 
+    def end_of(self, epoch: int) -> int:
+        """The global step that ends `epoch` (the last one may be cut short by `steps`)."""
+        return min((epoch + 1) * self.per_epoch, self.total)
+
     def validations_due(self, step: int) -> list[int]:
         """The epochs whose validation is still to come after a (re)start at `step`."""
-        return [e for e in range(self.next_epoch, self.cfg.epochs) if e not in self.val
-                and (e + 1) * self.per_epoch >= step]
+        return [e for e in range(self.next_epoch, self.epochs) if e not in self.val and self.end_of(e) >= step]
 
     def add(self, result: dict) -> None:
         """One worker's `run_epoch` result, or the evaluator's (`val`); writes the rows of every epoch
@@ -92,7 +97,7 @@ class Progress:
             self.records[(record["worker"], record["step"])] = record
         if "val" in result:
             self.val[result["epoch"]] = result["val"]
-        while self.next_epoch < self.cfg.epochs and self._complete(self.next_epoch):
+        while self.next_epoch < self.epochs and self._complete(self.next_epoch):
             self._write_row(self.next_epoch)
             self.next_epoch += 1
 
@@ -105,13 +110,13 @@ class Progress:
         return lost
 
     def _complete(self, epoch: int) -> bool:
-        steps = range(max(epoch * self.per_epoch, self.restored), (epoch + 1) * self.per_epoch)
+        steps = range(max(epoch * self.per_epoch, self.restored), self.end_of(epoch))
         return all((w, s) in self.records for w in range(self.cfg.compute.num_workers) for s in steps) \
             and (epoch in self.val or not self.validates)
 
     def _write_row(self, epoch: int) -> None:
         cfg, per_epoch = self.cfg, self.per_epoch
-        every = [r for (w, s), r in self.records.items() if epoch * per_epoch <= s < (epoch + 1) * per_epoch]
+        every = [r for (w, s), r in self.records.items() if epoch * per_epoch <= s < self.end_of(epoch)]
         # timings and losses from the steps measured; without any (every step of it was run by a driver
         # killed before recording it, or by workers that died), NaN
         recs = [r for r in every if not r["lost"]] or [dict(LOST, samples=0)]
@@ -124,7 +129,7 @@ class Progress:
         val = self.val.get(epoch, {})
         if "val_loss" in val:
             self.best = min(self.best, val["val_loss"])
-        row = {"kind": "epoch", "epoch": epoch + 1, "global_step": (epoch + 1) * per_epoch,
+        row = {"kind": "epoch", "epoch": epoch + 1, "global_step": self.end_of(epoch),
                "loss": sum(r["loss"] * r["samples"] for r in recs) / measured if measured else float("nan"), **val,
                **({"best_val_loss": self.best} if "val_loss" in val else {}),
                "samples_per_s": samples / seconds, "step_ms": 1000 * mean("pull_s") + 1000 * mean("compute_s")
@@ -134,7 +139,7 @@ class Progress:
                "zero_copy": all(r["zero_copy"] for r in recs), "train_seconds": ended - self.started,
                "world_size": cfg.compute.num_workers, "num_servers": cfg.compute.num_servers, "mode": cfg.mode,
                "global_batch_size": cfg.global_batch, "batch_size_per_worker": cfg.per_worker_batch,
-               "lr": cfg.optim.lr}
+               "lr": self.hp["lr"] * lr_factor(self.hp, self.end_of(epoch) - 1, self.total)}
         self.recorder.after_report(None, [row], None)
         pd.DataFrame(sorted(self.records.values(), key=lambda r: (r["step"], r["worker"]))).to_parquet(
             self.steps_path, index=False)

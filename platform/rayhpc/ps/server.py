@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from rayhpc.monitor.metrics import PSMetrics
-from rayhpc.optim import make_optimizer
+from rayhpc.optim import make_optimizer, set_lr
 
 SHARD_FILE = "server_{index}.pt"
 
@@ -37,11 +37,13 @@ def as_tensor(array: np.ndarray) -> torch.Tensor:
 
 class ParameterServer:
     def __init__(self, index: int, flat: np.ndarray, hp: dict, num_workers: int, mode: str, staleness: int | None,
-                 run: str, checkpoints: list[int], epoch_ends: list[int], run_dir: str, restore: str | None = None):
+                 run: str, total_steps: int, checkpoints: list[int], epoch_ends: list[int], run_dir: str,
+                 restore: str | None = None):
         torch.set_num_threads(1)
         self.index, self.n, self.mode, self.staleness = index, num_workers, mode, staleness
         self.param = torch.nn.Parameter(torch.tensor(flat, dtype=torch.float32))
         self.optimizer = make_optimizer(hp, [self.param])
+        self.hp, self.total_steps = hp, total_steps
         self.pushed = [0] * num_workers  # steps each worker has pushed here
         self.version = 0  # optimizer steps applied
         self.pending: dict[int, dict[int, torch.Tensor]] = {}  # sync: step -> worker -> gradient
@@ -106,6 +108,10 @@ class ParameterServer:
             raise RuntimeError(f"server {self.index}: worker {worker} pushed step {step}, expected "
                                f"{self.pushed[worker]}")
         started, before = time.perf_counter(), self.global_step()
+        # the schedule's lr of the step the gradient belongs to (sync: the optimizer step it makes; async:
+        # each worker's gradients of step s are applied at step s's lr): a pure function of the step, so a
+        # restored server needs no scheduler state
+        set_lr(self.optimizer, self.hp, step, self.total_steps)
         if self.mode == "sync":
             self.pending.setdefault(step, {})[worker] = as_tensor(grad)  # holds the object-store buffer
             if len(self.pending[step]) == self.n:

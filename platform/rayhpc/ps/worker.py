@@ -1,5 +1,6 @@
 """One parameter-server worker: an actor that pulls the shards, computes its gradient on its
-`DistributedSampler` share of each step's batch (DDP's order), and pushes one flat gradient per server."""
+`DistributedSampler` share of each step's batch (DDP's order; over `accumulate` micro-batches, as every
+training job does), and pushes one flat gradient per server."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import ray
 import torch
 
 from rayhpc.monitor.metrics import PSMetrics
+from rayhpc.optim import accumulate_gradient
 from rayhpc.ps.server import as_tensor
 from rayhpc.ps.shards import Layout
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
@@ -39,13 +41,14 @@ class PSWorker:
         return -(-len(epoch_indices(len(self.train), self.hp["seed"], 0, self.index, self.n))
                  // self.cfg.per_worker_batch)
 
-    def run_epoch(self, epoch: int, first_step: int) -> dict:
-        """Steps `first_step`.. (global step numbers) to the end of `epoch`; one record per step."""
+    def run_epoch(self, epoch: int, first_step: int, end_step: int) -> dict:
+        """Steps `first_step` .. `end_step` - 1 (global step numbers, within `epoch`: a run of `steps`
+        cuts its last epoch short); one record per step."""
         b, per_epoch = self.cfg.per_worker_batch, self.steps_per_epoch()
         indices = epoch_indices(len(self.train), self.hp["seed"], epoch, self.index, self.n)
-        skip = first_step - epoch * per_epoch
+        skip, stop = first_step - epoch * per_epoch, end_step - epoch * per_epoch
         records = []
-        for i, batch in enumerate(self.train(indices[skip * b:], b), start=skip):
+        for i, batch in enumerate(self.train(indices[skip * b:stop * b], b), start=skip):
             records.append(self._step(epoch * per_epoch + i, batch))
         return {"worker": self.index, "epoch": epoch, "records": records}
 
@@ -62,9 +65,9 @@ class PSWorker:
         with torch.no_grad():
             self.layout.scatter([s.to(self.device, non_blocking=True) for s in shards], self.params)
         pulled = time.perf_counter()
-        loss = self.task.loss(self.model, batch)
         self.model.zero_grad(set_to_none=False)
-        loss.backward()
+        loss = accumulate_gradient(self.model, lambda part: self.task.loss(self.model, part), batch,
+                                   self.hp.get("accumulate", 1), batch_size_of)
         grads = [g.cpu().numpy() for g in self.layout.flatten(
             {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.params.items()})]
         computed = time.perf_counter()

@@ -141,8 +141,11 @@ class Progress:
                "global_batch_size": cfg.global_batch, "batch_size_per_worker": cfg.per_worker_batch,
                "lr": self.hp["lr"] * lr_factor(self.hp, self.end_of(epoch) - 1, self.total)}
         self.recorder.after_report(None, [row], None)
-        pd.DataFrame(sorted(self.records.values(), key=lambda r: (r["step"], r["worker"]))).to_parquet(
-            self.steps_path, index=False)
+        # whole or not at all: a job stopped while it writes (Ctrl-C, a preemption) must leave a table its
+        # resume can read
+        tmp = self.steps_path.with_suffix(".tmp")
+        pd.DataFrame(sorted(self.records.values(), key=lambda r: (r["step"], r["worker"]))).to_parquet(tmp, index=False)
+        tmp.replace(self.steps_path)
 
     def table(self) -> pd.DataFrame:
         path = self.cfg.experiment_dir / METRICS_FILE

@@ -32,9 +32,10 @@ def slots(cfg: SweepConfig, res: Resources, gpus: float = 0.0) -> int:
 
 
 def can_pack(cfg: SweepConfig) -> bool:
-    """Whether this sweep packs at all (a TorchTrainer trains one model; ASHA stops members of packs and
-    Optuna proposes packs: `rayhpc.tune.adaptive`)."""
-    return cfg.workers_per_trial == 1 and cfg.pack != 1
+    """Whether this sweep packs at all (a TorchTrainer trains one model; a compiled or activation-checkpointed
+    one is the task's own model, not a batch of them; ASHA stops members of packs and Optuna proposes packs:
+    `rayhpc.tune.adaptive`)."""
+    return cfg.workers_per_trial == 1 and cfg.pack != 1 and not cfg.model_options_set
 
 
 def pack_size(cfg: SweepConfig, n_trials: int, n_slots: int) -> int:
@@ -60,7 +61,9 @@ def make_plan(configs: list[dict], size: int, key: Callable[[dict], tuple] | Non
 
 def save_plan(packs: list[list[dict]] | None, exp_dir: Path) -> None:
     exp_dir.mkdir(parents=True, exist_ok=True)
-    (exp_dir / PLAN_FILE).write_text(json.dumps(packs, indent=1))
+    tmp = (exp_dir / PLAN_FILE).with_suffix(".tmp")  # whole or not at all: a resume reads it
+    tmp.write_text(json.dumps(packs, indent=1))
+    tmp.replace(exp_dir / PLAN_FILE)
 
 
 def load_plan(exp_dir: Path) -> list[list[dict]] | None:

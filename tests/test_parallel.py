@@ -34,12 +34,13 @@ PARALLELISM = ("tp", "pp", "dp", "fsdp", "microbatches", "schedule", "stages_per
 
 
 def parallel_cfg(**kw) -> ParallelConfig:
-    """A config from a flat layout (the MLP's `MLP_HP` unless it names a task): the degrees and schedule
-    go to its `parallelism:` section (a dict `schedule` is the lr's), `optimizer` and `lr` to `optim:`."""
-    parallelism = {k: kw.pop(k) for k in PARALLELISM if isinstance(kw.get(k), (int, str))}  # not `schedule: {..}`
+    """A config from a flat layout (the MLP's `MLP_HP` unless it names a task): the degrees and the pipeline's
+    `schedule` go to its `parallelism:` section, `lr_schedule` to `schedule:`, `optimizer` and `lr` to `optim:`."""
+    parallelism = {k: kw.pop(k) for k in PARALLELISM if k in kw}
     optim = {k: kw.pop(k) for k in ("optimizer", "lr") if k in kw}
     hparams = kw.pop("hparams", {} if "task" in kw else MLP_HP)
-    return ParallelConfig(parallelism=parallelism, optim={**optim, **kw.pop("optim", {})}, hparams=hparams, **kw)
+    return ParallelConfig(parallelism=parallelism, optim={**optim, **kw.pop("optim", {})}, hparams=hparams,
+                          schedule=kw.pop("lr_schedule", {}), **kw)
 
 
 def assert_equal_to_reference(result, cfg: ParallelConfig) -> None:
@@ -317,12 +318,18 @@ def test_the_users_gpt_under_every_layout_equals_one_process(layout, ray_address
     assert_equal_to_reference(result, cfg)
 
 
-@pytest.mark.parametrize("layout", ["tp2 x pp2", "pp2 zbv"])
+# the resume tests' schedules: step 2, where they resume, is in the warm-up of the first and in the decay of the
+# second
+RESUMED_AT = {"tp2 x pp2": {"warmup_steps": 3, "decay": "cosine"}, "pp2 zbv": {"warmup_steps": 1, "decay": "linear"}}
+
+
+@pytest.mark.parametrize("layout", list(RESUMED_AT))
 def test_the_gpt_resumed_from_a_sharded_checkpoint_with_adam_state_ends_equal(layout, ray_address, tmp_path):
     """Shards of the weights and of Adam's state (TP x PP; two stages per rank in a V), saved every 2 steps;
-    resumed from step 2 it ends equal to one process only if the optimizer's state came back too (its
-    moments and step count)."""
-    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint": {"every": 2}})
+    resumed from step 2 (mid-warm-up; mid-decay) it ends equal to one process only if the optimizer's state
+    came back too (its moments and step count) and the schedule goes on at step 2."""
+    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint": {"every": 2},
+                               "lr_schedule": RESUMED_AT[layout]})
     full = run_parallel(cfg, verbose=False)
     shutil.rmtree(full.checkpoint)
     resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)
@@ -334,7 +341,7 @@ def test_the_gpt_resumed_from_a_sharded_checkpoint_with_adam_state_ends_equal(la
 # on every step, 4 micro-batches per step): a run that ignored one would differ from the reference, which
 # is torch's own AdamW, LinearLR + CosineAnnealingLR and clip_grad_norm_ on the whole batch at once
 OPTIONS = {"optim": {"optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.1, "beta1": 0.8, "clip_grad_norm": 0.05},
-           "schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1}, "accumulate": 4,
+           "lr_schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1}, "accumulate": 4,
            "global_batch_size": 16, "steps": 5}
 
 
@@ -369,3 +376,4 @@ def test_accumulation_runs_the_model_on_micro_batches(ray_address):
     _, expected, _ = reference_run(cfg)
     for name, tensor in expected.items():
         torch.testing.assert_close(weights[name], tensor, msg=lambda m: f"{name}: {m}")
+

@@ -35,45 +35,46 @@ def ps_cfg(tmp_path, **kw) -> PSConfig:
                                "batch_size_per_worker": 32, "hparams": {"hidden": 16}, **kw})
 
 
-def warmup_cosine(step: int, total: int, warmup: int) -> float:
-    """The lr factor: linear warm-up to 1 over `warmup` steps, then a cosine down to 0 at the last step."""
+def warmup_cosine(step: int, total: int, warmup: int, decay: str = "cosine") -> float:
+    """The lr factor: linear warm-up to 1 over `warmup` steps, then a cosine down to 0 at the last step
+    (or constant)."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - 1 - warmup)))
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - 1 - warmup))) if decay == "cosine" else 1.0
 
 
-def two_ranks(cfg: PSConfig, steps: int | None = None, warmup: int | None = None) -> dict:
+def two_ranks(cfg: PSConfig) -> dict:
     """DDP with 2 ranks in one plain process: each rank's DistributedSampler batch, the mean of the two
-    gradients, one optimizer step (the mlp task's rows without its 20% hold-out, split seed 0); with
-    `steps`, that many steps (the last epoch cut short) and with `warmup`, AdamW on `warmup_cosine`."""
+    gradients, one step of torch's own optimizer (the mlp task's rows without its 20% hold-out, split seed 0),
+    for `steps` (the last epoch cut short) or `epochs`, the lr set by `warmup_cosine`."""
     x, y = synthetic_tensors(cfg.data.synthetic)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     train = TensorDataset(x[order[round(0.2 * len(x)):]], y[order[round(0.2 * len(x)):]])
     torch.manual_seed(cfg.seed)
     model = MLP(6, 16, 2)
-    o = cfg.optim
-    opt = (torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum) if o.optimizer == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay) if warmup is not None
-           else torch.optim.Adam(model.parameters(), lr=o.lr))
+    o, schedule = cfg.optim, cfg.schedule
+    assert schedule.decay in ("constant", "cosine") and not schedule.min_lr_ratio, schedule
+    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=o.lr, momentum=o.momentum),
+           "adam": lambda p: torch.optim.Adam(p, lr=o.lr),
+           "adamw": lambda p: torch.optim.AdamW(p, lr=o.lr, weight_decay=o.weight_decay)}[o.optimizer](
+        model.parameters())
     samplers = [DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=cfg.seed) for r in (0, 1)]
-    step = 0
-    for epoch in range(cfg.epochs or 1000):
-        for s in samplers:
-            s.set_epoch(epoch)
-        for batches in zip(*(DataLoader(train, batch_size=32, sampler=s) for s in samplers)):
-            if step == steps:
-                return dict(model.named_parameters())
-            if warmup is not None:
-                opt.param_groups[0]["lr"] = o.lr * warmup_cosine(step, steps, warmup)
-            step += 1
-            grads = []
-            for bx, by in batches:
-                model.zero_grad()
-                F.mse_loss(model(bx), by).backward()
-                grads.append([p.grad.clone() for p in model.parameters()])
-            for p, g0, g1 in zip(model.parameters(), *grads):
-                p.grad = (g0 + g1) / 2
-            opt.step()
+    per_epoch = -(-len(samplers[0]) // 32)
+    total = cfg.steps or cfg.epochs * per_epoch
+    for step in range(total):
+        if step % per_epoch == 0:
+            for s in samplers:
+                s.set_epoch(step // per_epoch)
+            loaders = zip(*(DataLoader(train, batch_size=32, sampler=s) for s in samplers))
+        opt.param_groups[0]["lr"] = o.lr * warmup_cosine(step, total, schedule.warmup_steps, schedule.decay)
+        grads = []
+        for bx, by in next(loaders):
+            model.zero_grad()
+            F.mse_loss(model(bx), by).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads):
+            p.grad = (g0 + g1) / 2
+        opt.step()
     return dict(model.named_parameters())
 
 
@@ -97,7 +98,7 @@ def test_sync_with_adamw_warm_up_cosine_accumulation_and_steps_equals_ddp(ray_ad
                  optim={"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1},
                  schedule={"warmup_steps": 5, "decay": "cosine"})
     result = run_ps(cfg)
-    assert_same_weights(result.weights, two_ranks(cfg, steps=40, warmup=5))
+    assert_same_weights(result.weights, two_ranks(cfg))
     # the parameters really are sharded: every server holds a part, the parts cover the model once
     sizes = result.layout.sizes()
     assert len(sizes) == 2 and all(s > 0 for s in sizes) and sum(sizes) == 6 * 16 + 16 + 16 * 2 + 2
@@ -168,8 +169,9 @@ def test_a_killed_worker_is_replaced_and_the_run_finishes(ray_address, tmp_path,
 
 
 def test_a_killed_server_restarts_everything_from_the_checkpoint(ray_address, tmp_path):
+    """Killed after the first epoch (26 steps), restarted from a checkpoint inside the 40-step warm-up."""
     cfg = ps_cfg(tmp_path, epochs=3, compute={"num_workers": 2, "num_servers": 2}, checkpoint={"every": 10},
-                 optim={"optimizer": "adam", "lr": 0.01})
+                 optim={"optimizer": "adam", "lr": 0.01}, schedule={"warmup_steps": 40, "decay": "cosine"})
     hook, killed = kill_once("server", 1)
     result = run_ps(cfg, on_epoch=hook)
     assert killed and len(result.failures) == 1, result.failures
@@ -179,8 +181,10 @@ def test_a_killed_server_restarts_everything_from_the_checkpoint(ray_address, tm
 
 
 def test_resume_after_the_driver_is_killed(ray_address, tmp_path):
+    """Resumed after its first checkpoints, past the 4-step warm-up: in the cosine decay."""
     args = ["--storage-path", str(tmp_path), "--name", "ps", "--address", ray_address, "--epochs", "6", "--hp",
-            "hidden=16", "--lr", "0.05", "--checkpoint-every", "5", "--num-servers", "2"]
+            "hidden=16", "--lr", "0.05", "--checkpoint-every", "5", "--num-servers", "2", "--warmup-steps", "4",
+            "--decay", "cosine"]
     job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "train_ps.py"), *args], cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -203,7 +207,8 @@ def test_resume_after_the_driver_is_killed(ray_address, tmp_path):
     last = sorted((tmp_path / "ps").glob("checkpoint_*"))[-1]
     shards = [torch.load(last / f"server_{j}.pt", weights_only=True) for j in (0, 1)]
     assert shards[0]["step"] == table["global_step"].iloc[-1]
-    want = two_ranks(ps_cfg(tmp_path, epochs=6, compute={"num_workers": 2, "num_servers": 2}, optim={"lr": 0.05}))
+    want = two_ranks(ps_cfg(tmp_path, epochs=6, compute={"num_workers": 2, "num_servers": 2}, optim={"lr": 0.05},
+                            schedule={"warmup_steps": 4, "decay": "cosine"}))
     layout = plan({name: tuple(p.shape) for name, p in want.items()}, 2)
     assert_same_weights(layout.gather([s["param"] for s in shards]), want)  # as if never killed
 

@@ -311,10 +311,14 @@ def test_resume_after_the_driver_is_killed_keeps_finished_trials(ray_address, tm
 @pytest.mark.parametrize("scheduler", ["asha", "pbt"])
 def test_adaptive_packs_resumed_after_the_driver_is_killed_end_as_an_uninterrupted_run(scheduler, ray_address,
                                                                                         tmp_path):
-    """The driver of a packed ASHA (PBT) sweep is killed after the pack's third epoch; resumed, the members
-    ASHA stopped stay stopped at the same rungs (the keeper's saved decisions; PBT: the population and its
-    rounds come back from the pack's checkpoint), and the table ends equal to the same sweep run whole."""
-    table, reference = killed_and_resumed(tmp_path, ray_address, f"pack: 8\nepochs: 8\nscheduler: {scheduler}\n")
+    """The driver of a packed ASHA (PBT) sweep is killed after the pack's third epoch (step 450 of 150 an epoch:
+    ASHA's in its 600-step warm-up, PBT's in its cosine decay); resumed, the members ASHA stopped stay stopped
+    at the same rungs (the keeper's saved decisions; PBT: the population and its rounds come back from the
+    pack's checkpoint), and the table ends equal to the same sweep run whole."""
+    warmup = {"asha": 600, "pbt": 150}[scheduler]
+    space = f"space: {{hidden: {{choice: [4, 8, 16, 32, 64]}}, lr: {{loguniform: [0.001, 0.1]}}, " \
+            f"warmup_steps: {warmup}, decay: cosine}}\n"
+    table, reference = killed_and_resumed(tmp_path, ray_address, f"pack: 8\nepochs: 8\nscheduler: {scheduler}\n{space}")
     if scheduler == "asha":
         assert (table["status"] == "early-stopped").any()
     else:

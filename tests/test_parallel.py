@@ -377,3 +377,34 @@ def test_accumulation_runs_the_model_on_micro_batches(ray_address):
     for name, tensor in expected.items():
         torch.testing.assert_close(weights[name], tensor, msg=lambda m: f"{name}: {m}")
 
+
+def count_attention(ctx) -> None:
+    """Count the calls of every block's attention on this rank (inside a checkpointed block, its recomputation
+    in backward calls them again)."""
+    ctx.state["calls"] = 0
+
+    def count(*_):
+        ctx.state["calls"] += 1
+
+    for part in ctx.state["run"].parts:
+        for name, module in part.named_modules():
+            if name.endswith(".attn"):
+                module.register_forward_pre_hook(count)
+
+
+def test_activation_checkpointing_recomputes_each_block_under_tp_and_changes_no_step(ray_address):
+    """`activation_checkpointing: full` on the GPT under TP: each block's attention runs twice a step (the
+    forward, then its recomputation in backward), and the step equals one process's without it."""
+    cfg = parallel_cfg(task=GPT, hparams=GPT_HP, optimizer="adam", lr=1e-3, steps=1, global_batch_size=8, tp=2,
+                       activation_checkpointing="full")
+    recipe, data = make_recipe(cfg)
+    with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=120) as group:
+        group.run(worker.setup, recipe, data)
+        group.run(count_attention)
+        group.run(worker.train_step, 0)
+        calls = group.run(lambda ctx: ctx.state["calls"])
+        weights = group.run(worker.gather_weights)[0]
+    assert calls == [2 * GPT_HP["layers"]] * 2, calls
+    _, expected, _ = reference_run(cfg.model_copy(update={"activation_checkpointing": "none"}))
+    for name, tensor in expected.items():
+        torch.testing.assert_close(weights[name], tensor, msg=lambda m: f"{name}: {m}")

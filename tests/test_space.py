@@ -77,7 +77,7 @@ def test_packs_group_trials_that_can_step_together():
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"num_sample": 3}, "num_sample: unknown key; allowed keys: address, asha,"),
+    ({"num_sample": 3}, "num_sample: unknown key; allowed keys: activation_checkpointing, address, asha,"),
     ({"num_samples": 0}, "num_samples: Input should be greater than or equal to 1"),
     ({"num_samples": "many"}, "num_samples: Input should be a valid integer"),
     ({"search": "bayes"}, "search: Input should be 'random', 'grid' or 'optuna'"),

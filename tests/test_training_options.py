@@ -294,6 +294,35 @@ def test_the_training_loop_compiles_the_blocks_it_is_told_to(ray_cluster, tmp_pa
     assert rows[-1]["val_loss"] < math.log(256), rows[-1]  # below a uniform guess over the 256 bytes
 
 
+def test_sweep_trials_and_parameter_server_workers_checkpoint_the_tasks_blocks():
+    """`activation_checkpointing` reaches every runner that builds the task's model: a sweep's trials (which then
+    run unpacked, each the task's own model; distributed ones through their training run's config), its array
+    tasks and the parameter server's workers recompute the blocks' matmuls in backward, as eager does not."""
+    from rayhpc.config import ModelOptions
+    from rayhpc.ps.config import PSConfig
+    from rayhpc.ps.worker import PSWorker
+    from rayhpc.tune.config import SweepConfig
+    from rayhpc.tune.distributed import trial_train_config
+    from rayhpc.tune.packing import make_pack
+    from rayhpc.tune.plan import can_pack, pack_size
+    from rayhpc.tune.single import train_single
+
+    task, hp, batch = small_gpt()
+    sweep = validate(SweepConfig, {"activation_checkpointing": "full", "task": task.spec})
+    assert not can_pack(sweep) and pack_size(sweep, n_trials=16, n_slots=2) == 1
+    assert trial_train_config(sweep, {**hp, "batch_size": 4}, "t", gpu=False).activation_checkpointing == "full"
+    full = ModelOptions(activation_checkpointing="full")
+    trial = make_pack(task, [hp], torch.device("cpu"), full).model
+    array_task = train_single(task, hp, epochs=None, steps=1, options=full)["model"]
+    ps = PSWorker(0, 1, validate(PSConfig, {"activation_checkpointing": "full", "task": task.spec,
+                                            "compute": {"cpus_per_worker": 1}}), task, hp,
+                  layout=None, servers=[], device="cpu")
+    _, forward, eager, _ = saved_and_recomputed(task, task.initial_model(hp), batch)
+    for runner, model in [("sweep trial", trial), ("array task", array_task), ("parameter-server worker", ps.model)]:
+        _, _, backward, _ = saved_and_recomputed(task, model, batch)
+        assert backward - eager == forward - 1 - hp["layers"], (runner, backward, eager, forward)
+
+
 def test_every_job_takes_one_precision_vocabulary_and_bf16_computes_in_bf16():
     """`precision` is fp32 | tf32 | bf16 in the training, model-parallel and sweep jobs alike. On CPUs tf32 is
     fp32 exactly, and bf16 (autocast) gives a loss that differs from fp32 by bf16's rounding but no more:

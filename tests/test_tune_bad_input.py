@@ -23,13 +23,17 @@ def parquet(path: Path, **columns) -> str:
 
 CASES = {
     "unknown yaml key": (lambda d: ["--config", write(d / "s.yaml", "num_sample: 3\n")],
-                         "error: num_sample: unknown key; allowed keys: address, asha, checkpoint, cpus_per_trial"),
+                         "error: num_sample: unknown key; allowed keys: activation_checkpointing, address, asha, "
+                         "checkpoint"),
     "yaml wrong type": (lambda d: ["--config", write(d / "s.yaml", "epochs: [1, 2]\n")],
                         "error: epochs: Input should be a valid integer (got [1, 2])"),
     "flag wrong type": (lambda d: ["--num-samples", "lots"],
                         "error: num_samples (--num-samples): Input should be a valid integer"),
     "empty search space": (lambda d: ["--config", write(d / "s.yaml", "space: {}\n")],
                            "error: space: empty search space; give at least one parameter as grid, choice"),
+    "activation checkpointing of packs": (lambda d: ["--activation-checkpointing", "full", "--pack", "4"],
+                                          "error: activation_checkpointing (--activation-checkpointing) full: packed "
+                                          "trials run as one batched model"),
     "num_samples < 1": (lambda d: ["--num-samples", "0"],
                         "error: num_samples (--num-samples): Input should be greater than or equal to 1"),
     "unknown search": (lambda d: ["--search", "bayes"],

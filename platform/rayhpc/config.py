@@ -77,6 +77,16 @@ PRECISION_HELP = ("fp32; tf32: fp32 with TF32 matmuls on GPUs (as fp32 on CPUs);
                   "optimizer in fp32 (FSDP's policy under FSDP, autocast elsewhere)")
 
 
+class ModelOptions(StrictModel):
+    """How every job that runs the task's model as a module runs it: compiled and activation-checkpointed per
+    block (`rayhpc.train.parallelize`), in torchtitan's order, before FSDP or DDP wraps it."""
+
+    compile: Literal["none", "blocks", "model"] = Field("none", description="torch.compile each block (the task's "
+                                                        "blocks(model), else its ModuleLists' entries) or the model")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="per block: full keeps only its input; selective also its matmul outputs")
+
+
 class PerWorker(StrictModel):
     """What each worker reserves (the `compute:` section, shared by every job with workers)."""
 

@@ -7,7 +7,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import PRECISION_HELP, Compute, ConfigError, Optim, Precision, Schedule, StepCheckpoints
+from rayhpc.config import (PRECISION_HELP, Compute, ConfigError, ModelOptions, Optim, Precision, Schedule,
+                           StepCheckpoints)
 from rayhpc.parallel.mesh import Degrees
 from rayhpc.task.config import TaskJobConfig
 
@@ -43,7 +44,7 @@ class Parallelism(Degrees):
         return self.pp * self.per_rank_stages if self.pp > 1 else 1
 
 
-class ParallelConfig(TaskJobConfig):
+class ParallelConfig(ModelOptions, TaskJobConfig):
     """Tensor- and pipeline-parallel (and data-parallel) training of a task on the platform's worker group:
     the same `optim:`, `schedule:` and task sections as every job, and a `parallelism:` section."""
 

@@ -1,6 +1,6 @@
 """Compose the parallelisms on one rank's share of the model, in torchtitan's order:
-keep this rank's pipeline stage, then TP inside the stage, then FSDP2 over the data-parallel ranks (sharded
-over fsdp, replicated over dp)."""
+keep this rank's pipeline stage, then TP inside the stage, activation checkpointing and compilation of its
+blocks, then FSDP2 over the data-parallel ranks (sharded over fsdp, replicated over dp)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rayhpc.fsdp import apply_fsdp
 from rayhpc.parallel.mesh import Degrees
 from rayhpc.parallel.plan import keep_stage, units
 from rayhpc.parallel.pp import SPLIT_BACKWARD
+from rayhpc.train.parallelize import apply_options
 
 
 def parallelize(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, recipe) -> nn.Module:
@@ -22,6 +23,7 @@ def parallelize(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, 
     stage = keep_stage(model, recipe.stage_starts(model), stage_id) if stage_id is not None else model
     if degrees.tp > 1:
         apply_tp(stage, mesh["tp"], recipe.tp_plan(stage))
+    apply_options(stage, recipe.task.obj, recipe.cfg)  # activation checkpointing, then compile, of its blocks
     if degrees.replicas > 1:  # gradients averaged over the data-parallel ranks
         # the zero-bubble schedules compute weight gradients in a pass of their own, outside autograd's
         # hooks, and with nested FSDP units (torch 2.13) the result differed from one process (measured);

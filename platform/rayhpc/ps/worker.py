@@ -17,6 +17,7 @@ from rayhpc.optim import accumulate_gradient
 from rayhpc.ps.server import as_tensor
 from rayhpc.ps.shards import Layout
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
+from rayhpc.train.parallelize import apply_options
 
 
 class PSWorker:
@@ -30,6 +31,7 @@ class PSWorker:
         self.device = torch.device(device)
         train, _ = task.split_data(hp, cfg.data)
         self.model = task.initial_model(hp).to(self.device)  # its values come from the servers at each pull
+        apply_options(self.model, task.obj, cfg)
         self.params = {name: p for name, p in self.model.named_parameters()}
         self.train = Batches(train, self.device, loader_workers(self.device, cfg.compute.cpus_per_worker))
         self.gauges = PSMetrics(cfg.name, "worker", index)

@@ -6,7 +6,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import PRECISION_HELP, Compute, ConfigError, Optim, Precision, Schedule, StepCheckpoints
+from rayhpc.config import (PRECISION_HELP, Compute, ConfigError, ModelOptions, Optim, Precision, Schedule,
+                           StepCheckpoints)
 from rayhpc.task.config import TaskJobConfig
 from rayhpc.task.hparams import PLATFORM_KEYS, TRAINING_KEYS, full_hparams, task_keys
 
@@ -14,9 +15,10 @@ PLATFORM_FLAGS = {"batch_size": "--global-batch-size", "seed": "--seed",
                   **{key: "--" + key.replace("_", "-") for key in TRAINING_KEYS}}
 
 
-class DataParallelJob(TaskJobConfig):
+class DataParallelJob(ModelOptions, TaskJobConfig):
     """What every job whose workers each train on their own share of the data has: workers, epochs,
-    the batch (global, or per worker), the optimiser, checkpoints and failures."""
+    the batch (global, or per worker), the optimiser, compile and activation checkpointing, checkpoints and
+    failures."""
 
     compute: Compute = Compute()
     epochs: int | None = Field(None, ge=1, description="passes over the training split (default 5)")
@@ -83,10 +85,6 @@ class TrainConfig(DataParallelJob):
     scale_lr: bool = Field(False, description="multiply lr by the number of workers (the Horovod convention)")
     precision: Precision = Field("tf32", description=PRECISION_HELP)
     metrics_every_steps: int | None = Field(None, ge=1, description="also record a metrics row every K steps")
-    compile: Literal["none", "blocks", "model"] = Field("none", description="torch.compile each block (the task's "
-                                                        "blocks(model), else its ModuleLists' entries) or the model")
-    activation_checkpointing: Literal["none", "full", "selective"] = Field(
-        "none", description="per block: full keeps only its input; selective also its matmul outputs")
     init_from: str | None = Field(None, description="start from a sweep trial's weights: SWEEP_DIR (its best "
                                   "trial by the task's objective) or SWEEP_DIR:TRIAL_ID; the trial's own task "
                                   "hyperparameters are the defaults of --hp")

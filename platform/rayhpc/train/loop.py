@@ -25,7 +25,7 @@ from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batc
 from rayhpc.task.load import LoadedTask
 from rayhpc.train import checkpoint
 from rayhpc.train.config import TrainConfig
-from rayhpc.train.parallelize import model_blocks, parallelize
+from rayhpc.train.parallelize import parallelize
 
 
 @dataclasses.dataclass
@@ -108,8 +108,7 @@ def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.devi
     model = task.initial_model(hp)
     if init is not None:  # whole, before sharding: FSDP2 then shards these weights
         model.load_state_dict(init)
-    model = parallelize(model, cfg.strategy, device, cfg.use_bf16, blocks=model_blocks(task.obj, model),
-                        ac=cfg.activation_checkpointing, compile_mode=cfg.compile)
+    model = parallelize(model, cfg.strategy, device, cfg.use_bf16, task.obj, cfg)
     optimizer = task.optimizer(model.parameters(), hp)
     progress = restore(model, optimizer) or checkpoint.Progress()
     workers = loader_workers(device, cfg.compute.cpus_per_worker)

@@ -20,16 +20,22 @@ SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.
              torch.ops.aten._scaled_dot_product_efficient_attention.default}
 
 
-def parallelize(model: nn.Module, strategy: str, device: torch.device, bf16: bool, *, blocks: list[nn.Module] = (),
-                ac: str = "none", compile_mode: str = "none") -> nn.Module:
-    """Move `model` to `device`, checkpoint and compile its `blocks` as asked, and wrap it for `strategy`
+def parallelize(model: nn.Module, strategy: str, device: torch.device, bf16: bool, task, options) -> nn.Module:
+    """Move `model` to `device`, checkpoint and compile its blocks as `options` asks, and wrap it for `strategy`
     ("ddp" or "fsdp")."""
     model.to(device)
-    apply_ac(blocks, ac)
-    apply_compile(model, blocks, compile_mode)
+    apply_options(model, task, options)
     if strategy == "fsdp":
         return apply_fsdp(model, default_units(model), mesh=world_mesh(device), bf16=bf16)
     return apply_ddp(model, device)
+
+
+def apply_options(model: nn.Module, task, options) -> None:
+    """`options.activation_checkpointing`, then `options.compile` (`rayhpc.config.ModelOptions`), on the blocks
+    of the task's `model` (`task`: the user's task object; `model`: a pipeline stage of it too)."""
+    blocks = model_blocks(task, model)
+    apply_ac(blocks, options.activation_checkpointing)
+    apply_compile(model, blocks, options.compile)
 
 
 def model_blocks(task, model: nn.Module) -> list[nn.Module]:

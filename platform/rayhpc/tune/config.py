@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rayhpc.config import PRECISION_HELP, Checkpoints, ConfigError, Precision, StrictModel
+from rayhpc.config import PRECISION_HELP, Checkpoints, ConfigError, ModelOptions, Precision, StrictModel
 from rayhpc.task.config import TaskJobConfig
 from rayhpc.task.hparams import PlatformHParams, full_hparams
 from rayhpc.tune.pbt import MUTABLE, mutable
@@ -40,7 +40,7 @@ class PbtConfig(StrictModel):
     resample_probability: float = Field(0.25, ge=0, le=1, description="a fresh draw instead of x0.8 / x1.2")
 
 
-class SweepConfig(TaskJobConfig):
+class SweepConfig(ModelOptions, TaskJobConfig):
     """A hyperparameter sweep of a task (the built-in MLP by default)."""
 
     kind: ClassVar[str] = "sweep"
@@ -104,6 +104,10 @@ class SweepConfig(TaskJobConfig):
                               "epoch; give epochs")
         if self.scheduler == "pbt":
             self._check_pbt()
+        if self.pack is not None and self.pack > 1 and self.model_options_set:
+            key, value = next((k, v) for k, v in self.model_options_set.items())
+            raise ConfigError(f"{key} (--{key.replace('_', '-')}) {value}: packed trials run as one batched model "
+                              "(torch.func), not as the task's blocks; use pack 1 (or leave pack unset)")
         if self.pack is not None and self.pack > 1 and self.workers_per_trial > 1:
             raise ConfigError(f"pack: trials with workers_per_trial={self.workers_per_trial} cannot be packed; "
                               "use pack 1 or unset")
@@ -118,6 +122,11 @@ class SweepConfig(TaskJobConfig):
             what = (f"workers_per_trial (--workers-per-trial) {self.workers_per_trial}" if self.workers_per_trial > 1
                     else "pack (--pack) 1")
             raise ConfigError(f"{what}: scheduler pbt evolves the members of a pack; use packs of 2 or more")
+
+    @property
+    def model_options_set(self) -> dict[str, str]:
+        """compile and activation_checkpointing where they are not "none": such trials train unpacked."""
+        return {k: getattr(self, k) for k in ModelOptions.model_fields if getattr(self, k) != "none"}
 
     def defaults(self, hp_model) -> dict:
         """Every hyperparameter's value where the space sets none (the sweep's seed for `seed`)."""

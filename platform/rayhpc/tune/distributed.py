@@ -26,7 +26,8 @@ def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -
         optim=Optim(**{k: hp[k] for k in Optim.model_fields}),
         schedule=Schedule(**{k: hp[k] for k in Schedule.model_fields}),
         accumulate=hp["accumulate"],
-        max_failures=sweep.max_failures, data=sweep.data, precision=sweep.precision,
+        max_failures=sweep.max_failures, data=sweep.data, precision=sweep.precision, compile=sweep.compile,
+        activation_checkpointing=sweep.activation_checkpointing,
         hparams={k: v for k, v in hp.items() if k not in PLATFORM_KEYS},
     )
 

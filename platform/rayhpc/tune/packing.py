@@ -29,11 +29,13 @@ import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
+from rayhpc.config import ModelOptions
 from rayhpc.models import MLP, PackedMLP
 from rayhpc.task.batches import batch_size_of, evaluate
 from rayhpc.task.check import TaskInfo
 from rayhpc.task.load import LoadedTask, one_line
 from rayhpc.task.mlp import MLPTask
+from rayhpc.train.parallelize import apply_options
 from rayhpc.tune.optim import PACKED, packed_optimizer
 
 PACK_KEYS = ("batch_size", "optimizer", "seed", "accumulate")  # members step together on one data order
@@ -248,10 +250,12 @@ def _weighted_means(parts: Iterable[tuple[torch.Tensor, dict, int]]) -> dict[str
     return {name: (s / total).float() for name, s in sums.items()}
 
 
-def make_pack(task: LoadedTask, members: list[dict], device: torch.device):
-    """The members' initial models as one pack on `device` (a pack of one is the plain model)."""
+def make_pack(task: LoadedTask, members: list[dict], device: torch.device, options: ModelOptions = ModelOptions()):
+    """The members' initial models as one pack on `device` (a pack of one is the plain model, its blocks
+    checkpointed and compiled as `options` asks)."""
     models = [task.initial_model(hp) for hp in members]
     if len(models) == 1:
+        apply_options(models[0], task.obj, options)
         return SinglePack(task, models[0].to(device))
     if padded_mlp(task, members[0]):
         return PaddedMLPPack(models).to(device)

@@ -19,18 +19,21 @@ from typing import Callable
 
 import torch
 
+from rayhpc.config import ModelOptions
 from rayhpc.data import DataConfig
 from rayhpc.optim import optimizer_step, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
+from rayhpc.train.parallelize import apply_options
 
 
 def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfig = DataConfig(),
                  on_epoch: Callable | None = None, device: torch.device = torch.device("cpu"),
-                 precision: str = "tf32", steps: int | None = None) -> dict:
-    """Train one trial for `epochs` (or `steps`, the last epoch cut short) in `precision`; returns its final
-    model, its last values (`train_loss`, `val_loss`, `val_<metric>`), the best of each, and its time.
+                 precision: str = "tf32", steps: int | None = None, options: ModelOptions = ModelOptions()) -> dict:
+    """Train one trial for `epochs` (or `steps`, the last epoch cut short) in `precision`, its blocks
+    checkpointed and compiled as `options` asks; returns its final model, its last values (`train_loss`,
+    `val_loss`, `val_<metric>`), the best of each, and its time.
 
     `data` is the sweep's `data:` section (the validation hold-out); `on_epoch(epoch, values,
     model)` runs after each epoch (the plain Ray Tune baseline reports and checkpoints there).
@@ -39,6 +42,7 @@ def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfi
     set_matmul_precision(precision)
     train, val = task.split_data(hp, data)
     model = task.initial_model(hp).to(device)
+    apply_options(model, task.obj, options)
     opt = task.optimizer(model.parameters(), hp)
     scheduler = task.scheduler(opt, hp)
     workers = loader_workers(device, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
@@ -108,7 +112,7 @@ def main(argv=None) -> int:
     task = task_for(args.task or cfg.task, cfg.data)
     (hp,) = load_plan(Path(args.config).parent)[args.index]  # the trials the submission drew
     result = train_single(task, hp, cfg.epochs, cfg.data, device=task_device(cfg.gpus_per_trial),
-                          precision=cfg.precision, steps=cfg.steps)
+                          precision=cfg.precision, steps=cfg.steps, options=cfg)
     row = {"index": args.index, "config": hp, "node": socket.gethostname(),
            **{k: v for k, v in result.items() if k != "model"}}
     out = Path(args.out)

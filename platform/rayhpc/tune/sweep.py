@@ -13,7 +13,7 @@ import pandas as pd
 from ray.tune import Callback
 
 from rayhpc import cluster, interrupt
-from rayhpc.config import ConfigError
+from rayhpc.config import ConfigError, ModelOptions
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
 from rayhpc.train import checkpoint
@@ -41,6 +41,9 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     job = start_job(cfg, explicit, bind=bind_sweep, check=check_resources)
     cfg = job.cfg
     gpus = trial_gpus(cfg, job.resources)
+    if cfg.model_options_set and cfg.workers_per_trial == 1:
+        options = ", ".join(f"{k} {v}" for k, v in cfg.model_options_set.items())
+        log.info(f"sweep {cfg.name}: {options}: its trials run unpacked, each the task's own model")
     packs = _plan(job)
     _describe(cfg, packs, gpus)
     try:
@@ -114,7 +117,8 @@ def _settings(job: Started[SweepConfig]) -> TrialSettings:
                        *job.info.objective, cfg.seed)
     return TrialSettings(epochs=cfg.epochs, steps=cfg.steps, threads=max(1, int(cfg.cpus_per_trial)),
                          defaults=cfg.defaults(task.hp_model), data_keys=tuple(sorted(job.info.data_reads)),
-                         data=cfg.data, objective=job.info.objective, precision=cfg.precision, pbt=pbt)
+                         data=cfg.data, objective=job.info.objective, precision=cfg.precision, pbt=pbt,
+                         model_options=ModelOptions(**cfg.model_dump(include=set(ModelOptions.model_fields))))
 
 
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):

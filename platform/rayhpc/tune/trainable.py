@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rayhpc.config import ModelOptions
 from rayhpc.data import DataConfig
 from rayhpc.optim import lr_factor, optimizer_step, split_batch, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
@@ -42,6 +43,7 @@ class TrialSettings:
     data: DataConfig  # the sweep's data section: the validation hold-out
     objective: tuple[str, str]  # (reported name, "min" or "max")
     precision: str = "tf32"  # `rayhpc.precision`'s vocabulary
+    model_options: ModelOptions = ModelOptions()  # compile and activation checkpointing (unpacked trials only)
     pbt: PbtRules | None = None  # population-based training of each pack's members
 
 
@@ -91,7 +93,7 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
         # report the final metrics again instead of training anything twice
         tune.report(state["metrics"])
         return
-    pack, opt, state = _build(task, members, device, state, settings.objective)
+    pack, opt, state = _build(task, members, device, state, settings)
     train_batches, val_batches = Batches(train, device), (Batches(val, device) if val is not None else None)
     resumed_from = state["epoch"]
     # members are ASHA's trials by plan position (a searcher's packs: by Tune trial)
@@ -121,11 +123,11 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
 
 
 def _build(task: LoadedTask, members: list[dict], device: torch.device, state: dict | None,
-           objective: tuple[str, str]):
+           settings: TrialSettings):
     """(pack, optimizer, state): fresh, or as the checkpoint `state` left them (its surviving members)."""
-    pack = make_pack(task, members, device)
+    pack = make_pack(task, members, device, settings.model_options)
     if state is None:
-        state = _fresh(len(members), objective)
+        state = _fresh(len(members), settings.objective)
         # what differs between members (PBT's exploit copies it all: the padded MLP's width too), as PBT changes it
         varies = [k for k in members[0] if len({repr(m.get(k)) for m in members}) > 1 or k in MUTABLE]
         state["hp"] = [{k: m[k] for k in varies if k in m} for m in members]

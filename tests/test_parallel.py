@@ -378,13 +378,14 @@ def test_accumulation_runs_the_model_on_micro_batches(ray_address):
         torch.testing.assert_close(weights[name], tensor, msg=lambda m: f"{name}: {m}")
 
 
+
 def count_attention(ctx) -> None:
     """Count the calls of every block's attention on this rank (inside a checkpointed block, its recomputation
     in backward calls them again)."""
-    ctx.state["calls"] = 0
+    ctx.state["seen"] = 0
 
     def count(*_):
-        ctx.state["calls"] += 1
+        ctx.state["seen"] += 1
 
     for part in ctx.state["run"].parts:
         for name, module in part.named_modules():
@@ -392,19 +393,46 @@ def count_attention(ctx) -> None:
                 module.register_forward_pre_hook(count)
 
 
+def graphs_compiled(ctx) -> None:
+    """What dynamo compiled in this rank's process (its counters start at 0 in a new worker)."""
+    ctx.state["seen"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def one_tp2_step(cfg: ParallelConfig, before=None, after=None) -> tuple[list, dict]:
+    """One step of `cfg` on two TP ranks: what `before` (run after set-up) or `after` (after the step) put in
+    each rank's state["seen"], and the whole weights."""
+    recipe, data = make_recipe(cfg)
+    recipe.task.ship()  # the GPT's file travels to the ranks by value, as run_parallel sends it
+    with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=120) as group:
+        group.run(worker.setup, recipe, data)
+        if before is not None:
+            group.run(before)
+        group.run(worker.train_step, 0)
+        if after is not None:
+            group.run(after)
+        return group.run(lambda ctx: ctx.state["seen"]), group.run(worker.gather_weights)[0]
+
+
+def tp2_gpt(**options) -> ParallelConfig:
+    return parallel_cfg(task=GPT, hparams=GPT_HP, optimizer="adam", lr=1e-3, steps=1, global_batch_size=8, tp=2,
+                        **options)
+
+
 def test_activation_checkpointing_recomputes_each_block_under_tp_and_changes_no_step(ray_address):
     """`activation_checkpointing: full` on the GPT under TP: each block's attention runs twice a step (the
     forward, then its recomputation in backward), and the step equals one process's without it."""
-    cfg = parallel_cfg(task=GPT, hparams=GPT_HP, optimizer="adam", lr=1e-3, steps=1, global_batch_size=8, tp=2,
-                       activation_checkpointing="full")
-    recipe, data = make_recipe(cfg)
-    with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=120) as group:
-        group.run(worker.setup, recipe, data)
-        group.run(count_attention)
-        group.run(worker.train_step, 0)
-        calls = group.run(lambda ctx: ctx.state["calls"])
-        weights = group.run(worker.gather_weights)[0]
+    calls, weights = one_tp2_step(tp2_gpt(activation_checkpointing="full"), before=count_attention)
     assert calls == [2 * GPT_HP["layers"]] * 2, calls
-    _, expected, _ = reference_run(cfg.model_copy(update={"activation_checkpointing": "none"}))
+    _, expected, _ = reference_run(tp2_gpt())
     for name, tensor in expected.items():
         torch.testing.assert_close(weights[name], tensor, msg=lambda m: f"{name}: {m}")
+
+
+def test_compiled_blocks_under_tp_step_like_one_eager_process(ray_address):
+    """`compile: blocks` on the GPT's TP-sharded blocks (DTensor): each rank's dynamo compiles graphs, and the
+    step equals one eager process's within rtol 1e-4 / atol 1e-5 (fused kernels reorder float sums)."""
+    graphs, weights = one_tp2_step(tp2_gpt(compile="blocks"), after=graphs_compiled)
+    assert all(n > 0 for n in graphs), f"a rank ran its blocks eagerly: {graphs} graphs compiled"
+    _, expected, _ = reference_run(tp2_gpt())
+    for name, tensor in expected.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -3,8 +3,10 @@ activation checkpointing, then compilation, then FSDP2 or DDP)."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 
 import torch
@@ -72,8 +74,12 @@ def apply_compile(model: nn.Module, blocks: list[nn.Module], mode: str) -> None:
     """`torch.compile` each block (`blocks`: repeated blocks compile once) or the whole model, in place."""
     if mode == "none":
         return
-    # inductor's default cache is /tmp/torchinductor_<user>, a path another user can create first
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="rayhpc-inductor-"))
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # inductor's default cache is /tmp/torchinductor_<user>, a path another user can create first; this
+        # process's own (0700, random name) goes when the process ends
+        cache = tempfile.mkdtemp(prefix="rayhpc-inductor-")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     for module in (blocks if mode == "blocks" else [model]):
         module.compile()
 

@@ -22,6 +22,7 @@ from rayhpc.models import MLP
 from rayhpc.ps.config import PSConfig
 from rayhpc.ps.driver import run_ps
 from rayhpc.ps.shards import plan
+from rayhpc.train.checkpoint import load_full_state_dict
 
 EPOCHS = 2
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -98,7 +99,10 @@ def test_sync_with_adamw_warm_up_cosine_accumulation_and_steps_equals_ddp(ray_ad
                  optim={"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1},
                  schedule={"warmup_steps": 5, "decay": "cosine"})
     result = run_ps(cfg)
-    assert_same_weights(result.weights, two_ranks(cfg))
+    want = two_ranks(cfg)
+    assert_same_weights(result.weights, want)
+    # the last checkpoint reads as the whole model, as every job's does (one flat shard file per server)
+    assert_same_weights(load_full_state_dict(result.checkpoint), want)
     # the parameters really are sharded: every server holds a part, the parts cover the model once
     sizes = result.layout.sizes()
     assert len(sizes) == 2 and all(s > 0 for s in sizes) and sum(sizes) == 6 * 16 + 16 + 16 * 2 + 2

@@ -132,7 +132,10 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
     per_epoch, total = made["steps_per_epoch"], made["total_steps"]
     ends = [run.end_of(e) for e in range(made["epochs"])]
     server_cls = ray.remote(ParameterServer).options(num_cpus=cfg.compute.cpus_per_server)
-    servers = [server_cls.remote(j, made["initial"][j], made["hp"], cfg.compute.num_workers, cfg.mode,
+    layout = made["layout"]
+    holds = [{"pieces": [(p.name, p.start, p.stop) for p in pieces], "shapes": layout.shapes}
+             for pieces in layout.servers]
+    servers = [server_cls.remote(j, made["initial"][j], holds[j], made["hp"], cfg.compute.num_workers, cfg.mode,
                                  cfg.staleness, cfg.name, total, checkpoint_steps(cfg, per_epoch, total),
                                  ends if made["validates"] else [],
                                  str(cfg.experiment_dir), str(checkpoint) if checkpoint else None)

@@ -12,7 +12,6 @@ from typing import Callable
 import pandas as pd
 
 from rayhpc.optim import lr_factor
-from rayhpc.ps.server import SHARD_FILE
 from rayhpc.train import checkpoint
 from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
 
@@ -34,7 +33,7 @@ def mark_complete(cfg) -> Path:
     """Give every checkpoint folder that holds all the servers' shards the progress file that marks a
     checkpoint complete (`rayhpc.train.checkpoint`, whose finder then finds it); returns the run's folder."""
     for folder in cfg.experiment_dir.glob("checkpoint_*"):
-        shards = [folder / SHARD_FILE.format(index=j) for j in range(cfg.compute.num_servers)]
+        shards = [folder / checkpoint.SERVER_FILE.format(index=j) for j in range(cfg.compute.num_servers)]
         if not (folder / checkpoint.PROGRESS_FILE).exists() and all(s.exists() for s in shards):
             checkpoint.write_progress(folder, checkpoint.Progress(global_step=checkpoint_step(folder)))
     return cfg.experiment_dir

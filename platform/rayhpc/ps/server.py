@@ -23,8 +23,8 @@ import torch
 
 from rayhpc.monitor.metrics import PSMetrics
 from rayhpc.optim import make_optimizer, set_lr
+from rayhpc.train import checkpoint
 
-SHARD_FILE = "server_{index}.pt"
 
 
 def as_tensor(array: np.ndarray) -> torch.Tensor:
@@ -36,11 +36,13 @@ def as_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 class ParameterServer:
-    def __init__(self, index: int, flat: np.ndarray, hp: dict, num_workers: int, mode: str, staleness: int | None,
-                 run: str, total_steps: int, checkpoints: list[int], epoch_ends: list[int], run_dir: str,
-                 restore: str | None = None):
+    def __init__(self, index: int, flat: np.ndarray, holds: dict, hp: dict, num_workers: int, mode: str,
+                 staleness: int | None, run: str, total_steps: int, checkpoints: list[int], epoch_ends: list[int],
+                 run_dir: str, restore: str | None = None):
+        """`flat`: the initial values of the pieces of parameters it `holds` ({"pieces": [(name, start, stop)],
+        "shapes": {name: shape}}, written into its checkpoints so they read as the whole model)."""
         torch.set_num_threads(1)
-        self.index, self.n, self.mode, self.staleness = index, num_workers, mode, staleness
+        self.index, self.n, self.mode, self.staleness, self.holds = index, num_workers, mode, staleness, holds
         self.param = torch.nn.Parameter(torch.tensor(flat, dtype=torch.float32))
         self.optimizer = make_optimizer(hp, [self.param])
         self.hp, self.total_steps = hp, total_steps
@@ -155,15 +157,15 @@ class ParameterServer:
         """The shard, its optimizer state and the push counts, as `checkpoint_<step>/server_<index>.pt`."""
         folder = self.run_dir / f"checkpoint_{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / SHARD_FILE.format(index=self.index)
+        path = folder / checkpoint.SERVER_FILE.format(index=self.index)
         tmp = path.with_suffix(".tmp")
-        torch.save({"param": self.param.detach().clone(), "optimizer": self.optimizer.state_dict(),
+        torch.save({"param": self.param.detach().clone(), **self.holds, "optimizer": self.optimizer.state_dict(),
                     "pushed": [min(p, step) for p in self.pushed], "version": self.version, "step": step}, tmp)
         os.replace(tmp, path)
         self.saved_step = step
 
     def _load(self, folder: str) -> None:
-        state = torch.load(Path(folder) / SHARD_FILE.format(index=self.index), weights_only=True)
+        state = torch.load(Path(folder) / checkpoint.SERVER_FILE.format(index=self.index), weights_only=True)
         with torch.no_grad():
             self.param.copy_(state["param"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -6,7 +6,8 @@ complete) and either `model.pt` (the model's and the optimizer's state: DDP's, a
 stacked members') or the files of `torch.distributed.checkpoint` (FSDP and the model-parallel job: one
 shard file per rank plus metadata; Ray Train merges the ranks' folders into one), with `rng.pt` (torch's
 RNG states, by rank) where the run draws random numbers after a resume. A pack adds `pack.pt`, what its
-members did (`rayhpc.tune.trainable`); the parameter server's servers each their own shard file.
+members did (`rayhpc.tune.trainable`); the parameter server's servers each their own shard file, which
+`load_full_state_dict` reads as the whole model too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rayhpc.train.parallelize import unwrap
 PROGRESS_FILE = "progress.json"
 DDP_FILE = "model.pt"
 RNG_FILE = "rng.pt"
+SERVER_FILE = "server_{index}.pt"  # the parameter server's: one flat shard (and its optimizer) per server
 
 
 @dataclasses.dataclass
@@ -94,11 +96,27 @@ def load_full_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     folder = Path(folder)
     if (folder / DDP_FILE).exists():
         return torch.load(folder / DDP_FILE, map_location="cpu", weights_only=True)["model"]
+    if servers := sorted(folder.glob(SERVER_FILE.format(index="*"))):
+        return _gather_servers(servers)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(folder), f"{tmp}/full.pt")  # gathers every rank's shards
         return torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def _gather_servers(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """The whole parameters from the parameter server's shard files, each a flat tensor of the pieces
+    (name, start, stop) of the flattened parameters it lists."""
+    flat: dict[str, torch.Tensor] = {}
+    for path in paths:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        shapes, offset = state["shapes"], 0
+        for name, start, stop in state["pieces"]:
+            whole = flat.setdefault(name, torch.empty(math.prod(shapes[name]), dtype=state["param"].dtype))
+            whole[start:stop] = state["param"][offset:offset + stop - start]
+            offset += stop - start
+    return {name: tensor.reshape(shapes[name]) for name, tensor in flat.items()}
 
 
 def write_progress(folder: str | Path, progress: Progress) -> None:

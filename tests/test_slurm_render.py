@@ -11,25 +11,52 @@ import pytest
 from conftest import ROOT
 from rayhpc.config import ConfigError, validate
 from rayhpc.slurm.config import ClusterConfig, load_cluster
-from rayhpc.slurm.render import render_sbatch
+from rayhpc.slurm.render import render_array, render_collect, render_sbatch
+from rayhpc.tune.config import SweepConfig
 
 GOLDEN = ROOT / "tests" / "golden"
 CONFIGS = sorted(p.stem for p in (ROOT / "cluster_configs").glob("*.yaml"))
 COMMAND = ["python", "-u", "jobs/tune_mlp.py", "--num-samples", "16"]
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_rendered_sbatch_matches_the_golden_file(name):
+def shipped(name: str) -> ClusterConfig:
+    """A shipped cluster config with fixed paths, so the text does not depend on where the checkout or home is."""
     cfg = load_cluster(ROOT / "cluster_configs" / f"{name}.yaml")
-    # fixed paths, so the text does not depend on where the checkout or home is
-    cfg = cfg.model_copy(update={"log_dir": Path("/home/user/rayhpc-logs")})
-    text = render_sbatch(cfg, COMMAND, startup=Path("/opt/rayhpc/cluster_configs/slurm/ray_cluster.sbatch"))
-    golden = GOLDEN / f"{name}.sbatch"
+    return cfg.model_copy(update={"log_dir": Path("/home/user/rayhpc-logs")})
+
+
+def assert_golden(file: str, text: str, what: str) -> None:
+    golden = GOLDEN / file
     if os.environ.get("REGEN_GOLDEN") == "1":
         golden.write_text(text)
     assert golden.is_file() and golden.read_text() == text, (
-        f"the sbatch rendered from cluster_configs/{name}.yaml differs from {golden.relative_to(ROOT)}; if the "
-        f"change is intended, regenerate with: REGEN_GOLDEN=1 python -m pytest tests/test_slurm_render.py")
+        f"{what} differs from {golden.relative_to(ROOT)}; if the change is intended, regenerate with: "
+        f"REGEN_GOLDEN=1 python -m pytest tests/test_slurm_render.py")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_rendered_sbatch_matches_the_golden_file(name):
+    text = render_sbatch(shipped(name), COMMAND, startup=Path("/opt/rayhpc/cluster_configs/slurm/ray_cluster.sbatch"))
+    assert_golden(f"{name}.sbatch", text, f"the sbatch rendered from cluster_configs/{name}.yaml")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_array_and_collect_scripts_match_their_golden_files(name):
+    """An array sweep's two scripts come from the same settings as the cluster job: its tasks carry the
+    config's partition, account, qos, memory, requeue and extra flags, its collect job the partition,
+    account and qos (a cluster that bills by account refuses a job without one)."""
+    cfg = shipped(name)
+    sweep = SweepConfig(name="sweep", storage_path=Path("/home/user/results"), max_concurrent=4, cpus_per_trial=2,
+                        gpus_per_trial=1 if cfg.slurm.gpus_per_node else None)
+    folder = Path("/home/user/results/sweep")
+    array = render_array(cfg, sweep, 16, folder / "array", f"{folder}/task/model.py:Model")
+    collect = render_collect(cfg, "12345", folder)
+    assert_golden(f"{name}-array.sbatch", array, f"the array script rendered from cluster_configs/{name}.yaml")
+    assert_golden(f"{name}-collect.sbatch", collect, f"the collect script rendered from cluster_configs/{name}.yaml")
+    s = cfg.slurm
+    for key in ("partition", "account", "qos"):
+        flag = f"#SBATCH --{key}={getattr(s, key)}\n"
+        assert (flag in array and flag in collect) == (getattr(s, key) is not None), (key, array, collect)
 
 
 def test_nodes_flag_overrides_the_config():

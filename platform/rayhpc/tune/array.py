@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import shlex
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from rayhpc.config import ConfigError, reconcile_resume
 from rayhpc.job import bind_task
 from rayhpc.slurm.config import ClusterConfig
 from rayhpc.slurm.private import write_private
-from rayhpc.slurm.render import setup_lines
+from rayhpc.slurm.render import render_array, render_collect
 from rayhpc.slurm.submit import log_dir, sbatch
 from rayhpc.tune.config import SweepConfig, bind_sweep
 from rayhpc.tune.plan import load_plan, save_plan
@@ -52,29 +51,11 @@ def prepare_array(cfg: SweepConfig, explicit: set[str]):
     return cfg, task, cfg.configs(task.hp_model), columns
 
 
-def render_array(cluster: ClusterConfig, sweep: SweepConfig, n_trials: int, task_spec: str | None = None) -> str:
-    """The array job's script: `--array=0-(n-1)%K`, a `%A_%a` log per task, one trial per task."""
-    s, q = cluster.slurm, shlex.quote
-    limit = f"%{sweep.max_concurrent}" if sweep.max_concurrent else ""
-    flags = [f"--job-name=rayhpc-{cluster.name}-array", f"--array=0-{n_trials - 1}{limit}", "--nodes=1",
-             "--ntasks=1", f"--cpus-per-task={math.ceil(sweep.cpus_per_trial)}", f"--time={s.time}",
-             f"--output={cluster.log_dir}/%x-%A_%a.log"]
-    flags += [f"--{k}={getattr(s, k)}" for k in ("partition", "account", "qos") if getattr(s, k)]
-    flags += [f"--gpus-per-task={math.ceil(sweep.gpus_per_trial)}"] if sweep.gpus_per_trial else []
-    lines = ["#!/bin/bash", f"# rendered by `rayhpc submit --array` from cluster config {cluster.name!r}"]
-    lines += [f"#SBATCH {flag}" for flag in flags + s.extra]
-    lines += ["", "set -e", *setup_lines(cluster)]
-    task = f" --task {q(task_spec)}" if task_spec else ""
-    lines += [f"exec python -m rayhpc.tune.single --config {q(str(sweep.saved_file))} "
-              f"--index \"$SLURM_ARRAY_TASK_ID\" --out {q(str(sweep.experiment_dir / ARRAY_DIR))}{task}", ""]
-    return "\n".join(lines)
-
-
 def submit_array(cluster: ClusterConfig, sweep: SweepConfig, task, configs: list[dict], columns: dict,
                  dry_run: bool = False) -> str:
     """Submit the array and a job that collects its results once every task has ended."""
     exp_dir = sweep.experiment_dir
-    text = render_array(cluster, sweep, len(configs), task.copied_spec(exp_dir / TASK_DIR))
+    text = render_array(cluster, sweep, len(configs), exp_dir / ARRAY_DIR, task.copied_spec(exp_dir / TASK_DIR))
     if dry_run:
         return text
     log_dir(cluster)
@@ -84,10 +65,7 @@ def submit_array(cluster: ClusterConfig, sweep: SweepConfig, task, configs: list
     task.copy_files(exp_dir / TASK_DIR)
     write_private(exp_dir / "array.sbatch", text)  # a record beside the results; Slurm reads it on stdin
     array_id = sbatch([], script=text)
-    collect = f"{shlex.quote(sys.executable)} -m rayhpc.tune.array {shlex.quote(str(exp_dir))}"
-    sbatch([f"--dependency=afterany:{array_id}", f"--job-name=rayhpc-{cluster.name}-collect",
-            f"--output={cluster.log_dir}/%x-%j.log", "--ntasks=1", f"--time={cluster.slurm.time}",
-            *([f"--partition={cluster.slurm.partition}"] if cluster.slurm.partition else []), f"--wrap={collect}"])
+    sbatch([], script=render_collect(cluster, array_id, exp_dir))
     return array_id
 
 

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from rayhpc import cluster
-from rayhpc.bench.parallel_layouts import bubble_configs, print_bubble_table, print_gpt_table
+from bench.parallel_layouts import bubble_configs, print_bubble_table, print_gpt_table
 from rayhpc.cli import key_value_pairs
 from rayhpc.parallel.trainer import make_recipe
 

@@ -13,7 +13,7 @@ parameter server, beside the formulas: PS 2 x model; ring all-reduce 2 (n - 1) /
 import argparse
 
 from rayhpc import cluster
-from rayhpc.bench.ps_compare import compare, format_table
+from bench.ps_compare import compare, format_table
 from rayhpc.cli import key_value_pairs
 
 

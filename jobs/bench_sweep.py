@@ -123,7 +123,7 @@ def main() -> None:
     if args.distributed:
         return distributed(args)
     if args.adaptive:
-        from rayhpc.bench.adaptive_sweeps import adaptive_rows, print_adaptive
+        from bench.adaptive_sweeps import adaptive_rows, print_adaptive
 
         epochs = args.epochs if "--epochs" in sys.argv else 10
         start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
@@ -161,7 +161,7 @@ def main() -> None:
 
 
 def distributed(args) -> None:
-    from rayhpc.bench.warm_sweeps import HEADER, distributed_row, print_row
+    from bench.warm_sweeps import HEADER, distributed_row, print_row
 
     epochs = args.epochs if "--epochs" in sys.argv else 5
     start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
@@ -173,7 +173,7 @@ def distributed(args) -> None:
 
 
 def scale(args) -> None:
-    from rayhpc.bench.scale_sweeps import HEADER, print_row, resumed_row, scale_rows
+    from bench.scale_sweeps import HEADER, print_row, resumed_row, scale_rows
 
     epochs = args.epochs if "--epochs" in sys.argv else 10
     sizes = [int(n) for n in args.sizes.split(",")]

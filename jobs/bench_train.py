@@ -39,6 +39,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+BENCH = Path(__file__).resolve().parent / "bench"  # the plain-PyTorch baseline, run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 NAN = float("nan")
 RAY_TRAIN_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
@@ -51,7 +53,7 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
                                "--nproc_per_node", str(args.workers)]
     device = ["--device", "cuda", "--bf16"] if raw and args.gpu else []
     launch = time.time()
-    subprocess.run([*(launcher or [sys.executable]), "-m", "rayhpc.bench.train_baseline", "--out", str(out),
+    subprocess.run([*(launcher or [sys.executable]), str(BENCH / "train_baseline.py"), "--out", str(out),
                     "--launch-time", str(launch), "--in-features", str(args.in_features), "--hidden",
                     str(args.hidden), "--depth", str(args.depth), "--samples", str(args.samples), "--batch",
                     str(args.batch), "--epochs", str(args.epochs), *device],

@@ -14,7 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from rayhpc.bench.gpu_check import format_table, run_checks, write
+from bench.gpu_check import format_table, run_checks, write
 
 
 def main() -> int:

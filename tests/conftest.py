@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "jobs"))  # the benchmarks' helpers (jobs/bench/), whose tables some tests check
 # Ray Train's controller polls its workers every 2 s, so each of the suite's many short training runs
 # ends up to 2 s after its last step; polling at 0.5 s (set before any Ray or job starts, which inherit
 # it) shortens the suite by about a minute and changes nothing a test checks

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import sysconfig
 import venv
+import zipfile
 from pathlib import Path
 
 import pandas as pd
@@ -34,6 +35,15 @@ def installed(tmp_path_factory) -> Path:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return where
+
+
+def test_the_wheel_ships_the_platform_and_no_benchmark_or_test_code(installed):
+    (wheel,) = (installed / "dist").glob("rayhpc-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "rayhpc/slurm/ray_cluster.sbatch" in names and "rayhpc/examples/gpt.py" in names, names
+    # the collectives benchmark is a platform command (`rayhpc collectives`); the benchmark scripts' helpers
+    # (jobs/bench/) and the tests' references are not
+    assert [n for n in names if n.startswith("rayhpc/bench/") or "test" in n or "reference" in n] == [], names
 
 
 def in_venv(installed: Path, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -12,8 +12,8 @@ import ray
 import torch
 
 from conftest import CPUS, ROOT, run_job, run_job_warm, too_many_gpu_workers
-from rayhpc.bench.parallel_layouts import GPT_LAYOUTS as GPT_BENCH
-from rayhpc.bench.parallel_reference import reference_run
+from bench.parallel_layouts import GPT_LAYOUTS as GPT_BENCH
+from parallel_reference import reference_run
 from rayhpc.config import ConfigError, validate
 from rayhpc.parallel import ParallelConfig, run_parallel, worker
 from rayhpc.parallel.trainer import make_recipe

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: jobs/bench/gpu_check.py
 # the H100 anchor (one worker, bf16): MLP 4096 -> 8192 x 3 -> 4096, batch 8192
 ANCHOR = ["--in-features", "4096", "--hidden", "8192", "--depth", "4", "--batch", "8192"]
 GOALS = {"rayhpc DDP": 0.99, "rayhpc FSDP2": 0.95}  # samples/s over raw PyTorch in the same run
@@ -137,7 +137,8 @@ def layouts(gpus: int) -> dict[str, dict]:
 
 def check_model_parallel(work: Path, gpus: int) -> list[Line]:
     """The worker group on NCCL against the one-process reference (fp32, no TF32), and a bf16 run."""
-    from rayhpc.bench.parallel_reference import reference_run
+    sys.path.insert(0, str(ROOT / "tests"))  # the tests' one-process reference: this runs from a checkout
+    from parallel_reference import reference_run
     from rayhpc.parallel import ParallelConfig, run_parallel
 
     lines = []

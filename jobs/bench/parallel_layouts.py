@@ -1,7 +1,7 @@
 """The pipeline-bubble and GPT-layout tables of `jobs/bench_parallel.py`.
 
 Bubble: the measured idle share per pipeline rank for every schedule at several microbatch
-counts, beside the schedule's formula (`rayhpc.bench.bubble`), on an MLP whose layers are
+counts, beside the schedule's formula (`bench.bubble`), on an MLP whose layers are
 spread over p x v stages (v stages per rank for the interleaved and zero-bubble schedules; the
 whole model is the same for every schedule). GPT: the example task's training throughput
 (tokens/s) under each layout that fits the cluster, and its validation bits per byte.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 
-from rayhpc.bench.bubble import measure_bubble
+from bench.bubble import measure_bubble
 from rayhpc.parallel import ParallelConfig, run_parallel
 from rayhpc.parallel.pp import SCHEDULES
 from rayhpc.workers import WorkerGroup

@@ -2,7 +2,7 @@
 Ray, each driven by a fresh driver process (so that its CPU time and peak memory are the driver's alone),
 with what it leaves under `storage_path`.
 
-    python -m rayhpc.bench.scale_sweeps --trials N --epochs E --address ADDR --storage DIR [--kill-after S]
+    python jobs/bench/scale_sweeps.py --trials N --epochs E --address ADDR --storage DIR [--kill-after S]
 
 runs one sweep and prints one JSON line (what `scale_rows` reads); `--kill-after S` SIGKILLs that driver
 S seconds in and resumes the sweep with a second one (`--resume`), counting the finished trials kept."""
@@ -50,7 +50,7 @@ def measure_one(trials: int, epochs: int, address: str, storage: Path, resume: b
 def run_driver(trials: int, epochs: int, address: str, storage: Path, *extra: str,
                kill_after: float | None = None) -> dict | None:
     """One driver process; its JSON line, or None when it was killed."""
-    cmd = [sys.executable, "-m", "rayhpc.bench.scale_sweeps", "--trials", str(trials), "--epochs", str(epochs),
+    cmd = [sys.executable, __file__, "--trials", str(trials), "--epochs", str(epochs),
            "--address", address, "--storage", str(storage), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     if kill_after is not None:

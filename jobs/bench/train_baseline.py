@@ -1,7 +1,7 @@
 """Plain PyTorch training, the baselines of `jobs/bench_train.py`: what users write by hand today.
 
-    torchrun --nproc_per_node 2 -m rayhpc.bench.train_baseline --out result.json --launch-time T [options]
-    python -m rayhpc.bench.train_baseline --out result.json --launch-time T --device cuda --bf16 [options]
+    torchrun --nproc_per_node 2 jobs/bench/train_baseline.py --out result.json --launch-time T [options]
+    python jobs/bench/train_baseline.py --out result.json --launch-time T --device cuda --bf16 [options]
 
 Same model, data, sampler and optimizer as the platform's loop. Under torchrun
 (RANK in the environment): DDP with `init_process_group` from torchrun's

@@ -145,3 +145,14 @@ def test_the_gpu_check_runs_on_any_machine_and_says_where(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [(line["name"], line["status"]) for line in report["lines"]] == [("no host sync in a step", "PASS")]
     assert ("no GPU" in report["machine"]) == (GPUS == 0) and report["machine"] in proc.stdout
+
+
+def test_an_array_task_whose_torch_sees_no_gpu_is_one_error_line(monkeypatch):
+    """A task Slurm gave a GPU that torch cannot see (a CPU build, an old driver) refuses to train on the CPU:
+    a `ConfigError`, which the task's entry point prints as one `error:` line with exit 2."""
+    from rayhpc.tune.single import task_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^gpus_per_trial 1: no GPU visible to this array task \(CUDA_VISIBLE_DEV"):
+        task_device(1)
+    assert task_device(None) == torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Hyperparameter sweeps of the MLP with Ray Tune: `run_sweep(SweepConfig(...))`.
+"""Hyperparameter sweeps of any task with Ray Tune (packed trials, ASHA, Optuna, PBT): `run_sweep(SweepConfig(...))`.
 
 Imports are lazy: an array-job task (`python -m rayhpc.tune.single`) must not
 pay for importing Ray Tune, which it does not use.

@@ -12,14 +12,13 @@ import json
 import math
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from rayhpc.config import ModelOptions
+from rayhpc.config import ConfigError, ModelOptions
 from rayhpc.data import DataConfig
 from rayhpc.optim import optimizer_step, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
@@ -85,9 +84,8 @@ def task_device(gpus: float | None) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        print(f"error: gpus_per_trial {gpus:g}: no GPU visible to this array task "
-              f"(CUDA_VISIBLE_DEVICES={visible!r}, torch {torch.__version__})", file=sys.stderr)
-        raise SystemExit(2)
+        raise ConfigError(f"gpus_per_trial {gpus:g}: no GPU visible to this array task "
+                          f"(CUDA_VISIBLE_DEVICES={visible!r}, torch {torch.__version__})")
     return torch.device("cuda", 0)
 
 

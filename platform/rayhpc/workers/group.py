@@ -1,6 +1,6 @@
 """A group of Ray actors that form one `torch.distributed` world.
 
-What it does, and the traps it avoids (see ../shared/notes/worker-group-design.md):
+What it does, and the traps it avoids:
 - one placement group, one bundle per rank, packed per node; `pg.ready()` is
   awaited with a timeout, because an unsatisfiable group waits forever;
 - ranks sorted by (node, GPU id), so they are the same whatever order the

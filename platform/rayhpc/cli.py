@@ -2,6 +2,9 @@
 
 Bad input never produces a traceback: `ConfigError`s and argparse errors are
 printed as one `error: ...` line on stderr and the process exits with status 2.
+
+Each command imports its own job's modules inside its function: `rayhpc status`, `--help` or a bad flag
+answer without importing torch, Ray Train or Ray Tune (seconds each), and no command pays for another's.
 """
 
 from __future__ import annotations
@@ -9,9 +12,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Callable, NoReturn, Sequence, TypeVar
 
 import yaml
@@ -144,6 +149,7 @@ def parse_config(parser: ArgParser, model: type[M], argv) -> tuple[M, set[str]]:
 
 def tune_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc tune` / `python jobs/tune_mlp.py`: a hyperparameter sweep of a task on Ray Tune."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.tune.config import SweepConfig
     from rayhpc.tune.results import format_best
     from rayhpc.tune.sweep import run_sweep
@@ -163,6 +169,7 @@ def tune_main(argv: Sequence[str] | None = None) -> int:
 def ray_session(cfg=None):
     """Disconnect from (and stop, if this process started it) a Ray connection made inside; a stop
     signal inside ends the job `cfg` with the line that says how to resume it (`interrupt.report`)."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     import ray
 
     if cfg is not None:
@@ -177,6 +184,7 @@ def ray_session(cfg=None):
 
 def train_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc train` / `python jobs/train_mlp.py`: data-parallel training of a task with Ray Train."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.train.config import TrainConfig
     from rayhpc.train.trainer import format_summary, run_training
 
@@ -187,6 +195,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
 def parallel_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc parallel` / `python jobs/train_parallel.py`: TP, PP and DP on the platform's worker group."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.parallel.config import ParallelConfig
     from rayhpc.parallel.trainer import format_summary, run_parallel
 
@@ -197,6 +206,7 @@ def parallel_main(argv: Sequence[str] | None = None) -> int:
 
 def ps_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc ps` / `python jobs/train_ps.py`: training with a sharded parameter server, sync or async (Downpour)."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.ps.config import PSConfig
     from rayhpc.ps.driver import format_summary, run_ps
 
@@ -207,6 +217,7 @@ def ps_main(argv: Sequence[str] | None = None) -> int:
 
 def collectives_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc collectives` / `python jobs/bench_collectives.py`: the collective-primitive benchmark."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.collectives.bench import PLOT_FILE, RESULTS_FILE, run_collectives
     from rayhpc.collectives.config import CollectivesConfig
 
@@ -224,6 +235,7 @@ def collectives_main(argv: Sequence[str] | None = None) -> int:
 
 def scaling_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc scaling` / `python jobs/scaling_study.py`: strong and weak scaling of DDP training."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.scaling.config import ScalingConfig
     from rayhpc.scaling.study import PLOT_FILE, RESULTS_FILE, format_table, run_scaling
 
@@ -247,6 +259,7 @@ def _run_job(parser: ArgParser, argv, model: type[M], run: Callable, summary: Ca
 
 def submit_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc submit --cluster FILE [--nodes N] [--dry-run] -- COMMAND...`: a Ray cluster in a Slurm job."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.slurm.config import load_cluster
     from rayhpc.slurm.submit import submit
 
@@ -271,6 +284,7 @@ def submit_main(argv: Sequence[str] | None = None) -> int:
 
 def _submit_array(cluster_cfg, command: list[str], dry_run: bool) -> int:
     """`rayhpc submit --array`: the sweep flags (after an optional `python [-u] jobs/tune_mlp.py`)."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.tune.array import prepare_array, submit_array
     from rayhpc.tune.config import SweepConfig
 
@@ -286,16 +300,15 @@ def _submit_array(cluster_cfg, command: list[str], dry_run: bool) -> int:
 
 def status_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc status [JOBID]`: the platform's Slurm jobs, one job as Slurm and Ray see it, or (--address) a Ray cluster."""
-    import shutil
-
     parser = ArgParser(prog="rayhpc status", description="rayhpc's Slurm jobs; with JOBID, that job as Slurm sees "
                        "it (state, time left, nodes) and as its Ray cluster does (nodes, resources in use, sweeps); "
                        "with --address, a Ray cluster's nodes, resources in use, running jobs and sweeps.")
     parser.add_argument("job", nargs="?", metavar="JOBID", help="a Slurm job id of a rayhpc job")
     parser.add_argument("--address", metavar="ADDR", help="a running Ray cluster (host:port); default $RAY_ADDRESS")
     args = parser.parse_args(argv)
+    # each form of the command imports only what it needs (see the module docstring)
     if args.job is not None:
-        from rayhpc.slurm.control import job_status
+        from rayhpc.slurm.control import job_status  # Slurm's view, then the job's Ray
 
         print(job_status(_job_id(parser, args.job)))
         return 0
@@ -304,11 +317,11 @@ def status_main(argv: Sequence[str] | None = None) -> int:
         parser.error("no Ray cluster to ask: give --address HOST:PORT (or set RAY_ADDRESS); "
                      "no Slurm here (squeue not found)")
     if address is None:
-        from rayhpc.slurm.submit import format_jobs, jobs
+        from rayhpc.slurm.submit import format_jobs, jobs  # squeue only: no Ray
 
         print(format_jobs(jobs()))
         return 0
-    from rayhpc.monitor.status import cluster_status
+    from rayhpc.monitor.status import cluster_status  # Ray's state API: only this form needs it
 
     os.environ["RAY_ADDRESS"] = address  # Ray's state API reads it; without, it stops at two clusters on the node
     with ray_session():
@@ -325,6 +338,7 @@ def _job_id(parser: ArgParser, value: str) -> str:
 
 def stop_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc stop JOBID`: cancel a job and verify the clean-up on every node, reporting what was left."""
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.slurm.control import stop
 
     parser = ArgParser(prog="rayhpc stop", description="Cancel a rayhpc job and check, from each node's clean-up "
@@ -339,8 +353,7 @@ def stop_main(argv: Sequence[str] | None = None) -> int:
 
 def doctor_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc doctor [--cluster FILE]`: a pre-flight on this node or allocation, one line per check."""
-    from pathlib import Path
-
+    # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.slurm.config import load_cluster
     from rayhpc.slurm.doctor import doctor
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from rayhpc import interrupt
 from rayhpc.config import ConfigError
+from rayhpc.slurm.private import ensure_private_file, write_private
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +111,6 @@ def private_local_token() -> None:
     """The token a local `ray.init()` uses, ~/.ray/auth_token, readable by this user only: created here
     (exclusively, 0600, in a 0700 folder) when missing, since Ray would write it world-readable, and
     narrowed to 0600 when Ray already did."""
-    import secrets
-
-    from rayhpc.slurm.private import ensure_private_file, write_private
-
     if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
         return
     path = Path.home() / ".ray" / "auth_token"
@@ -136,7 +134,7 @@ def local_cpus() -> int:
 
 
 def local_gpus() -> int:
-    import torch
+    import torch  # torch: about 1.5 s to import, only where something trains
 
     return torch.cuda.device_count()
 
@@ -147,7 +145,7 @@ def probe(address: str | None) -> Resources:
     Connecting to an existing cluster starts nothing; a local cluster is only
     described here and started by `connect`.
     """
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     if ray.is_initialized():
         return _current()
@@ -160,7 +158,7 @@ def probe(address: str | None) -> Resources:
 
 def connect(address: str | None, **init_kwargs) -> Resources:
     """Join the cluster at `address`, or start a local one (token auth on); idempotent."""
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     if ray.is_initialized():
         return _current()
@@ -201,7 +199,7 @@ def start_local(**init_kwargs):
     chosen here, which the processes Ray starts are told as RAY_ADDRESS: Ray's state API in a worker (Ray
     Train's placement-group cleaner) otherwise looks for "the" cluster in `<tmp>/ray` and among every
     user's processes. The folder goes when the process disconnects (`disconnect`) or exits."""
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     private_local_token()
     for attempt in range(3):  # the port is free when chosen; another process may take it before the GCS does
@@ -224,7 +222,7 @@ def start_local(**init_kwargs):
 
 def disconnect() -> None:
     """Leave Ray; a local Ray this process started stops, and its private folder is removed."""
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     ray.shutdown()
     remove_local_temp()
@@ -258,7 +256,7 @@ def environment(**values: str):
 
 
 def _current() -> Resources:
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     return Resources(

@@ -70,7 +70,7 @@ def synthetic_tensors(task: SyntheticTask) -> tuple[torch.Tensor, torch.Tensor]:
 
 def read_parquet(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Feature and target columns of a Parquet file as float32 tensors, or a one-line error."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # Parquet data only
 
     path = cfg.path
     try:
@@ -101,7 +101,7 @@ def read_parquet(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _numeric_matrix(table, names: list[str], path: Path) -> torch.Tensor:
-    import pyarrow as pa
+    import pyarrow as pa  # Parquet data only
 
     cols = []
     for name in names:

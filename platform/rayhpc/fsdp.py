@@ -23,6 +23,7 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh=None, bf16: bool = False) -> nn.Module:
     """Shard each of `units`, then `model`, over `mesh` (a 1-D device mesh; 2-D: replicated over the first
     dim and sharded over the second, HSDP; None: the whole world)."""
+    # FSDP2: about 0.7 s to import, only where a run shards
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \

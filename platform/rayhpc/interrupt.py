@@ -32,6 +32,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from rayhpc.config import ConfigError
+
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 # seconds from the first stop signal to a forced end: below the 10 s users wait, above the 2-4 s a clean
 # stop takes on a loaded 2-CPU node (a sweep's last save, a worker group's kill, the local Ray's shutdown)
@@ -66,7 +68,6 @@ def grace_s() -> float:
     except ValueError:
         seconds = -1.0
     if not 0 <= seconds < float("inf"):
-        from rayhpc.config import ConfigError
 
         raise ConfigError(f"{GRACE_VARIABLE} {value!r}: expected seconds >= 0, e.g. {GRACE_VARIABLE}=30")
     return seconds
@@ -99,6 +100,7 @@ def quiet_workers() -> None:
     public switch for `log_to_driver` once it is connected, so the driver's private log dispatcher loses
     its printing handler; the workers' logs stay in Ray's session folder."""
     with contextlib.suppress(Exception):
+        # Ray: only where a cluster is used (config checks and --help stay fast)
         from ray._private.ray_logging import global_worker_stdstream_dispatcher
 
         global_worker_stdstream_dispatcher.remove_handler("ray_print_logs")

@@ -19,6 +19,8 @@ from typing import Any, Callable, Generic, TypeVar
 
 from rayhpc import cluster
 from rayhpc.config import JobConfig, reconcile_resume
+from rayhpc.task import task_for
+from rayhpc.task.check import check_task
 
 log = logging.getLogger(__name__)
 J = TypeVar("J", bound=JobConfig)
@@ -65,9 +67,6 @@ def start_job(cfg: J, explicit: set[str] = frozenset(), *,
 
 def bind_task(cfg, bind):
     """Step 2: (cfg, task, what the check learnt, the checked batch) for a job that trains a task."""
-    from rayhpc.task import task_for
-    from rayhpc.task.check import check_task
-
     task = task_for(cfg.task, cfg.data)
     cfg, hp = bind(cfg, task)
     info, batch = check_task(task, hp, cfg.data)

@@ -9,6 +9,7 @@ import math
 import time
 
 import pandas as pd
+import ray
 from ray.tune import Callback
 
 from rayhpc.monitor.metrics import SERIES_BEST, SweepMetrics
@@ -33,16 +34,12 @@ class SweepBoard:
 
 def open_board(sweep: str):
     """This sweep's board actor, created if absent (0 CPUs: it never takes a trial's slot)."""
-    import ray
-
     actor = ray.remote(num_cpus=0)(SweepBoard)
     return actor.options(name=PREFIX + sweep, namespace=NAMESPACE, get_if_exists=True).remote(sweep)
 
 
 def read_boards() -> list[dict]:
     """The tables of every sweep running on the connected cluster."""
-    import ray
-
     boards = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] == NAMESPACE and entry["name"].startswith(PREFIX):
@@ -68,7 +65,6 @@ class SweepMonitor(Callback):
     def on_experiment_end(self, trials, **info):
         self._publish(trials)  # the final gauges
         if self._board is not None:  # the sweep is over: `rayhpc status` lists running sweeps only
-            import ray
 
             ray.kill(self._board)
             self._board = None

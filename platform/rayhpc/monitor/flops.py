@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 # (name fragment, bf16/fp16 peak, TF32 peak, plain fp32 peak) in FLOP/s; first match wins, so the
 # specific names come before the generic ones
@@ -53,7 +54,6 @@ class StepFlops:
         if self.flops is not None:
             yield
             return
-        from torch.utils.flop_counter import FlopCounterMode
 
         mode = FlopCounterMode(display=False)
         with mode:

@@ -59,7 +59,7 @@ class _Gauges:
 
     def set(self, name: str, value: float, tags: dict[str, str]) -> None:
         if self._gauges is None:
-            from ray.util.metrics import Gauge
+            from ray.util.metrics import Gauge  # Ray: only where a cluster is used (config checks and --help stay fast)
 
             self._gauges = {n: Gauge(n, description=METRICS[n][0], tag_keys=METRICS[n][1]) for n in self._names}
         self._gauges[name].set(float(value), tags=tags)
@@ -137,7 +137,7 @@ class WorkerMetrics:
         for name, value in (val_metrics or {}).items():
             self._gauges.set("rayhpc_train_val_metric", value, {**self._tags, "metric": name.removeprefix("val_")})
         if device is not None and device.type == "cuda":
-            import torch
+            import torch  # torch: about 1.5 s to import, only where something trains
 
             self._gauges.set("rayhpc_gpu_memory_allocated_bytes", torch.cuda.memory_allocated(device), self._tags)
 

@@ -10,7 +10,7 @@ from rayhpc.monitor.board import read_boards
 
 def cluster_status() -> str:
     """The status of the connected cluster, as printable text."""
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
     from ray.util.state import list_jobs, list_nodes
 
     total, free = ray.cluster_resources(), ray.available_resources()

@@ -8,7 +8,7 @@ from rayhpc.parallel.mesh import Degrees
 
 
 def run_parallel(*args, **kwargs):
-    from rayhpc.parallel.trainer import run_parallel as run
+    from rayhpc.parallel.trainer import run_parallel as run  # the job's Ray and torch: not when the package is imported
 
     return run(*args, **kwargs)
 

@@ -34,6 +34,7 @@ class Parallelism(Degrees):
 
     @property
     def per_rank_stages(self) -> int:
+        # torch's pipelining (about 1 s): not for checking a config
         from rayhpc.parallel.pp import default_stages_per_rank
 
         return self.stages_per_rank or default_stages_per_rank(self.schedule)
@@ -116,7 +117,7 @@ class ParallelConfig(ModelOptions, TaskJobConfig):
         return self
 
     def _check_schedule(self) -> None:
-        from rayhpc.parallel.pp import SCHEDULES, allows
+        from rayhpc.parallel.pp import SCHEDULES, allows  # torch's pipelining (about 1 s): not for checking a config
 
         p = self.parallelism
         m, per_rank = p.n_microbatches, p.per_rank_stages

@@ -58,6 +58,7 @@ class Degrees(StrictModel):
 
 def build_mesh(degrees: Degrees, device_type: str):
     """The `DeviceMesh` over the initialised world: dims named pp, dp, fsdp, tp."""
+    # torch: about 1.5 s to import, only where something trains
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, tuple(getattr(degrees, d) for d in DIMS), mesh_dim_names=DIMS)

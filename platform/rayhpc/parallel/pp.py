@@ -50,7 +50,7 @@ def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, 
                    schedule: str, microbatches: int, loss_fn):
     """A pipelining schedule over this rank's stages, and the stages. The gradients are the sum over the
     microbatches of `loss_fn`'s (which scales them: `scale_grads=False`)."""
-    import torch.distributed.pipelining as pipelining
+    import torch.distributed.pipelining as pipelining  # about 1 s to import, only for pipeline runs
 
     stages = [pipelining.PipelineStage(part, index, n_stages, device, group=group)
               for part, index in zip(parts, stage_ids)]

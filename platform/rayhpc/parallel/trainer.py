@@ -71,7 +71,7 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
     recipe = made["recipe"]
     cfg = recipe.cfg  # the resolved config (resume, CPUs per rank), its steps counted from `epochs` if given
     recipe.task.ship()
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     start, losses, checkpoint = resume_point(cfg)
     say = log.info if verbose else (lambda *a, **k: None)

@@ -16,7 +16,9 @@ import logging
 import time
 import warnings
 
+import ray
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from rayhpc.data import step_indices
@@ -25,7 +27,7 @@ from rayhpc.optim import set_lr
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.mesh import build_mesh
 from rayhpc.parallel.parallelize import full_state, parallelize
-from rayhpc.parallel.pp import build_schedule
+from rayhpc.parallel.pp import build_schedule, rank_stages
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.workers.group import WorkerContext
@@ -62,10 +64,6 @@ class RankRun:
 
 def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     """Build this rank's share of the model; returns (the model's parameters, this rank's share)."""
-    import ray
-
-    from rayhpc.parallel.pp import rank_stages
-
     quiet_warnings()
     cfg = recipe.cfg
     data = ray.get(data) if isinstance(data, ray.ObjectRef) else data
@@ -110,6 +108,7 @@ def materialise(module: nn.Module, full: dict[str, torch.Tensor]) -> None:
     """Fill `module`'s parameters and buffers (allocated, uninitialised: `to_empty`) with their shares of
     the whole tensors `full`; a sharded (DTensor) parameter takes only its own shard, cut locally
     (`src_data_rank=None`: every rank holds the same whole tensor, so nothing is sent)."""
+    # DTensor: about 0.7 s to import, only where a run shards
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
@@ -167,8 +166,6 @@ def pipeline_forward(run: RankRun, x: torch.Tensor) -> torch.Tensor | None:
     between pipeline ranks: the last stage's output where it lives, else None. For validation: no
     microbatches are needed without a backward, and torch's own `schedule.eval()` runs backward
     actions under the zero-bubble V schedule (torch 2.13)."""
-    from rayhpc.parallel.pp import rank_stages
-
     p, me = run.cfg.parallelism, run.coords["pp"]
     holder = {s: r for r in range(p.pp) for s in rank_stages(p.schedule, r, p.pp, p.per_rank_stages)}
     parts = dict(zip(run.stage_ids, run.parts))
@@ -187,8 +184,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 def _send(tensor: torch.Tensor, group, to: int) -> None:
     """`tensor` to pipeline rank `to`, after a header with its dtype and shape (up to 6 dimensions)."""
-    import torch.distributed as dist
-
     dst = dist.get_global_rank(group, to)
     header = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (6 - tensor.dim())
     dist.send(torch.tensor(header, device=tensor.device), dst, group=group)
@@ -196,8 +191,6 @@ def _send(tensor: torch.Tensor, group, to: int) -> None:
 
 
 def _recv(group, source: int, device: torch.device) -> torch.Tensor:
-    import torch.distributed as dist
-
     src = dist.get_global_rank(group, source)
     header = torch.zeros(8, dtype=torch.int64, device=device)
     dist.recv(header, src, group=group)
@@ -241,8 +234,7 @@ def clip_grad_norm(run: RankRun, max_norm: float) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` over the whole model, which no rank holds: each sharded (DTensor)
     gradient's norm is reduced over its mesh (TP and FSDP shards), a replicated one counts once, and
     the pipeline ranks add their stages' squares. Returns the total norm."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # DTensor: about 0.7 s to import, only where a run shards
 
     params = [q for _, q in run.named_parameters() if q.grad is not None]
     squares = torch.zeros((), device=run.x.device)
@@ -289,6 +281,7 @@ def _states(run: RankRun) -> list[dict]:
     key per parameter and setting, torchtitan's form): in the nested form DCP drops the param
     groups' non-tensor settings (Adam's betas) on load. Keys are whole-model names, so the parts'
     dicts never collide."""
+    # DCP: about 1 s to import, only for sharded checkpoints
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -303,7 +296,7 @@ def _merged(states: list[dict]) -> dict:
 def save_checkpoint(ctx: WorkerContext, path: str) -> None:
     """Each rank writes its own shards of the weights and the optimizer state (torch.distributed.checkpoint);
     no rank holds the whole model."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # DCP: about 1 s to import, only for sharded checkpoints
 
     dcp.save(_merged(_states(ctx.state["run"])), checkpoint_id=path)
 
@@ -311,7 +304,7 @@ def save_checkpoint(ctx: WorkerContext, path: str) -> None:
 def load_checkpoint(ctx: WorkerContext, path: str, step: int) -> None:
     """Read this rank's shards back in place (the layout may differ from the one that saved them); the
     task's own schedulers (if any) continue from optimizer step `step`."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # DCP: about 1 s to import, only for sharded checkpoints
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     run = ctx.state["run"]

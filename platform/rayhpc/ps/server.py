@@ -97,7 +97,7 @@ class ParameterServer:
         by every worker that pulls it (in sync mode all N); each worker maps it read-only without a copy
         of its own. The copy makes the snapshot independent of the shard, which the next push changes,
         whichever store Ray keeps it in (small objects stay in memory)."""
-        import ray
+        import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
         if self.snapshot is None or self.snapshot[0] != key:
             self.snapshot = (key, ray.put(self.param.detach().numpy().copy()))
@@ -135,7 +135,7 @@ class ParameterServer:
         if self.lockstep:
             self._snapshot(step)
         if step in self.epoch_ends and step not in self.at_epoch_end:
-            import ray
+            import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
             self.at_epoch_end[step] = ray.put(self.param.detach().numpy().copy())
         if step in self.checkpoints and step > self.saved_step:

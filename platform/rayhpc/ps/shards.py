@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from rayhpc.config import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
@@ -57,8 +59,6 @@ def plan(shapes: dict[str, tuple[int, ...]], num_servers: int) -> Layout:
     """Balance the parameters (name -> shape) over `num_servers`: largest first onto the least-loaded
     server; a parameter larger than a shard (ceil(total / servers) elements) is first cut into
     contiguous pieces of at most a shard."""
-    from rayhpc.config import ConfigError
-
     total = sum(math.prod(s) for s in shapes.values())
     if num_servers > total:
         raise ConfigError(f"compute.num_servers (--num-servers) {num_servers}: more than the model's {total} "

@@ -12,6 +12,7 @@ from rayhpc.config import validate
 from rayhpc.job import start_job
 from rayhpc.scaling.config import ScalingConfig
 from rayhpc.train.config import TrainConfig
+from rayhpc.train.trainer import run_training
 
 RESULTS_FILE, PLOT_FILE = "scaling.parquet", "scaling.png"
 log = logging.getLogger(__name__)
@@ -57,8 +58,6 @@ def train_config(cfg: ScalingConfig, mode: str, n: int) -> TrainConfig:
 
 def run_scaling(cfg: ScalingConfig, explicit: set[str] = frozenset()) -> pd.DataFrame:
     """The study's table (also Parquet and a PNG plot under the study's folder)."""
-    from rayhpc.train.trainer import run_training
-
     job = start_job(cfg, explicit, check=_check)
     cfg, res, rows = job.cfg, job.resources, []
     for (mode, n), train_cfg in _runs(cfg).items():
@@ -107,10 +106,10 @@ def format_table(table: pd.DataFrame) -> str:
 
 def plot(table: pd.DataFrame, path) -> None:
     """Throughput and efficiency against workers, per mode; a dashed line where runs left one node."""
-    import matplotlib
+    import matplotlib  # plots only: about 0.5 s to import
 
     matplotlib.use("Agg")  # no display on compute nodes
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only: about 0.5 s to import
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for mode, rows in table.groupby("mode"):

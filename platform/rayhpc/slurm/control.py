@@ -9,13 +9,12 @@ import time
 from pathlib import Path
 
 from rayhpc.config import ConfigError
+from rayhpc.slurm.config import time_seconds
 from rayhpc.slurm.layout import nodes_of
 from rayhpc.slurm.submit import cluster_info, job_dir, slurm_job
 
 
 def _seconds(value: str) -> int | None:
-    from rayhpc.slurm.config import time_seconds
-
     try:
         return time_seconds(value)
     except ValueError:
@@ -47,9 +46,9 @@ def job_status(job_id: str) -> str:
     # the job's own token, read before ray is imported (Ray reads its auth settings then); its address
     # for Ray's state API too, which otherwise looks for clusters on this node and stops at two
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=info["token_path"], RAY_ADDRESS=info["address"])
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
-    from rayhpc.monitor.status import cluster_status
+    from rayhpc.monitor.status import cluster_status  # imports Ray: after the environment Ray reads
 
     try:
         ray.init(address=info["address"], logging_level="ERROR", log_to_driver=False)

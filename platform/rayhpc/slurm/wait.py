@@ -75,7 +75,7 @@ def node_records(job_dir: Path, hosts: list[str]) -> dict[str, dict]:
 
 def wait_nodes(address: str, job_dir: Path, hosts: list[str], timeout_s: float) -> float:
     """Seconds until a Ray node is alive at each host's address; names the missing hosts otherwise."""
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     started, deadline = time.monotonic(), time.monotonic() + timeout_s
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)

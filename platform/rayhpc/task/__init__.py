@@ -19,7 +19,7 @@ __all__ = ["LoadedTask", "Task", "load_task", "task_for"]
 def task_for(spec: str, data: DataConfig) -> LoadedTask:
     """The task `spec` names; the built-in MLP task reads the job's `data:` section, which other
     tasks may use only for the validation hold-out."""
-    from rayhpc.task.mlp import MLPTask
+    from rayhpc.task.mlp import MLPTask  # the built-in task's module imports torch
 
     task = load_task(spec)
     if isinstance(task.obj, MLPTask):

@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import importlib.util
 import re
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 
 from rayhpc.config import ConfigError
 from rayhpc.slurm.private import UnsafePath, check_trusted
+from rayhpc.task.hparams import hparams_model
 
 BUILTIN = {"mlp": "rayhpc.task.mlp:MLPTask"}
 REQUIRED = ("model", "data", "loss")
@@ -51,7 +53,7 @@ class LoadedTask:
     def initial_model(self, hp: dict):
         """A trial's initial model: torch seeded with the trial's seed, then `model(hp)`; the same on
         every rank, in every pack member and in a plain single-process run."""
-        import torch
+        import torch  # torch: about 1.5 s to import, only where something trains
 
         torch.manual_seed(hp["seed"])
         return self.obj.model(hp)
@@ -67,7 +69,7 @@ class LoadedTask:
 
     def optimizer(self, params, hp: dict):
         """The task's own `optimizer(params, hp)`, else the one `hp` names (`rayhpc.optim.make_optimizer`)."""
-        from rayhpc.optim import make_optimizer
+        from rayhpc.optim import make_optimizer  # torch: only where a task trains
 
         own = getattr(self.obj, "optimizer", None)
         return own(params, hp) if callable(own) else make_optimizer(hp, params)
@@ -115,7 +117,7 @@ class LoadedTask:
 
     def split_data(self, hp: dict, data) -> tuple:
         """(train, val): `data(hp)`, with the job's validation hold-out (`data`: its `data:` section)."""
-        from rayhpc.task.batches import holdout
+        from rayhpc.task.batches import holdout  # torch: only where a task's data is split
 
         return holdout(*self.data(hp), self.val_share(data), data.split_seed)
 
@@ -131,13 +133,11 @@ class LoadedTask:
     @functools.cached_property
     def hp_model(self):
         """The pydantic model of every hyperparameter this task takes (platform's and its own)."""
-        from rayhpc.task.hparams import hparams_model
-
         return hparams_model(getattr(self.obj, "hparams", {}) or {}, self.where())
 
     def ship(self) -> None:
         """Make the task's own modules travel by value to Ray workers (call before pickling it)."""
-        import ray.cloudpickle
+        import ray.cloudpickle  # Ray: only where a cluster is used (config checks and --help stay fast)
 
         for name in self.by_value:
             ray.cloudpickle.register_pickle_by_value(sys.modules[name])
@@ -152,8 +152,6 @@ class LoadedTask:
 
     def copy_files(self, dest: Path) -> None:
         """Copy a file task, and the modules beside it that it imported, into `dest` (same layout)."""
-        import shutil
-
         root = Path(self.spec.rpartition(":")[0]).parent
         for name in self.by_value:
             source = Path(sys.modules[name].__file__).resolve()

@@ -119,7 +119,7 @@ def bind_training(cfg: TrainConfig, task) -> tuple[TrainConfig, dict, Any]:
     hyperparameters fill the ones the run leaves unset."""
     if cfg.init_from is None:
         return *bind_train(cfg, task), None
-    from rayhpc.tune.weights import check_fits, trial_weights
+    from rayhpc.tune.weights import check_fits, trial_weights  # a sweep's checkpoints (torch): only with --init-from
 
     weights = trial_weights(cfg.init_from, task.objective)
     own = {k: v for k, v in weights.hp.items() if k in task_keys(task.hp_model)}

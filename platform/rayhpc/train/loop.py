@@ -9,7 +9,9 @@ DDP or FSDP2, and trains on its `DistributedSampler` shard: the data order of a 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
 import socket
 import time
 from typing import Callable
@@ -120,7 +122,7 @@ def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.devi
 def train_loop_per_worker(config: dict) -> None:
     """Entry point for `TorchTrainer(train_loop_per_worker, train_loop_config={"cfg", "task", "hp"})`:
     the validated config, the task and its hyperparameters, from the driver."""
-    import ray.train
+    import ray.train  # Ray Train: only where a training run is
     from ray.train.torch import get_device
 
     _quiet_report_logs()
@@ -141,10 +143,7 @@ def _quiet_report_logs() -> None:
     Ray 2.60 names that logger after its file path (`logging.getLogger(__file__)`),
     so `LoggingConfig(log_level=...)`, which filters `ray.train.*`, misses it.
     """
-    import logging
-    import os
-
-    import ray.train
+    import ray.train  # Ray Train: only where a training run is
 
     path = os.path.join(os.path.dirname(ray.train.__file__), "v2", "_internal", "execution", "context.py")
     logging.getLogger(path).setLevel(logging.WARNING)

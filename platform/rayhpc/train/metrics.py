@@ -63,7 +63,7 @@ class MetricsRecorder(UserCallback):
         Written synchronously: SummaryWriter queues events for a background thread, and Ray
         Train ends the controller right after the last report, losing what was queued.
         """
-        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.event_file_writer import EventsWriter  # TensorBoard events only
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.summary import scalar
 

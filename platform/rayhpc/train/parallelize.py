@@ -10,7 +10,9 @@ import shutil
 import tempfile
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from rayhpc.fsdp import apply_fsdp, default_units
@@ -87,9 +89,6 @@ def apply_compile(model: nn.Module, blocks: list[nn.Module], mode: str) -> None:
 def world_mesh(device: torch.device):
     """A 1-D mesh of every rank on the worker's own device type: `fully_shard` without a mesh picks
     the accelerator itself, which on a GPU node moves a CPU worker's parameters to cuda:0."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
@@ -97,8 +96,6 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     """DistributedDataParallel over the process group that is up (a single worker stays unwrapped):
     torch's own wrapper, so that Ray Train's workers and the platform's warm worker groups
     (`rayhpc.tune.warm`, outside any Ray Train session) wrap alike."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     if device.type == "cuda":

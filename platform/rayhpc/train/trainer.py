@@ -70,7 +70,7 @@ def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), verbos
                  init: dict | None = None):
     """The TorchTrainer for `cfg` on `task` with hyperparameters `hp` (and initial weights `init`): NCCL on
     GPUs, gloo on CPUs, checkpoints under the run folder."""
-    import ray.train
+    import ray.train  # Ray Train: only where a training run is
     from ray.train.torch import TorchConfig, TorchTrainer
 
     quiet_train_defaults()

@@ -11,11 +11,11 @@ __all__ = ["SweepConfig", "run_sweep"]
 
 def __getattr__(name: str) -> Any:
     if name == "SweepConfig":
-        from rayhpc.tune.config import SweepConfig
+        from rayhpc.tune.config import SweepConfig  # lazy: see the module docstring
 
         return SweepConfig
     if name == "run_sweep":
-        from rayhpc.tune.sweep import run_sweep
+        from rayhpc.tune.sweep import run_sweep  # lazy: see the module docstring
 
         return run_sweep
     raise AttributeError(f"module 'rayhpc.tune' has no attribute {name!r}")

@@ -25,6 +25,8 @@ import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray
+from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 from ray.tune.search import Searcher
 
 STATE_FILE = "asha_members.pkl"
@@ -41,8 +43,6 @@ class RungKeeper:
     """ASHA decisions for pack members (run as a Ray actor: `RungKeeper.remote(...)` via `start_keeper`)."""
 
     def __init__(self, path: str, metric: str, mode: str, max_t: int, grace_period: int, reduction_factor: float):
-        from ray.tune.schedulers import ASHAScheduler
-
         self.path = Path(path)
         if self.path.exists():
             saved = pickle.loads(self.path.read_bytes())
@@ -56,8 +56,6 @@ class RungKeeper:
     def decide(self, metric: str, results: list[tuple[str, int, float]]) -> list[bool]:
         """Whether each (member id, epoch, metric value) must stop, in order; a result already decided
         (a resumed pack running an epoch again) gets the same answer."""
-        from ray.tune.schedulers import TrialScheduler
-
         answers = []
         for member, epoch, value in results:
             if (member, epoch) not in self.decided:
@@ -77,8 +75,6 @@ class RungKeeper:
 def start_keeper(exp_dir: Path, objective: tuple[str, str], epochs: int, grace_period: int,
                  reduction_factor: float):
     """The sweep's keeper actor (no CPU: it only does bookkeeping), resuming its saved state if any."""
-    import ray
-
     actor = ray.remote(num_cpus=0)(RungKeeper)
     return actor.remote(str(exp_dir / STATE_FILE), objective[0], objective[1], epochs, grace_period,
                         reduction_factor)
@@ -100,7 +96,7 @@ class PackedOptunaSearch(Searcher):
 
     def __init__(self, space: dict, pack: int, total: int, shared: list[str], metric: str, mode: str, seed: int,
                  exp_dir: str):
-        import optuna
+        import optuna  # optional: only Optuna searches
         from ray.tune.search.optuna import OptunaSearch
 
         super().__init__(metric=metric, mode=mode)
@@ -126,7 +122,7 @@ class PackedOptunaSearch(Searcher):
         return {"members": [{**self.constants, **t.params} for t in batch]}
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # optional: only Optuna searches
 
         result = result or {}  # Tune hands searchers the last result flattened: members/<j>/<metric>
         for j, trial in enumerate(self.pending.pop(trial_id, [])):

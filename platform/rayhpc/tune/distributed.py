@@ -13,6 +13,7 @@ from rayhpc.config import Compute, Optim, Schedule
 from rayhpc.task.hparams import PLATFORM_KEYS
 from rayhpc.task.load import LoadedTask
 from rayhpc.train.config import TrainConfig
+from rayhpc.train.trainer import make_trainer
 from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.trainable import members_of
 
@@ -34,10 +35,8 @@ def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -
 
 def train_distributed_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfig, defaults: dict,
                             gpu: bool) -> None:
-    from ray import tune
+    from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
     from ray.tune.integration.ray_train import TuneReportCallback
-
-    from rayhpc.train.trainer import make_trainer
 
     (member,) = members_of(config, packs)
     hp = {**defaults, **member}

@@ -18,13 +18,16 @@ from typing import Callable
 
 import torch
 
-from rayhpc.config import ConfigError, ModelOptions
+from rayhpc.config import ConfigError, ModelOptions, check_trusted_job, load_yaml, validate
 from rayhpc.data import DataConfig
 from rayhpc.optim import optimizer_step, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
+from rayhpc.task import task_for
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
 from rayhpc.train.parallelize import apply_options
+from rayhpc.tune.config import SweepConfig
+from rayhpc.tune.plan import load_plan
 
 
 def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfig = DataConfig(),
@@ -91,11 +94,6 @@ def task_device(gpus: float | None) -> torch.device:
 
 def main(argv=None) -> int:
     """`python -m rayhpc.tune.single --config SWEEP.yaml --index I --out DIR [--task SPEC]`: one array task."""
-    from rayhpc.config import check_trusted_job, load_yaml, validate
-    from rayhpc.task import task_for
-    from rayhpc.tune.config import SweepConfig
-    from rayhpc.tune.plan import load_plan
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--config", required=True, help="the sweep's saved sweep.yaml (random or grid search)")
     parser.add_argument("--index", type=int, required=True, help="trial number, 0-based")

@@ -176,7 +176,7 @@ def draw(spec: ParamSpec | Scalar, rng: random.Random) -> Any:
 
 def tune_domains(space: Space) -> dict[str, Any]:
     """The space as Ray Tune sampling domains (for searchers such as OptunaSearch)."""
-    from ray import tune
+    from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     make = {"choice": tune.choice, "uniform": lambda a: tune.uniform(*a),
             "loguniform": lambda a: tune.loguniform(*a), "randint": lambda a: tune.randint(*a)}

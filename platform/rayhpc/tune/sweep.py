@@ -10,7 +10,9 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
+from ray import tune
 from ray.tune import Callback
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from rayhpc import cluster, interrupt
 from rayhpc.config import ConfigError, ModelOptions
@@ -122,8 +124,6 @@ def _settings(job: Started[SweepConfig]) -> TrialSettings:
 
 
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
-    from ray import tune
-
     cfg, (metric, mode) = job.cfg, job.info.objective
     # Tune's newer output engine prints its own tables even at verbose=0; the legacy
     # one honours it, and ProgressPrinter shows what matters. Both are read at fit().
@@ -200,7 +200,7 @@ def _keeper(job: Started[SweepConfig], packed: bool):
     cfg = job.cfg
     if cfg.scheduler != "asha" or not packed or cfg.workers_per_trial > 1:
         return None
-    from rayhpc.tune.adaptive import start_keeper
+    from rayhpc.tune.adaptive import start_keeper  # only ASHA sweeps of packs
 
     return start_keeper(cfg.experiment_dir, job.info.objective, cfg.epochs, cfg.asha.grace_period,
                         cfg.asha.reduction_factor)
@@ -231,10 +231,10 @@ def optuna_pack(job: Started[SweepConfig], gpus: float) -> int:
 def _optuna(job: Started[SweepConfig], pack: int):
     """(param_space, search_alg, Tune trials) of an Optuna search: Tune's OptunaSearch for trials of
     one, else packs proposed in batches (`rayhpc.tune.adaptive.PackedOptunaSearch`)."""
-    import optuna
+    import optuna  # optional: only Optuna searches
     from ray.tune.search.optuna import OptunaSearch
 
-    from rayhpc.tune.adaptive import PackedOptunaSearch
+    from rayhpc.tune.adaptive import PackedOptunaSearch  # only Optuna sweeps
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     cfg, (metric, mode) = job.cfg, job.info.objective
@@ -248,8 +248,6 @@ def _optuna(job: Started[SweepConfig], pack: int):
 
 def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None):
     """The Tune trainable with its resources, and the most trials to run at once."""
-    from ray import tune
-
     cfg, res = job.cfg, job.resources
     if cfg.workers_per_trial == 1:
         trainable = tune.with_parameters(train_pack, task=job.task, packs=packs, settings=_settings(job),
@@ -257,12 +255,12 @@ def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None):
         return tune.with_resources(trainable, {"cpu": cfg.cpus_per_trial, "gpu": gpus}), cfg.max_concurrent
     kwargs = dict(task=job.task, packs=packs, sweep=cfg, defaults=cfg.defaults(job.task.hp_model), gpu=gpus > 0)
     if cfg.trial_runner == "warm":
-        from rayhpc.tune.warm import resources, train_warm_trial
+        from rayhpc.tune.warm import resources, train_warm_trial  # only sweeps of distributed trials
 
         # no more trials at once than their worker groups fit: Tune holds each slot's workers
         return tune.with_resources(tune.with_parameters(train_warm_trial, **kwargs),
                                    resources(cfg, gpus > 0)), slots(cfg, res, gpus)
-    from rayhpc.tune.distributed import train_distributed_trial
+    from rayhpc.tune.distributed import train_distributed_trial  # only sweeps of distributed trials
 
     # The trial process only drives a TorchTrainer whose workers hold the CPUs and GPUs, so it
     # reserves memory alone (Ray refuses an empty request). No more trials at once than their
@@ -272,8 +270,6 @@ def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None):
 
 
 def _scheduler(cfg: SweepConfig):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
     if cfg.scheduler == "asha":
         return ASHAScheduler(time_attr="epoch", max_t=cfg.epochs, grace_period=cfg.asha.grace_period,
                              reduction_factor=cfg.asha.reduction_factor)

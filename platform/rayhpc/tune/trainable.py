@@ -74,7 +74,7 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     `rayhpc.tune.adaptive.RungKeeper` actor), ASHA may stop members: they leave the pack (the
     survivors are repacked), their weights and last values kept as they were. With `settings.pbt`,
     the members are a PBT population (`rayhpc.tune.pbt`)."""
-    from ray import tune
+    from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     entered = time.perf_counter()
     # Ray Train logs every persisted checkpoint at INFO; a sweep makes one per trial-epoch.
@@ -150,7 +150,7 @@ def _scatter(kept: dict, values: dict, slots: list[int], members: int) -> dict:
 
 def _asha(keeper, pack_id: int | str, pack, opt, state: dict, values: dict, settings: TrialSettings) -> None:
     """Report each member in the pack to ASHA; the ones it stops before the last epoch leave the pack."""
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     epoch, (metric, _) = state["epoch"], settings.objective
     results = [(f"{pack_id}-{j}", epoch, float(values[metric][j])) for j in state["slots"]]
@@ -264,7 +264,7 @@ def _restore(ckpt) -> dict | None:
 
 
 def _device() -> torch.device:
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     # Ray sets CUDA_VISIBLE_DEVICES per trial, so the trial's GPU is always index 0.
     if ray.get_gpu_ids() and torch.cuda.is_available():

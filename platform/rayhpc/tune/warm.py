@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 def resources(sweep: SweepConfig, gpu: bool):
     """A trial's placement group: an empty head for the trial process, one bundle per worker."""
-    from ray.tune import PlacementGroupFactory
+    from ray.tune import PlacementGroupFactory  # Ray Tune: about 1 s to import, only where a sweep runs
 
     worker = {"CPU": sweep.cpus_per_trial, **({"GPU": 1.0} if gpu else {})}
     return PlacementGroupFactory([{}] + [worker] * sweep.workers_per_trial)
@@ -72,6 +72,7 @@ _WARM: Warm | None = None
 def _warm_group(sweep: SweepConfig, gpu: bool) -> Warm:
     global _WARM
     if _WARM is None:
+        # Ray: only where a cluster is used (config checks and --help stay fast)
         from ray.util import get_current_placement_group
 
         started = time.perf_counter()
@@ -100,7 +101,7 @@ class Saved:
 def train_warm_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfig, defaults: dict,
                      gpu: bool) -> None:
     """One Tune trial with `workers_per_trial` workers, on this trial process's warm group."""
-    from ray import tune
+    from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     # Ray Train logs every persisted checkpoint at INFO; a sweep makes one per trial-epoch.
     logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -136,7 +137,7 @@ class Trial:
     recorder: MetricsRecorder  # the trial's metrics.parquet and TensorBoard, as on the TorchTrainer path
 
     def run(self, warm: Warm) -> None:
-        import ray
+        import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
         warm.trials += 1
         first = warm.trials == 1
@@ -154,7 +155,7 @@ class Trial:
                 self._report({**metrics, **extra}, Saved(blob, progress, rng) if blob is not None else None)
 
     def _report(self, metrics: dict, saved: Saved | None) -> None:
-        from ray import tune
+        from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
         self.recorder.after_report(None, [metrics], None)
         if saved is None:
@@ -205,7 +206,7 @@ class Collected:
 def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, saved: list) -> tuple[int, int]:
     """Drop the previous trial (model, optimizer, batches), then build this one; restore its state.
     Returns the parameter elements the rank holds, and the epochs the trial runs."""
-    import ray
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     ctx.state.clear()
     if ctx.device.type == "cuda":
@@ -233,7 +234,7 @@ def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, sav
 
 def _local_elements(model) -> int:
     """Parameter elements this rank holds: all of them under DDP, its shards under FSDP2."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # DTensor: about 0.7 s to import, only where a run shards
 
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
@@ -261,6 +262,7 @@ def _set_rng_states(states: dict, device: torch.device) -> None:
 def _state_bytes(w: Worker) -> bytes | None:
     """Model and optimizer state, whole, as `torch.save` bytes on rank 0 (None elsewhere)."""
     if w.cfg.strategy == "fsdp":
+        # DCP: about 1 s to import, only for sharded checkpoints
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         # every rank takes part in the gather; rank 0 ends with the full tensors on the CPU
@@ -276,6 +278,7 @@ def _state_bytes(w: Worker) -> bytes | None:
 def _load_state(model, optimizer, blob: bytes, strategy: str, device: torch.device) -> None:
     state = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
     if strategy == "fsdp":
+        # DCP: about 1 s to import, only for sharded checkpoints
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],

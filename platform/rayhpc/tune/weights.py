@@ -20,7 +20,12 @@ import torch
 
 from rayhpc.config import ConfigError
 from rayhpc.slurm.private import UnsafePath, check_trusted
+from rayhpc.task.hparams import PLATFORM_KEYS
 from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict
+from rayhpc.tune.packing import member_state_dict
+from rayhpc.tune.plan import PLAN_FILE, load_plan
+from rayhpc.tune.results import read_results
+from rayhpc.tune.trainable import PACK_FILE, load_pack_state, members_of
 
 KEY = "init_from (--init-from)"
 
@@ -36,8 +41,6 @@ class TrialWeights:
 def trial_weights(spec: str, objective: tuple[str, str]) -> TrialWeights:
     """The weights of the trial `spec` names: `SWEEP_DIR:TRIAL_ID`, or `SWEEP_DIR` for its best trial by
     `objective` (name, "min" or "max"). Any problem is one `ConfigError` line naming --init-from."""
-    from rayhpc.tune.results import read_results
-
     folder, _, trial_id = spec.partition(":") if not Path(spec).is_dir() else (spec, "", "")
     sweep = Path(folder).expanduser().resolve()
     if not (sweep / "sweep.yaml").is_file():
@@ -50,10 +53,8 @@ def trial_weights(spec: str, objective: tuple[str, str]) -> TrialWeights:
     trial_dir, last = _checkpoint(sweep, tune_id, row["trial_id"], spec)
     config = json.loads((trial_dir / "params.json").read_text()) if (trial_dir / "params.json").exists() else {}
     hp = _members(sweep, config)[member]
-    from rayhpc.tune.trainable import PACK_FILE, load_pack_state
 
     if (last / PACK_FILE).exists():
-        from rayhpc.tune.packing import member_state_dict
 
         state = load_pack_state(last)
         hp = {**hp, **(state["hp"][member] if state["hp"] else {})}
@@ -104,9 +105,6 @@ def _checkpoint(sweep: Path, tune_id: str, trial_id: str, spec: str) -> tuple[Pa
 
 
 def _members(sweep: Path, config: dict) -> list[dict]:
-    from rayhpc.tune.plan import PLAN_FILE, load_plan
-    from rayhpc.tune.trainable import members_of
-
     packs = load_plan(sweep) if (sweep / PLAN_FILE).exists() else None
     return members_of(config, packs)
 
@@ -125,7 +123,5 @@ def check_fits(weights: TrialWeights, model: torch.nn.Module) -> None:
 
 
 def _task_hp(hp: dict) -> str:
-    from rayhpc.task.hparams import PLATFORM_KEYS
-
     own = {k: v for k, v in hp.items() if k not in PLATFORM_KEYS and not (isinstance(v, float) and math.isnan(v))}
     return ", ".join(f"{k}={v}" for k, v in own.items()) or "no hyperparameters of its own"

@@ -69,7 +69,7 @@ class RankWorker:
     """The actor behind one rank (created by `WorkerGroup`; not used directly)."""
 
     def __init__(self, threads: int):
-        import torch
+        import torch  # torch: about 1.5 s to import, only where something trains
 
         torch.set_num_threads(threads)
         self.store = self.listener = None
@@ -82,7 +82,7 @@ class RankWorker:
     def start_store(self, address: str, world_size: int, timeout_s: float) -> int:
         """Rank 0: open the rendezvous store on `address` only (TCPStore alone would listen on every
         interface), on a port the OS picks; return the port."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch: about 1.5 s to import, only where something trains
 
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self.listener = socket.create_server((address, 0), family=family)
@@ -93,7 +93,7 @@ class RankWorker:
 
     def init(self, rank: int, local_rank: int, world_size: int, master_addr: str, port: int, prefix: str,
              backend: str, timeout_s: float, visible_gpus: str | None, device_index: int | None) -> None:
-        import torch
+        import torch  # torch: about 1.5 s to import, only where something trains
         import torch.distributed as dist
 
         env = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size,
@@ -125,7 +125,7 @@ class RankWorker:
             return False, traceback.format_exc()
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch: about 1.5 s to import, only where something trains
 
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,43 +1,27 @@
-"""Shared fixtures: one real local Ray instance for the whole test session."""
+"""Shared fixtures: one real local Ray for the whole session, the test Slurm, a second Unix user; the
+markers each folder's tests get. Helpers are in helpers.py."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
-import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "jobs"))  # the benchmarks' helpers (jobs/bench/), whose tables some tests check
-# Ray Train's controller polls its workers every 2 s, so each of the suite's many short training runs
-# ends up to 2 s after its last step; polling at 0.5 s (set before any Ray or job starts, which inherit
-# it) shortens the suite by about a minute and changes nothing a test checks
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+from helpers import ATTACKER, ROOT, SUBMITTED, require
+
+KINDS = ("unit", "ray", "slurm", "browser", "gpu")
 
 
-def _machine() -> tuple[int, int]:
-    from rayhpc.cluster import local_cpus, local_gpus
-
-    return local_cpus(), local_gpus()
-
-
-# What a job started by a test without --address sees (a local Ray is sized from this machine):
-# bad-input expectations are derived from it, so the suite passes on a laptop and a GPU node alike.
-CPUS, GPUS = _machine()
-
-
-def too_many_gpu_workers(flag: str, *extra: str) -> tuple[list[str], str]:
-    """Arguments asking for one more GPU worker than this machine holds (`flag` sets the worker count;
-    `extra` follow it, `{n}` standing for the count), and the error's start: "no GPUs" on a machine
-    without, else how many GPU workers fit."""
-    if GPUS == 0:
-        return ["--gpu"], "error: compute.gpu (--gpu): the cluster has no GPUs"
-    n = min(CPUS, GPUS) + 1
-    return (["--gpu", flag, str(n), "--cpus-per-worker", "1", *(e.format(n=n) for e in extra)],
-            f"error: compute.num_workers (--num-workers) {n}: the cluster can place {n - 1} worker(s) of "
-            "1 CPU + 1 GPU each")
+def pytest_collection_modifyitems(items):
+    """Each test is marked with its folder's kind (`-m "not slurm and not browser"` on a laptop)."""
+    for item in items:
+        kind = item.path.parent.name
+        if kind in KINDS:
+            item.add_marker(getattr(pytest.mark, kind))
 
 
 @pytest.fixture(scope="session")
@@ -57,10 +41,9 @@ def ray_cluster():
 def slurm():
     """Start (or find running) the two-node test Slurm (.ci/slurm-cluster: node1 and node2 in network
     namespaces); it waits until both nodes are idle."""
+    require("root and Slurm (slurmctld; bash .ci/slurm-cluster install)",
+            os.geteuid() == 0 and shutil.which("slurmctld") is not None)
     subprocess.run(["bash", str(ROOT / ".ci" / "slurm-cluster"), "start"], check=True, capture_output=True, timeout=300)
-
-
-SUBMITTED: list[str] = []  # Slurm jobs the running test submitted
 
 
 @pytest.fixture(autouse=True)
@@ -78,53 +61,25 @@ def ray_address(ray_cluster):
     return ray_cluster["gcs_address"]
 
 
-def run_job(script: str, *args: str, env: dict | None = None, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    """Run `python jobs/<script> args...` the way a user does; capture its output."""
-    return subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args], capture_output=True, text=True,
-                          env=job_env(env), timeout=timeout, cwd=kwargs.pop("cwd", ROOT), **kwargs)
+@pytest.fixture(scope="module")
+def attacker() -> str:
+    """A second, unprivileged user on the nodes."""
+    require("root (to add a second Unix user and act as them)", os.geteuid() == 0)
+    if subprocess.run(["id", ATTACKER], capture_output=True).returncode:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", ATTACKER], check=True)
+    return ATTACKER
 
 
-def job_env(env: dict | None) -> dict:
-    """A job's environment: the suite's, unbuffered, with `env`; without RAY_ADDRESS unless `env` sets it."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if "RAY_ADDRESS" not in (env or {}):
-        full_env.pop("RAY_ADDRESS", None)
-    return full_env
+@pytest.fixture
+def world_tmp():
+    """Paths in /tmp that the other user can reach (tmp_path is private to us): `world_tmp(prefix)`
+    names a new one; each is removed after the test."""
+    made = []
 
+    def name(prefix: str) -> Path:
+        made.append(Path(f"/tmp/{prefix}-{uuid.uuid4().hex[:8]}"))
+        return made[-1]
 
-_warm: list = []  # the warm job server, started by the first run_job_warm
-
-
-def run_job_warm(script: str, *args: str, env: dict | None = None, timeout: float = 120,
-                 cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """`run_job` for a job that ends before it starts Ray (bad input): the same script, argv, environment
-    and exit status, in a process forked from one that has imported the platform already (tests/warm_jobs.py)."""
-    import atexit
-    import tempfile
-
-    from warm_jobs import WarmJobs
-
-    if not _warm:
-        _warm.append(WarmJobs(ROOT))
-        atexit.register(_warm[0].close)
-    with tempfile.TemporaryDirectory(prefix="warm-job-") as out:
-        return _warm[0].run(ROOT / "jobs" / script, list(args), job_env(env), cwd, Path(out), timeout)
-
-
-def tensorboard_scalars(folder: Path) -> dict[str, list[float]]:
-    """Every scalar in the TensorBoard event files under `folder`, by tag (read with
-    tensorboardX's protobufs: TFRecord = length, crc, Event, crc)."""
-    import struct
-
-    from tensorboardX.proto.event_pb2 import Event
-
-    scalars: dict[str, list[float]] = {}
-    for path in sorted(Path(folder).rglob("events.out.tfevents.*")):
-        data, i = path.read_bytes(), 0
-        while i < len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = Event.FromString(data[i + 12:i + 12 + n])
-            i += 12 + n + 4
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append(value.simple_value)
-    return scalars
+    yield name
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)

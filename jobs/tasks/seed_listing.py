@@ -5,7 +5,7 @@ its dataset, its model (two Linear layers, no activation) and its loss.
         --batch-size-per-worker 32 --optimizer sgd --lr 0.01 --epochs 1
 
 trains what `torchrun --nproc_per_node 2 mlp_ddp.py` trains, with the same data order
-(DistributedSampler, seed 0) and the same result (tests/test_tasks.py checks the weights).
+(DistributedSampler, seed 0) and the same result (tests/ray/test_tasks.py checks the weights).
 The listing has no validation set, so a run reports the training loss only.
 """
 

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import run_job, run_job_warm
+from helpers import assert_speedup_and_efficiency, run_job, run_job_warm
 from rayhpc.collectives.bench import measure
 from rayhpc.collectives.config import parse_size
 from rayhpc.collectives.primitives import PRIMITIVES, _mismatch, bandwidths
@@ -93,11 +93,6 @@ def test_the_benchmark_job_writes_its_table_and_plot(ray_address, tmp_path):
     assert image.shape[0] > 300 and image.shape[1] > 500
 
 
-def assert_speedup_and_efficiency(rows: pd.DataFrame) -> None:
-    """One mode's rows by worker count (1 and 2): speedup and efficiency against the one-worker row."""
-    assert rows.loc[1, "speedup"] == 1.0 and rows.loc[1, "efficiency"] == 1.0
-    assert math.isclose(rows.loc[2, "efficiency"], rows.loc[2, "speedup"] / 2)
-    assert math.isclose(rows.loc[2, "speedup"], rows.loc[2, "samples_per_s"] / rows.loc[1, "samples_per_s"]), rows
 
 
 def test_bad_input_names_the_key_before_ray_starts(tmp_path):

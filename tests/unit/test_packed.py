@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
-from conftest import ROOT
-from rayhpc.data import DataConfig, SyntheticTask, synthetic_tensors
+from helpers import ROOT, mlp_split, plain_trial
+from rayhpc.data import DataConfig, SyntheticTask
 from rayhpc.task import task_for
 from rayhpc.task.batches import Batches
 from rayhpc.task.check import check_task
@@ -20,43 +19,10 @@ from rayhpc.tune.packing import FuncPack, PaddedMLPPack, make_pack, packing_prob
 from rayhpc.tune.pbt import PbtRules, exploit_explore
 from rayhpc.tune.space import ParamSpec
 from rayhpc.tune.trainable import train_epoch
-from test_training_options import reference_schedule
 
 CPU = torch.device("cpu")
 
 
-def plain_trial(model, train, val, hp: dict, epochs: int, loss_fn, metric_fn=None):
-    """One trial the plain PyTorch way; returns (final weights, validation loss and metric after each epoch)."""
-    if hp["optimizer"] == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
-    else:
-        adam = torch.optim.AdamW if hp["optimizer"] == "adamw" else torch.optim.Adam
-        opt = adam(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"], betas=(hp["beta1"], hp["beta2"]),
-                   eps=hp["eps"])
-    total = epochs * math.ceil(len(train) / hp["batch_size"])
-    schedule = reference_schedule(opt, hp["warmup_steps"], total, hp["min_lr_ratio"]) if hp["decay"] == "cosine" \
-        else None  # the other tests' trials keep a constant lr
-    sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=hp["seed"])
-    history = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        model.train()
-        for x, y in DataLoader(train, batch_size=hp["batch_size"], sampler=sampler):
-            loss = loss_fn(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            if hp["clip_grad_norm"]:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), hp["clip_grad_norm"])
-            opt.step()
-            if schedule is not None:
-                schedule.step()
-        model.eval()
-        with torch.no_grad():
-            batches = list(DataLoader(val, batch_size=1000))
-            out = [(loss_fn(model(x), y), metric_fn(model(x), y) if metric_fn else 0.0, len(x)) for x, y in batches]
-        n = sum(b[2] for b in out)
-        history.append((sum(b[0] * b[2] for b in out) / n, sum(b[1] * b[2] for b in out) / n))
-    return model.state_dict(), history
 
 
 def steps(train, members: list[dict], epochs: int) -> int:
@@ -81,13 +47,6 @@ def mlp():
     return task_for("mlp", DataConfig(synthetic=SyntheticTask(num_samples=300)))
 
 
-def mlp_split(task):
-    """The mlp task's 20% hold-out, computed here as the split's definition says."""
-    x, y = synthetic_tensors(task.obj.data_cfg.synthetic)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0)).tolist()
-    n_val = round(len(x) * 0.2)
-    full = TensorDataset(x, y)
-    return Subset(full, order[n_val:]), Subset(full, order[:n_val])
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -14,66 +13,24 @@ import uuid
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
-from conftest import ROOT, SUBMITTED
-from test_collectives import assert_speedup_and_efficiency
-from rayhpc.config import validate
-from rayhpc.slurm.config import ClusterConfig, load_cluster
-from rayhpc.slurm.render import render_sbatch
+from helpers import (
+    CLUSTER,
+    LOGS,
+    RAYHPC,
+    ROOT,
+    TWO_NODES,
+    assert_nothing_left,
+    assert_speedup_and_efficiency,
+    job_log,
+    skip_requeue_delay,
+    submit,
+    submit_held,
+    wait_cluster,
+    wait_done,
+    with_changes,
+)
 from rayhpc.tune.results import read_results
-
-RAYHPC = str(Path(sys.executable).with_name("rayhpc"))
-CLUSTER = str(ROOT / "cluster_configs" / "local-slurm.yaml")
-LOGS = Path("/tmp/rayhpc-slurm-logs")  # the log_dir of local-slurm.yaml
-
-
-def submit(*command: str, nodes: int | None = None) -> str:
-    """`rayhpc submit [--nodes N]` on the test cluster; the job id."""
-    proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, *(["--nodes", str(nodes)] if nodes else []), "--",
-                           *command], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    SUBMITTED.append(proc.stdout.split()[2].rstrip(":"))  # "submitted job N: log ..."
-    return SUBMITTED[-1]
-
-
-def wait_done(job: str, timeout_s: float = 400) -> dict:
-    """The job's final `scontrol show job` fields once it has left the queue."""
-    deadline = time.monotonic() + timeout_s
-    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
-        assert time.monotonic() < deadline, f"job {job} still queued or running after {timeout_s} s"
-        time.sleep(1)
-    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
-    return dict(part.split("=", 1) for part in out.split() if "=" in part)
-
-
-def job_log(job: str) -> str:
-    return (LOGS / f"rayhpc-local-slurm-{job}.log").read_text()
-
-
-def job_processes(job: str) -> list[str]:
-    """Every process of the Slurm job on this machine (both test nodes share its process table), found
-    by what Slurm put in their environment (Ray rewrites titles, not environments): 'pid cmdline'."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"SLURM_JOB_ID={job}".encode() in (proc / "environ").read_bytes().split(b"\0"):
-                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                found.append(f"{proc.name} {command[:100]}")
-        except OSError:
-            continue
-    return found
-
-
-def assert_nothing_left(job: str, timeout_s: float = 30) -> None:
-    """None of the job's processes, temp folders or token is left (Slurm may still be killing its
-    steps for a few seconds after the job left the queue)."""
-    deadline = time.monotonic() + timeout_s
-    while (procs := job_processes(job)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert procs == [], f"processes of job {job} survived it:\n" + "\n".join(procs)
-    assert glob.glob(f"/tmp/rh-{job}-*") == [], "the job's temp dirs were left behind"
-    assert not (LOGS / job / "auth_token").exists(), "the job's token was left behind"
 
 
 def test_a_sweep_runs_trials_on_both_nodes_and_leaves_nothing_behind(slurm, tmp_path):
@@ -115,13 +72,6 @@ def test_the_command_exit_code_reaches_slurm(slurm):
     assert_nothing_left(job)
 
 
-TWO_NODES = """
-import ray, socket, time
-ray.init()
-where = ray.remote(num_cpus=1)(lambda: (time.sleep(3), socket.gethostname())[1])
-hosts = ray.get([where.options(scheduling_strategy="SPREAD").remote() for _ in range(2)])
-assert sorted(hosts) == ["node1", "node2"], hosts
-"""
 
 
 def test_two_jobs_on_the_same_nodes_at_once_both_succeed(slurm):
@@ -136,13 +86,6 @@ def test_two_jobs_on_the_same_nodes_at_once_both_succeed(slurm):
     assert blocks[0] != blocks[1]
 
 
-def wait_cluster(job: str, timeout_s: float = 120) -> dict:
-    """The job's cluster.json, once its cluster is up."""
-    path, deadline = LOGS / job / "cluster.json", time.monotonic() + timeout_s
-    while not path.is_file():
-        assert time.monotonic() < deadline, f"job {job} did not start its cluster: {job_log(job)}"
-        time.sleep(0.5)
-    return json.loads(path.read_text())
 
 
 def from_node2(code: str, env: dict) -> subprocess.CompletedProcess:
@@ -200,21 +143,8 @@ def test_a_client_without_the_token_is_refused(slurm, tmp_path):
     assert not (LOGS / "prometheus" / f"{job}.json").exists()  # Prometheus stops scraping the ended job
 
 
-def submit_held(cfg, command: list[str], tmp_path: Path) -> str:
-    """The job of `cfg` running `command`, submitted held (so a test can prepare the nodes first)."""
-    script = tmp_path / f"job-{uuid.uuid4().hex[:6]}.sbatch"
-    script.write_text(render_sbatch(cfg, command))
-    SUBMITTED.append(subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True,
-                                    cwd=ROOT, check=True).stdout.strip())
-    return SUBMITTED[-1]
 
 
-def with_changes(**sections) -> ClusterConfig:
-    """local-slurm.yaml with some keys of some sections changed (`ray={"join_timeout_s": 8}`, `log_dir=...`)."""
-    data = load_cluster(CLUSTER).model_dump(mode="json")
-    for key, value in sections.items():
-        data[key] = {**(data[key] or {}), **value} if isinstance(value, dict) else str(value)
-    return validate(ClusterConfig, data)  # validated as a loaded config is
 
 
 def broken_ray_on_node2(tmp_path: Path) -> str:
@@ -276,18 +206,6 @@ def test_requeue_mid_sweep_resumes_without_rerunning_finished_trials(slurm):
     assert_nothing_left(job)
 
 
-def skip_requeue_delay(job: str, timeout_s: float = 120) -> None:
-    """Slurm holds a requeued job back for a while (about 150 s here); an admin would start it
-    at once, as the test does, once it is pending again."""
-    deadline = time.monotonic() + timeout_s
-    while subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip() \
-            != "PENDING":
-        assert time.monotonic() < deadline, f"job {job} was not requeued"
-        time.sleep(0.5)
-    # slurmd refuses to launch a job whose credential is not newer than the revocation of the last run's
-    # ("Job credential revoked"), compared in whole seconds: a restart within the same second fails
-    time.sleep(2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
 
 
 def finished(exp_dir: Path) -> pd.DataFrame:

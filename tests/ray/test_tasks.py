@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ray.tune import Callback
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import ROOT, run_job, run_job_warm
+from helpers import ROOT, run_job, run_job_warm
 from rayhpc.config import validate
 from rayhpc.data import DataConfig
 from rayhpc.task import task_for

@@ -16,7 +16,7 @@ import torch
 import yaml
 from ray.tune import Callback
 
-from conftest import ROOT, run_job, tensorboard_scalars
+from helpers import ROOT, kill_driver_after, mlp_split, plain_trial, run_job, sweep, tensorboard_scalars
 from rayhpc.config import validate
 from rayhpc.data import mlp_tensors
 from rayhpc.models import MLP, PackedMLP
@@ -26,14 +26,11 @@ from rayhpc.tune.plan import load_plan
 from rayhpc.tune.results import read_results
 from rayhpc.tune.sweep import run_sweep
 from rayhpc.tune.trainable import load_pack_state
-from test_packed import mlp_split, plain_trial
 
 COLUMNS = ["trial_id", "status", "config.hidden", "config.lr", "val_loss", "best_val_loss", "iterations",
            "train_seconds", "node"]
 
 
-def sweep(tmp_path, **kw) -> SweepConfig:
-    return validate(SweepConfig, {"storage_path": str(tmp_path), **kw})
 
 
 def predict_mean_mse(cfg: SweepConfig) -> float:
@@ -349,18 +346,6 @@ def killed_and_resumed(tmp_path, ray_address, settings: str, reference: bool = T
     return table, whole
 
 
-def kill_driver_after(config, ray_address: str, exp_dir, epochs: int) -> list:
-    """Run `jobs/tune_mlp.py --config config` and SIGKILL its driver once its first trial (pack) has
-    reported `epochs` epochs; the trials' result.json files."""
-    args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
-    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    deadline = time.monotonic() + 180
-    while not (reports := list(exp_dir.glob("*/result.json"))) or len(reports[0].read_text().splitlines()) < epochs:
-        assert driver.poll() is None and time.monotonic() < deadline, f"no trial reached epoch {epochs}"
-        time.sleep(0.05)
-    driver.kill()
-    driver.wait()
-    return reports
 
 
 def by_member(table: pd.DataFrame) -> pd.DataFrame:

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 from rayhpc.config import ConfigError
 from rayhpc.data import DataConfig
 from rayhpc.parallel.plan import check_divisible, check_tp_plan, choose_stage_starts, keep_stage, units

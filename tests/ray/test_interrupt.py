@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from ray.util.state import list_actors, list_jobs, list_placement_groups
 
-from conftest import ROOT
+from helpers import ROOT
 from rayhpc.interrupt import GRACE_VARIABLE, descendants
 from rayhpc.tune.results import read_results
 

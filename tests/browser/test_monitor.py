@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import require, scrape
 from rayhpc.monitor.metrics import METRICS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("RAYHPC_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 SWEEP = "monitored"
 # a user's task with a validation metric: the synthetic teacher task, its mean absolute error as the metric
@@ -66,16 +66,6 @@ def token() -> str:
     return (Path.home() / ".ray" / "auth_token").read_text().strip()
 
 
-def scrape(cluster: dict) -> dict[str, list]:
-    """The platform's samples on the node's metrics endpoint, by name (Ray's `ray_` prefix dropped)."""
-    url = f"http://{cluster['node_ip_address']}:{cluster['metrics_export_port']}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    samples: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith("ray_rayhpc_"):
-                samples.setdefault(s.name.removeprefix("ray_"), []).append(s)
-    return samples
 
 
 def iterations(cluster: dict) -> dict[str, float]:
@@ -228,6 +218,7 @@ def test_prometheus_scrapes_the_trial_loss_with_the_shipped_config(ray_cluster, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    require("Prometheus (apt-get install prometheus)", shutil.which("prometheus") is not None)
     config = tmp_path / "prometheus.yml"
     shutil.copy(ROOT / "cluster_configs" / "monitoring" / "prometheus.yml", config)
     (tmp_path / "targets").mkdir()
@@ -284,6 +275,8 @@ def test_status_reads_the_running_sweep_from_the_cluster(ray_cluster, sweep):
 
 def test_a_browser_signs_in_with_the_token_and_sees_the_node(ray_cluster, sweep):
     from playwright.sync_api import sync_playwright
+
+    require("Chromium (apt-get install chromium)", shutil.which("chromium") is not None)
 
     url = f"http://{ray_cluster['webui_url']}"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,7 @@ import time
 import pytest
 import ray
 
-from conftest import ROOT, job_env, run_job_warm
-from test_slurm_security import ATTACKER, as_attacker, attacker, python_as_attacker, world_tmp  # noqa: F401
+from helpers import ATTACKER, ROOT, as_attacker, job_env, python_as_attacker, run_job_warm
 
 JOBS = {"sweep": ["tune_mlp.py", "--num-samples", "2", "--epochs", "2"],
         "training": ["train_mlp.py", "--num-workers", "2", "--epochs", "3"]}

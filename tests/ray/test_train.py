@@ -1,22 +1,26 @@
 """Data-parallel training on a real local Ray with gloo: DDP and FSDP proven equal to one process."""
 
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import ray
 import torch
 import torch.nn.functional as F
-from ray.train import UserCallback
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import CPUS, ROOT, run_job, run_job_warm, tensorboard_scalars, too_many_gpu_workers
+from helpers import (
+    CPUS,
+    EPOCHS,
+    ROOT,
+    assert_same_weights,
+    run_job,
+    run_job_warm,
+    tensorboard_scalars,
+    too_many_gpu_workers,
+)
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.models import MLP
@@ -25,7 +29,6 @@ from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, loa
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.trainer import run_training
 
-EPOCHS = 3
 # Ray Train runs callbacks in its controller process, which cannot import this test module:
 # ship the module's classes by value instead of by reference.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -57,10 +60,6 @@ def one_process(cfg: TrainConfig, batch: int) -> dict:
     return model.state_dict()
 
 
-def assert_same_weights(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], msg=lambda m: f"{key}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -80,37 +79,8 @@ def test_ddp_equals_one_process_with_the_global_batch(ddp_run):
     torch.testing.assert_close(events["epoch/loss"], epochs["loss"].tolist())
 
 
-class KillWorkerOnce(UserCallback):
-    """In Ray Train's controller: logs each report with the live worker PIDs, and SIGKILLs one
-    worker right after the first report of optimizer step `step` (a mid-epoch checkpoint), and of
-    each of `steps` if it is several."""
-
-    def __init__(self, step: int, log: str, *more: int):
-        self.left, self.log = {step, *more}, log
-
-    def after_report(self, run_context, metrics, checkpoint):
-        from ray.util.state import list_actors
-
-        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-        pids = sorted(w.pid for w in workers)
-        kill = metrics[0]["global_step"] in self.left
-        with open(self.log, "a") as f:
-            f.write(json.dumps({"step": metrics[0]["global_step"], "pids": pids, "kill": kill}) + "\n")
-        if kill:
-            self.left.discard(metrics[0]["global_step"])
-            os.kill(pids[-1], signal.SIGKILL)
 
 
-def assert_restarted_after(log: Path, steps: list[int]) -> None:
-    """Each kill `KillWorkerOnce` logged started a new worker group, which went on after the killed
-    step's checkpoint (mid-epoch), not from step 0."""
-    reports = [json.loads(line) for line in log.read_text().splitlines()]
-    kills = [i for i, r in enumerate(reports) if r["kill"]]
-    assert [reports[i]["step"] for i in kills] == steps, reports
-    for i in kills:
-        before, after = reports[:i + 1], reports[i + 1:]
-        assert after and not set(after[0]["pids"]) & set(before[-1]["pids"]), "the worker group was not restarted"
-        assert after[0]["step"] > reports[i]["step"], "it did not resume from the checkpoint"
 
 
 def test_resume_after_the_driver_is_killed_continues_from_the_checkpoint(ray_address, ddp_run, tmp_path):
@@ -176,7 +146,7 @@ def test_bad_input_exits_2_within_seconds(args, expected, tmp_path):
 
 def test_a_run_started_from_a_sweep_trial_begins_with_its_weights(ray_address, tmp_path):
     """`--init-from SWEEP_DIR[:TRIAL_ID]`: a FuncPack member named by id (the padded pack's members:
-    tests/test_packed.py) starts the run with its weights and its own task hyperparameters. Proof
+    tests/unit/test_packed.py) starts the run with its weights and its own task hyperparameters. Proof
     independent of the extraction: at lr 1e-12 the run's first val_loss is the one the sweep's pack
     computed for that member. `SWEEP_DIR` alone names the best trial. Checked: the member index off by
     one, the weights not loaded, or the best taken by the wrong order fail here."""

@@ -5,7 +5,6 @@ finds its sbatch startup script as package data, and imports the example tasks b
 import shutil
 import subprocess
 import sys
-import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,8 @@ def installed(tmp_path_factory) -> Path:
     python = where / "venv" / "bin" / "python"
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # every site-packages folder of the test environment (a floors venv has two), as plain path lines
+    (Path(site) / "dependencies.pth").write_text("".join(f"{p}\n" for p in sys.path if p.endswith("site-packages")))
     done = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -22,12 +22,9 @@ import torch.nn.functional as F
 from ray.tune import Callback
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from conftest import ROOT, run_job
+from helpers import ROOT, assert_same_weights, kill_driver_after, reference_schedule, run_job, sweep
 from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.tune.sweep import run_sweep
-from test_sweep import kill_driver_after, sweep
-from test_train import assert_same_weights
-from test_training_options import reference_schedule
 
 sys.path.insert(0, str(ROOT / "tests" / "tasks"))
 from dropout import Dropout  # noqa: E402  (the task file the sweeps load, imported here for the reference)

@@ -10,9 +10,9 @@ import time
 import pytest
 import ray
 import torch
-
-from conftest import CPUS, ROOT, run_job, run_job_warm, too_many_gpu_workers
 from bench.parallel_layouts import GPT_LAYOUTS as GPT_BENCH
+
+from helpers import CPUS, ROOT, run_job, run_job_warm, too_many_gpu_workers
 from parallel_reference import reference_run
 from rayhpc.config import ConfigError, validate
 from rayhpc.parallel import ParallelConfig, run_parallel, worker

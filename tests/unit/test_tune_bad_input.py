@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import CPUS, GPUS, run_job_warm
+from helpers import CPUS, GPUS, run_job_warm
 
 WORKERS = min(CPUS, GPUS) if GPUS else CPUS  # distributed-trial workers this machine places
 

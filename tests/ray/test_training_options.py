@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import ROOT, run_job_warm
+from helpers import (
+    EPOCHS,
+    ROOT,
+    KillWorkerOnce,
+    assert_restarted_after,
+    assert_same_weights,
+    reference_schedule,
+    run_job_warm,
+)
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.models import MLP
@@ -23,20 +31,12 @@ from rayhpc.train.checkpoint import load_full_state_dict, load_progress
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.parallelize import apply_ac, apply_compile, model_blocks
 from rayhpc.train.trainer import run_training
-from test_train import EPOCHS, KillWorkerOnce, assert_restarted_after, assert_same_weights
 
 # every option away from its default: a test that ignored one would differ
 OPTIONS = {"optim": {"optimizer": "adamw", "lr": 0.02, "weight_decay": 0.1, "beta1": 0.8, "clip_grad_norm": 0.3},
            "schedule": {"warmup_steps": 40, "decay": "cosine", "min_lr_ratio": 0.1}, "accumulate": 4}
 
 
-def reference_schedule(optimizer, warmup: int, total: int, floor: float):
-    """torch's own schedulers: a linear warm-up from lr/(warmup+1), then cosine down to floor x lr."""
-    sched = torch.optim.lr_scheduler
-    return sched.SequentialLR(optimizer, [
-        sched.LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup),
-        sched.CosineAnnealingLR(optimizer, T_max=total - 1 - warmup, eta_min=floor * optimizer.defaults["lr"]),
-    ], milestones=[warmup])
 
 
 def plain_run(cfg: TrainConfig, batch: int) -> tuple[dict, list[float]]:

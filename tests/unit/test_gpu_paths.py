@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Dataset, TensorDataset
 
-from conftest import GPUS, run_job
+from helpers import GPUS, run_job
 from rayhpc.cluster import Resources
 from rayhpc.collectives.bench import _timed_runs
 from rayhpc.collectives.primitives import Case

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import ROOT, run_job, run_job_warm, tensorboard_scalars
+from helpers import ROOT, run_job, run_job_warm, tensorboard_scalars
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.models import MLP
@@ -239,7 +239,7 @@ def test_pulled_shards_are_object_store_views(ray_address, tmp_path):
 
 
 def test_workers_and_servers_export_their_series(ray_cluster, tmp_path):
-    from test_monitor import scrape
+    from helpers import scrape
 
     job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "train_ps.py"), "--address", ray_cluster["gcs_address"],
                             "--task", STRAGGLER, "--hp", "straggler_ms=30", "--name", "watched-ps", "--mode", "async", "--staleness", "3",

@@ -9,8 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import ROOT
-from test_slurm import assert_nothing_left, job_log, submit, wait_done
+from helpers import ROOT, assert_nothing_left, job_log, submit, wait_done
 
 NODES = 4
 

@@ -9,30 +9,27 @@ import glob
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import SUBMITTED
-from rayhpc.interrupt import descendants
-from rayhpc.slurm.private import UnsafePath, check_ancestors
-from rayhpc.slurm.submit import log_dir, slurm_job
-from test_slurm import (
+from helpers import (
     CLUSTER,
     LOGS,
     RAYHPC,
+    SUBMITTED,
     TWO_NODES,
+    as_attacker,
     assert_nothing_left,
     job_log,
     job_processes,
+    python_as_attacker,
     skip_requeue_delay,
     submit,
     submit_held,
@@ -40,38 +37,9 @@ from test_slurm import (
     wait_done,
     with_changes,
 )
-
-ATTACKER = "rhattacker"
-
-
-@pytest.fixture(scope="module")
-def attacker() -> str:
-    """A second, unprivileged user on the nodes."""
-    if subprocess.run(["id", ATTACKER], capture_output=True).returncode:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", ATTACKER], check=True)
-    return ATTACKER
-
-
-def as_attacker(*command: str, **kwargs) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
-    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
-    return subprocess.run([runuser, "-u", ATTACKER, "--", *command], capture_output=True, text=True, env=env,
-                          cwd="/tmp", **kwargs)
-
-
-@pytest.fixture
-def world_tmp():
-    """Paths in /tmp that the other user can reach (tmp_path is private to us): `world_tmp(prefix)`
-    names a new one; each is removed after the test."""
-    made = []
-
-    def name(prefix: str) -> Path:
-        made.append(Path(f"/tmp/{prefix}-{uuid.uuid4().hex[:8]}"))
-        return made[-1]
-
-    yield name
-    for path in made:
-        shutil.rmtree(path, ignore_errors=True)
+from rayhpc.interrupt import descendants
+from rayhpc.slurm.private import UnsafePath, check_ancestors
+from rayhpc.slurm.submit import log_dir, slurm_job
 
 
 def test_a_job_folder_another_user_created_first_stops_the_job_and_the_token_never_reaches_it(slurm, attacker,
@@ -482,16 +450,6 @@ def test_stop_of_another_users_job_is_one_error_line_and_the_job_runs_on(slurm, 
         "another user's `rayhpc stop` ended the job"
 
 
-def python_as_attacker(code: str, *args: str, imports: str = "", env: dict | None = None,
-                       timeout: float | None = None) -> subprocess.CompletedProcess:
-    """`python -c CODE ARGS` as the other user. This interpreter may live where that user cannot read (a
-    pyenv under /root), so it starts as root, imports `imports` (what the code needs), then drops to the
-    other user before running the code."""
-    prelude = (f"import os, pwd, sys\n{imports}\n"
-               f"user = pwd.getpwnam({ATTACKER!r}); os.setgroups([]); os.setgid(user.pw_gid); os.setuid(user.pw_uid)\n")
-    env = {"PATH": os.environ["PATH"], "HOME": "/tmp", **(env or {})}
-    return subprocess.run([sys.executable, "-c", prelude + code, *args], capture_output=True, text=True, env=env,
-                          cwd="/tmp", timeout=timeout)
 
 
 def rayhpc_as_attacker(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from rayhpc.config import ConfigError, validate
 from rayhpc.slurm.config import ClusterConfig, load_cluster
 from rayhpc.slurm.render import render_array, render_collect, render_sbatch
@@ -31,7 +31,7 @@ def assert_golden(file: str, text: str, what: str) -> None:
         golden.write_text(text)
     assert golden.is_file() and golden.read_text() == text, (
         f"{what} differs from {golden.relative_to(ROOT)}; if the change is intended, regenerate with: "
-        f"REGEN_GOLDEN=1 python -m pytest tests/test_slurm_render.py")
+        f"REGEN_GOLDEN=1 python -m pytest tests/unit/test_slurm_render.py")
 
 
 @pytest.mark.parametrize("name", CONFIGS)

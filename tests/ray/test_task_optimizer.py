@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import ROOT, run_job_warm
+from helpers import ROOT, KillWorkerOnce, assert_same_weights, run_job_warm
 from rayhpc.config import validate
 from rayhpc.data import DataConfig, step_indices
 from rayhpc.parallel import ParallelConfig, run_parallel
@@ -24,7 +23,6 @@ from rayhpc.train.config import TrainConfig
 from rayhpc.train.trainer import run_training
 from rayhpc.tune.packing import SinglePack, packing_problem
 from rayhpc.tune.trainable import pack_step
-from test_train import KillWorkerOnce, assert_same_weights
 
 OWN = f"{ROOT}/tests/tasks/own_optim.py:OwnOptim"
 LR = 0.01

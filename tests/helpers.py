@@ -1,0 +1,390 @@
+"""What the tests share: the checkout and this machine, running jobs as a user does, the test Slurm's
+jobs, the second Unix user, and plain-PyTorch references. Fixtures are in conftest.py."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from ray.train import UserCallback
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+
+from rayhpc.config import validate
+from rayhpc.data import synthetic_tensors
+from rayhpc.slurm.config import ClusterConfig, load_cluster
+from rayhpc.slurm.render import render_sbatch
+from rayhpc.tune.config import SweepConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+sys.path.insert(0, str(ROOT / "jobs"))  # the benchmarks' helpers (jobs/bench/), whose tables some tests check
+
+
+# Ray Train's controller polls its workers every 2 s, so each of the suite's many short training runs
+# ends up to 2 s after its last step; polling at 0.5 s (set before any Ray or job starts, which inherit
+# it) shortens the suite by about a minute and changes nothing a test checks
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+def _machine() -> tuple[int, int]:
+    from rayhpc.cluster import local_cpus, local_gpus
+
+    return local_cpus(), local_gpus()
+
+
+# What a job started by a test without --address sees (a local Ray is sized from this machine):
+# bad-input expectations are derived from it, so the suite passes on a laptop and a GPU node alike.
+CPUS, GPUS = _machine()
+
+
+def too_many_gpu_workers(flag: str, *extra: str) -> tuple[list[str], str]:
+    """Arguments asking for one more GPU worker than this machine holds (`flag` sets the worker count;
+    `extra` follow it, `{n}` standing for the count), and the error's start: "no GPUs" on a machine
+    without, else how many GPU workers fit."""
+    if GPUS == 0:
+        return ["--gpu"], "error: compute.gpu (--gpu): the cluster has no GPUs"
+    n = min(CPUS, GPUS) + 1
+    return (["--gpu", flag, str(n), "--cpus-per-worker", "1", *(e.format(n=n) for e in extra)],
+            f"error: compute.num_workers (--num-workers) {n}: the cluster can place {n - 1} worker(s) of "
+            "1 CPU + 1 GPU each")
+
+
+SUBMITTED: list[str] = []  # Slurm jobs the running test submitted
+
+
+def run_job(script: str, *args: str, env: dict | None = None, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """Run `python jobs/<script> args...` the way a user does; capture its output."""
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / script), *args], capture_output=True, text=True,
+                          env=job_env(env), timeout=timeout, cwd=kwargs.pop("cwd", ROOT), **kwargs)
+
+
+def job_env(env: dict | None) -> dict:
+    """A job's environment: the suite's, unbuffered, with `env`; without RAY_ADDRESS unless `env` sets it."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if "RAY_ADDRESS" not in (env or {}):
+        full_env.pop("RAY_ADDRESS", None)
+    return full_env
+
+
+_warm: list = []  # the warm job server, started by the first run_job_warm
+
+
+def run_job_warm(script: str, *args: str, env: dict | None = None, timeout: float = 120,
+                 cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`run_job` for a job that ends before it starts Ray (bad input): the same script, argv, environment
+    and exit status, in a process forked from one that has imported the platform already (tests/warm_jobs.py)."""
+    import atexit
+    import tempfile
+
+    from warm_jobs import WarmJobs
+
+    if not _warm:
+        _warm.append(WarmJobs(ROOT))
+        atexit.register(_warm[0].close)
+    with tempfile.TemporaryDirectory(prefix="warm-job-") as out:
+        return _warm[0].run(ROOT / "jobs" / script, list(args), job_env(env), cwd, Path(out), timeout)
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[float]]:
+    """Every scalar in the TensorBoard event files under `folder`, by tag (read with
+    tensorboardX's protobufs: TFRecord = length, crc, Event, crc)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, list[float]] = {}
+    for path in sorted(Path(folder).rglob("events.out.tfevents.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(value.simple_value)
+    return scalars
+
+
+ATTACKER = "rhattacker"
+
+
+def as_attacker(*command: str, **kwargs) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    runuser = shutil.which("runuser") or "/usr/sbin/runuser"
+    return subprocess.run([runuser, "-u", ATTACKER, "--", *command], capture_output=True, text=True, env=env,
+                          cwd="/tmp", **kwargs)
+
+
+def python_as_attacker(code: str, *args: str, imports: str = "", env: dict | None = None,
+                       timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS` as the other user. This interpreter may live where that user cannot read (a
+    pyenv under /root), so it starts as root, imports `imports` (what the code needs), then drops to the
+    other user before running the code."""
+    prelude = (f"import os, pwd, sys\n{imports}\n"
+               f"user = pwd.getpwnam({ATTACKER!r}); os.setgroups([]); os.setgid(user.pw_gid); os.setuid(user.pw_uid)\n")
+    env = {"PATH": os.environ["PATH"], "HOME": "/tmp", **(env or {})}
+    return subprocess.run([sys.executable, "-c", prelude + code, *args], capture_output=True, text=True, env=env,
+                          cwd="/tmp", timeout=timeout)
+
+
+RAYHPC = str(Path(sys.executable).with_name("rayhpc"))
+
+
+CLUSTER = str(ROOT / "cluster_configs" / "local-slurm.yaml")
+
+
+LOGS = Path("/tmp/rayhpc-slurm-logs")  # the log_dir of local-slurm.yaml
+
+
+def submit(*command: str, nodes: int | None = None) -> str:
+    """`rayhpc submit [--nodes N]` on the test cluster; the job id."""
+    proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, *(["--nodes", str(nodes)] if nodes else []), "--",
+                           *command], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    SUBMITTED.append(proc.stdout.split()[2].rstrip(":"))  # "submitted job N: log ..."
+    return SUBMITTED[-1]
+
+
+def wait_done(job: str, timeout_s: float = 400) -> dict:
+    """The job's final `scontrol show job` fields once it has left the queue."""
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, f"job {job} still queued or running after {timeout_s} s"
+        time.sleep(1)
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    return dict(part.split("=", 1) for part in out.split() if "=" in part)
+
+
+def job_log(job: str) -> str:
+    return (LOGS / f"rayhpc-local-slurm-{job}.log").read_text()
+
+
+def job_processes(job: str) -> list[str]:
+    """Every process of the Slurm job on this machine (both test nodes share its process table), found
+    by what Slurm put in their environment (Ray rewrites titles, not environments): 'pid cmdline'."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"SLURM_JOB_ID={job}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {command[:100]}")
+        except OSError:
+            continue
+    return found
+
+
+def assert_nothing_left(job: str, timeout_s: float = 30) -> None:
+    """None of the job's processes, temp folders or token is left (Slurm may still be killing its
+    steps for a few seconds after the job left the queue)."""
+    deadline = time.monotonic() + timeout_s
+    while (procs := job_processes(job)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert procs == [], f"processes of job {job} survived it:\n" + "\n".join(procs)
+    assert glob.glob(f"/tmp/rh-{job}-*") == [], "the job's temp dirs were left behind"
+    assert not (LOGS / job / "auth_token").exists(), "the job's token was left behind"
+
+
+TWO_NODES = """
+import ray, socket, time
+ray.init()
+where = ray.remote(num_cpus=1)(lambda: (time.sleep(3), socket.gethostname())[1])
+hosts = ray.get([where.options(scheduling_strategy="SPREAD").remote() for _ in range(2)])
+assert sorted(hosts) == ["node1", "node2"], hosts
+"""
+
+
+def wait_cluster(job: str, timeout_s: float = 120) -> dict:
+    """The job's cluster.json, once its cluster is up."""
+    path, deadline = LOGS / job / "cluster.json", time.monotonic() + timeout_s
+    while not path.is_file():
+        assert time.monotonic() < deadline, f"job {job} did not start its cluster: {job_log(job)}"
+        time.sleep(0.5)
+    return json.loads(path.read_text())
+
+
+def submit_held(cfg, command: list[str], tmp_path: Path) -> str:
+    """The job of `cfg` running `command`, submitted held (so a test can prepare the nodes first)."""
+    script = tmp_path / f"job-{uuid.uuid4().hex[:6]}.sbatch"
+    script.write_text(render_sbatch(cfg, command))
+    SUBMITTED.append(subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True,
+                                    cwd=ROOT, check=True).stdout.strip())
+    return SUBMITTED[-1]
+
+
+def with_changes(**sections) -> ClusterConfig:
+    """local-slurm.yaml with some keys of some sections changed (`ray={"join_timeout_s": 8}`, `log_dir=...`)."""
+    data = load_cluster(CLUSTER).model_dump(mode="json")
+    for key, value in sections.items():
+        data[key] = {**(data[key] or {}), **value} if isinstance(value, dict) else str(value)
+    return validate(ClusterConfig, data)  # validated as a loaded config is
+
+
+def skip_requeue_delay(job: str, timeout_s: float = 120) -> None:
+    """Slurm holds a requeued job back for a while (about 150 s here); an admin would start it
+    at once, as the test does, once it is pending again."""
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip() \
+            != "PENDING":
+        assert time.monotonic() < deadline, f"job {job} was not requeued"
+        time.sleep(0.5)
+    # slurmd refuses to launch a job whose credential is not newer than the revocation of the last run's
+    # ("Job credential revoked"), compared in whole seconds: a restart within the same second fails
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+
+
+def reference_schedule(optimizer, warmup: int, total: int, floor: float):
+    """torch's own schedulers: a linear warm-up from lr/(warmup+1), then cosine down to floor x lr."""
+    sched = torch.optim.lr_scheduler
+    return sched.SequentialLR(optimizer, [
+        sched.LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup),
+        sched.CosineAnnealingLR(optimizer, T_max=total - 1 - warmup, eta_min=floor * optimizer.defaults["lr"]),
+    ], milestones=[warmup])
+
+
+def scrape(cluster: dict) -> dict[str, list]:
+    """The platform's samples on the node's metrics endpoint, by name (Ray's `ray_` prefix dropped)."""
+    url = f"http://{cluster['node_ip_address']}:{cluster['metrics_export_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_rayhpc_"):
+                samples.setdefault(s.name.removeprefix("ray_"), []).append(s)
+    return samples
+
+
+def assert_speedup_and_efficiency(rows: pd.DataFrame) -> None:
+    """One mode's rows by worker count (1 and 2): speedup and efficiency against the one-worker row."""
+    assert rows.loc[1, "speedup"] == 1.0 and rows.loc[1, "efficiency"] == 1.0
+    assert math.isclose(rows.loc[2, "efficiency"], rows.loc[2, "speedup"] / 2)
+    assert math.isclose(rows.loc[2, "speedup"], rows.loc[2, "samples_per_s"] / rows.loc[1, "samples_per_s"]), rows
+
+
+def plain_trial(model, train, val, hp: dict, epochs: int, loss_fn, metric_fn=None):
+    """One trial the plain PyTorch way; returns (final weights, validation loss and metric after each epoch)."""
+    if hp["optimizer"] == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
+    else:
+        adam = torch.optim.AdamW if hp["optimizer"] == "adamw" else torch.optim.Adam
+        opt = adam(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"], betas=(hp["beta1"], hp["beta2"]),
+                   eps=hp["eps"])
+    total = epochs * math.ceil(len(train) / hp["batch_size"])
+    schedule = reference_schedule(opt, hp["warmup_steps"], total, hp["min_lr_ratio"]) if hp["decay"] == "cosine" \
+        else None  # the other tests' trials keep a constant lr
+    sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=hp["seed"])
+    history = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        for x, y in DataLoader(train, batch_size=hp["batch_size"], sampler=sampler):
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            if hp["clip_grad_norm"]:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), hp["clip_grad_norm"])
+            opt.step()
+            if schedule is not None:
+                schedule.step()
+        model.eval()
+        with torch.no_grad():
+            batches = list(DataLoader(val, batch_size=1000))
+            out = [(loss_fn(model(x), y), metric_fn(model(x), y) if metric_fn else 0.0, len(x)) for x, y in batches]
+        n = sum(b[2] for b in out)
+        history.append((sum(b[0] * b[2] for b in out) / n, sum(b[1] * b[2] for b in out) / n))
+    return model.state_dict(), history
+
+
+def mlp_split(task):
+    """The mlp task's 20% hold-out, computed here as the split's definition says."""
+    x, y = synthetic_tensors(task.obj.data_cfg.synthetic)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0)).tolist()
+    n_val = round(len(x) * 0.2)
+    full = TensorDataset(x, y)
+    return Subset(full, order[n_val:]), Subset(full, order[:n_val])
+
+
+def sweep(tmp_path, **kw) -> SweepConfig:
+    return validate(SweepConfig, {"storage_path": str(tmp_path), **kw})
+
+
+def kill_driver_after(config, ray_address: str, exp_dir, epochs: int) -> list:
+    """Run `jobs/tune_mlp.py --config config` and SIGKILL its driver once its first trial (pack) has
+    reported `epochs` epochs; the trials' result.json files."""
+    args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
+    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 180
+    while not (reports := list(exp_dir.glob("*/result.json"))) or len(reports[0].read_text().splitlines()) < epochs:
+        assert driver.poll() is None and time.monotonic() < deadline, f"no trial reached epoch {epochs}"
+        time.sleep(0.05)
+    driver.kill()
+    driver.wait()
+    return reports
+
+
+EPOCHS = 3
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=lambda m: f"{key}: {m}")
+
+
+class KillWorkerOnce(UserCallback):
+    """In Ray Train's controller: logs each report with the live worker PIDs, and SIGKILLs one
+    worker right after the first report of optimizer step `step` (a mid-epoch checkpoint), and of
+    each of `steps` if it is several."""
+
+    def __init__(self, step: int, log: str, *more: int):
+        self.left, self.log = {step, *more}, log
+
+    def after_report(self, run_context, metrics, checkpoint):
+        from ray.util.state import list_actors
+
+        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        pids = sorted(w.pid for w in workers)
+        kill = metrics[0]["global_step"] in self.left
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"step": metrics[0]["global_step"], "pids": pids, "kill": kill}) + "\n")
+        if kill:
+            self.left.discard(metrics[0]["global_step"])
+            os.kill(pids[-1], signal.SIGKILL)
+
+
+def assert_restarted_after(log: Path, steps: list[int]) -> None:
+    """Each kill `KillWorkerOnce` logged started a new worker group, which went on after the killed
+    step's checkpoint (mid-epoch), not from step 0."""
+    reports = [json.loads(line) for line in log.read_text().splitlines()]
+    kills = [i for i, r in enumerate(reports) if r["kill"]]
+    assert [reports[i]["step"] for i in kills] == steps, reports
+    for i in kills:
+        before, after = reports[:i + 1], reports[i + 1:]
+        assert after and not set(after[0]["pids"]) & set(before[-1]["pids"]), "the worker group was not restarted"
+        assert after[0]["step"] > reports[i]["step"], "it did not resume from the checkpoint"
+
+
+def require(what: str, present: bool) -> None:
+    """A test that needs `what` (root, Slurm, Prometheus, Chromium) and finds it missing: a skip that says so,
+    or, under CI (CI=true, where everything is installed), a failure."""
+    if present:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{what} is missing", pytrace=False)
+    pytest.skip(f"needs {what}")

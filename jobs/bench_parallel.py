@@ -13,8 +13,9 @@ chunks) / (step time). GPT layouts with more ranks than the cluster has CPUs (GP
 import argparse
 from pathlib import Path
 
-from rayhpc import cluster
 from bench.parallel_layouts import bubble_configs, print_bubble_table, print_gpt_table
+
+from rayhpc import cluster
 from rayhpc.cli import key_value_pairs
 from rayhpc.parallel.trainer import make_recipe
 

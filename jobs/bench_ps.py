@@ -12,8 +12,9 @@ parameter server, beside the formulas: PS 2 x model; ring all-reduce 2 (n - 1) /
 
 import argparse
 
-from rayhpc import cluster
 from bench.ps_compare import compare, format_table
+
+from rayhpc import cluster
 from rayhpc.cli import key_value_pairs
 
 

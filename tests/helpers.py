@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from ray.train import UserCallback
@@ -32,8 +33,9 @@ from rayhpc.slurm.render import render_sbatch
 from rayhpc.tune.config import SweepConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
+# what Ray ships to its workers from here (Ray Train callbacks, rank functions) travels by value: the workers
+# do not have the tests folder on their path
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 sys.path.insert(0, str(ROOT / "jobs"))  # the benchmarks' helpers (jobs/bench/), whose tables some tests check
 
 

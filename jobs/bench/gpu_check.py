@@ -8,6 +8,7 @@ so, runs the lines that need none and exits 0, so CI runs it too.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -146,7 +147,7 @@ def check_model_parallel(work: Path, gpus: int) -> list[Line]:
         world = ParallelConfig(**layout).parallelism.world_size
         cfg = ParallelConfig(storage_path=work / "parallel", name=re.sub(r"\W+", "-", name), steps=4,
                              precision="fp32", compute={"gpu": True, "num_workers": world}, **layout)
-        result = run_parallel(cfg, verbose=False)
+        result = run_parallel(cfg, log_level=logging.DEBUG)
         losses, _, _ = reference_run(cfg)
         try:
             torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses), rtol=1e-4, atol=1e-5)
@@ -156,7 +157,7 @@ def check_model_parallel(work: Path, gpus: int) -> list[Line]:
         lines.append(Line(f"TP/PP on NCCL: {name}", status, figures))
     cfg = ParallelConfig(storage_path=work / "parallel", name="bf16", steps=10, precision="bf16",
                          compute={"gpu": True, "num_workers": 1})
-    result = run_parallel(cfg, verbose=False)
+    result = run_parallel(cfg, log_level=logging.DEBUG)
     falls = result.losses[-1] < result.losses[0]
     lines.append(Line("TP/PP bf16 autocast", "PASS" if falls else "FAIL",
                       f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} in 10 steps"))

@@ -9,6 +9,7 @@ whole model is the same for every schedule). GPT: the example task's training th
 
 from __future__ import annotations
 
+import logging
 import statistics
 import tempfile
 
@@ -84,7 +85,7 @@ def print_gpt_table(task: str, hparams: dict, steps: int, batch_size: int, micro
                                  global_batch_size=batch_size, storage_path=storage, name=name.replace(" ", "_"),
                                  parallelism={**layout, **pipeline}, address=address,
                                  compute={"gpu": gpu, "cpus_per_worker": 1.0})
-            result = run_parallel(cfg, verbose=False)
+            result = run_parallel(cfg, log_level=logging.DEBUG)
             median = statistics.median(result.step_seconds[1:] or result.step_seconds)
             bits = result.validation.get("bits_per_byte", float("nan")) if result.validation else float("nan")
             print(f"{name:>20} {ranks:>5} {median * 1e3:>8.1f} {batch_size * per_sample / median:>10,.0f} "

@@ -5,6 +5,7 @@ bytes each worker moves per step beside the formulas (PS: pull + push = 2 x mode
 
 from __future__ import annotations
 
+import logging
 import tempfile
 
 import pandas as pd
@@ -30,7 +31,7 @@ def run_methods(n: int, base: dict, servers: int, staleness: int | None, gpu: bo
             extra = {"staleness": staleness} if mode == "async" and staleness is not None else {}
             cfg = validate(PSConfig, {**base, "name": name, "mode": mode, **extra,
                                       "compute": {"num_workers": n, "gpu": gpu, "num_servers": servers}})
-            result = run_ps(cfg, verbose=False)
+            result = run_ps(cfg, log_level=logging.DEBUG)
             metrics, model_bytes = result.metrics, 4 * sum(result.layout.sizes())
         rows.append({"workers": n, "device": "gpu" if gpu else "cpu", "method": method, "metrics": metrics})
     for row in rows:

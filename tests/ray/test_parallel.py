@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import statistics
 import sys
@@ -59,7 +60,7 @@ def assert_equal_to_reference(result, cfg: ParallelConfig) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address, tmp_path):
     cfg = parallel_cfg(storage_path=tmp_path, steps=4, **LAYOUTS[layout])
-    result = run_parallel(cfg, verbose=False)
+    result = run_parallel(cfg, log_level=logging.DEBUG)
     assert len(result.losses) == 4
     assert_equal_to_reference(result, cfg)
 
@@ -68,12 +69,12 @@ def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
     """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 2 steps, the latest 2 kept; the run
     is resumed from step 4 as if it had been stopped before step 6 was saved."""
     cfg = parallel_cfg(storage_path=tmp_path, steps=6, fsdp=2, tp=2, checkpoint={"every": 2, "keep": 2})
-    full = run_parallel(cfg, verbose=False)
+    full = run_parallel(cfg, log_level=logging.DEBUG)
     assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000006"
     assert sorted(p.name for p in (tmp_path / cfg.name).glob("checkpoint_*")) == ["checkpoint_000004",
                                                                                   "checkpoint_000006"]
     shutil.rmtree(full.checkpoint)
-    resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)
+    resumed = run_parallel(cfg.model_copy(update={"resume": True}), log_level=logging.DEBUG)
     assert len(resumed.step_seconds) == 2, "the resumed run did not start from step 4"
     assert resumed.losses == pytest.approx(full.losses, rel=1e-6)
     assert_equal_to_reference(resumed, cfg)
@@ -314,7 +315,7 @@ def test_the_users_gpt_under_every_layout_equals_one_process(layout, ray_address
     """The task's own plan (tp_plan, pipeline_split) on the worker group, with Adam (state that is
     sharded like the weights): every step's loss and the final weights equal one process."""
     cfg = gpt_cfg(tmp_path, **GPT_LAYOUTS[layout])
-    result = run_parallel(cfg, verbose=False)
+    result = run_parallel(cfg, log_level=logging.DEBUG)
     assert_equal_to_reference(result, cfg)
 
 
@@ -330,9 +331,9 @@ def test_the_gpt_resumed_from_a_sharded_checkpoint_with_adam_state_ends_equal(la
     came back too (its moments and step count) and the schedule goes on at step 2."""
     cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint": {"every": 2},
                                "lr_schedule": RESUMED_AT[layout]})
-    full = run_parallel(cfg, verbose=False)
+    full = run_parallel(cfg, log_level=logging.DEBUG)
     shutil.rmtree(full.checkpoint)
-    resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)
+    resumed = run_parallel(cfg.model_copy(update={"resume": True}), log_level=logging.DEBUG)
     assert len(resumed.step_seconds) == 2, "the resumed run did not start from step 2"
     assert_equal_to_reference(resumed, cfg)
 
@@ -352,7 +353,7 @@ def test_the_gpt_with_every_training_option_equals_one_process(layout, ray_addre
     and the final weights equal one process on the whole batch."""
     cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], **OPTIONS, "microbatches": 2} if "pp" in layout
                   else {**GPT_LAYOUTS[layout], **OPTIONS})
-    result = run_parallel(cfg, verbose=False)
+    result = run_parallel(cfg, log_level=logging.DEBUG)
     assert_equal_to_reference(result, cfg)
 
 

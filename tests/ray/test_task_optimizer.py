@@ -5,6 +5,7 @@ in one plain process on the whole batch."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import torch
@@ -69,9 +70,9 @@ def test_the_model_parallel_job_steps_them_and_resumes_them(ray_address, tmp_pat
     """FSDP2 over 2 ranks, 8 steps, resumed from the step-4 checkpoint."""
     cfg = ParallelConfig(task=OWN, parallelism={"fsdp": 2}, optim={"lr": LR}, steps=8, global_batch_size=32,
                          checkpoint={"every": 4}, storage_path=tmp_path)
-    full = run_parallel(cfg, verbose=False)
+    full = run_parallel(cfg, log_level=logging.DEBUG)
     shutil.rmtree(full.checkpoint)
-    resumed = run_parallel(cfg.model_copy(update={"resume": True}), verbose=False)
+    resumed = run_parallel(cfg.model_copy(update={"resume": True}), log_level=logging.DEBUG)
     assert len(resumed.step_seconds) == 4, "the resumed run did not start from step 4"
     x, y = (torch.stack(t) for t in zip(*dataset()))
     model, optimizer, scheduler = plain()

@@ -61,8 +61,9 @@ def _timed_runs(case, iters: int, device: torch.device) -> float:
     return seconds / iters
 
 
-def run_collectives(cfg: CollectivesConfig, explicit: set[str] = frozenset(), verbose: bool = True) -> pd.DataFrame:
-    """The results table (also written as Parquet and a PNG plot under the job's folder)."""
+def run_collectives(cfg: CollectivesConfig, explicit: set[str] = frozenset(), log_level: int = logging.INFO) -> pd.DataFrame:
+    """The results table (also written as Parquet and a PNG plot under the job's folder); each row is logged
+    at `log_level` as it is measured."""
     cfg = start_job(cfg, explicit, workers=lambda c: c.compute.num_workers).cfg
     compute, rows = cfg.compute, []
     with WorkerGroup(compute.num_workers, cpus_per_worker=compute.cpus_per_worker, gpus_per_worker=float(compute.gpu),
@@ -71,8 +72,7 @@ def run_collectives(cfg: CollectivesConfig, explicit: set[str] = frozenset(), ve
             for size in cfg.sizes:
                 per_rank = group.run(measure, name, size, cfg.warmup, cfg.iters)
                 rows.append(_row(name, per_rank, compute.num_workers, group.backend))
-                if verbose:
-                    log.info(format_row(rows[-1]))
+                log.log(log_level, format_row(rows[-1]))
     table = pd.DataFrame(rows)
     cfg.make_dir()
     table.to_parquet(cfg.experiment_dir / RESULTS_FILE, index=False)

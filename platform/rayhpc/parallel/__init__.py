@@ -8,6 +8,9 @@ from rayhpc.parallel.mesh import Degrees
 
 
 def run_parallel(*args, **kwargs):
+    """Train (or resume) the run a `ParallelConfig` describes (`rayhpc.parallel.trainer.run_parallel`): the
+    per-step losses, step times, the whole model's final weights and validation; input errors are raised
+    before Ray starts."""
     from rayhpc.parallel.trainer import run_parallel as run  # the job's Ray and torch: not when the package is imported
 
     return run(*args, **kwargs)

@@ -7,8 +7,16 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import (PRECISION_HELP, Compute, ConfigError, ModelOptions, Optim, Precision, Schedule,
-                           StepCheckpoints)
+from rayhpc.config import (
+    PRECISION_HELP,
+    Compute,
+    ConfigError,
+    ModelOptions,
+    Optim,
+    Precision,
+    Schedule,
+    StepCheckpoints,
+)
 from rayhpc.parallel.mesh import Degrees
 from rayhpc.task.config import TaskJobConfig
 

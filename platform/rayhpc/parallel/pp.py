@@ -40,12 +40,6 @@ def rank_stages(schedule: str, pp_rank: int, pp: int, per_rank: int) -> list[int
     return [pp_rank + i * pp for i in range(per_rank)]
 
 
-def stage_ranges(n_units: int, stages: int) -> list[range]:
-    """Contiguous, near-equal runs of units per stage (earlier stages get the extra unit)."""
-    bounds = [round(i * n_units / stages) for i in range(stages + 1)]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, device: torch.device, group,
                    schedule: str, microbatches: int, loss_fn):
     """A pipelining schedule over this rank's stages, and the stages. The gradients are the sum over the

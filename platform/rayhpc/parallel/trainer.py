@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -63,8 +64,9 @@ def stack_pairs(dataset, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[0], batch[1]
 
 
-def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbose: bool = True) -> ParallelResult:
-    """Train (or resume) the run `cfg` describes; input errors are raised before Ray starts."""
+def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), log_level: int = logging.INFO) -> ParallelResult:
+    """Train (or resume) the run `cfg` describes, its progress logged at `log_level`; input errors are raised
+    before Ray starts."""
     made = {}
     start_job(cfg, explicit, workers=lambda c: c.world_size,
               check=lambda c, res: made.update(zip(("recipe", "data"), make_recipe(c))))
@@ -74,7 +76,7 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), verbo
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     start, losses, checkpoint = resume_point(cfg)
-    say = log.info if verbose else (lambda *a, **k: None)
+    say = functools.partial(log.log, log_level)
     started = time.perf_counter()
     compute = cfg.compute
     with WorkerGroup(cfg.world_size, cpus_per_worker=compute.cpus_per_worker, gpus_per_worker=float(compute.gpu),

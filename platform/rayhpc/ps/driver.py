@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -66,7 +67,7 @@ class Fleet:
 
 
 def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
-           on_epoch: Callable[[int, int, Fleet], None] | None = None, verbose: bool = True) -> PSResult:
+           on_epoch: Callable[[int, int, Fleet], None] | None = None, log_level: int = logging.INFO) -> PSResult:
     """Train (or resume) the run `cfg` describes; every input error is raised before Ray starts.
     `on_epoch(worker, epoch, fleet)`: called as each worker finishes an epoch (tests kill actors from it)."""
     made: dict = {}
@@ -78,7 +79,7 @@ def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
 
     job = start_job(cfg, explicit, bind=bind, workers=lambda c: c.compute.num_workers)
     cfg, task = job.cfg, job.task
-    say = log.info if verbose else (lambda *a, **k: None)
+    say = functools.partial(log.log, log_level)
     run = Progress(cfg, made, started=time.time())
     failures: list[str] = []
     checkpoint = latest_checkpoint(cfg) if cfg.resume else None

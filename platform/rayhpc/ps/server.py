@@ -26,7 +26,6 @@ from rayhpc.optim import make_optimizer, set_lr
 from rayhpc.train import checkpoint
 
 
-
 def as_tensor(array: np.ndarray) -> torch.Tensor:
     """A tensor over `array` without a copy. Arrays from Ray's object store are read-only views of its
     shared memory; torch warns that writing to them is undefined, and nothing here writes to them."""

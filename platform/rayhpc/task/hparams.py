@@ -9,7 +9,7 @@ mistyped key is an error naming it, before anything starts.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, Strict, ValidationError, create_model
 

@@ -6,8 +6,16 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rayhpc.config import (PRECISION_HELP, Compute, ConfigError, ModelOptions, Optim, Precision, Schedule,
-                           StepCheckpoints)
+from rayhpc.config import (
+    PRECISION_HELP,
+    Compute,
+    ConfigError,
+    ModelOptions,
+    Optim,
+    Precision,
+    Schedule,
+    StepCheckpoints,
+)
 from rayhpc.task.config import TaskJobConfig
 from rayhpc.task.hparams import PLATFORM_KEYS, TRAINING_KEYS, full_hparams, task_keys
 

@@ -27,11 +27,12 @@ EVENT_SCALARS = ("loss", "best_val_loss", "samples_per_s", "step_ms", "lr")  # a
 
 class MetricsRecorder(UserCallback):
     """Appends rank 0's metrics of every report to `metrics.parquet` and TensorBoard events, and
-    logs one line per epoch (shown where `verbose`: it runs in Ray Train's controller process)."""
+    logs one line per epoch at `log_level` (it runs in Ray Train's controller process, whose output shows the
+    platform's INFO lines)."""
 
-    def __init__(self, run_dir: Path, epochs: int | None, verbose: bool = True):
+    def __init__(self, run_dir: Path, epochs: int | None, log_level: int = logging.INFO):
         self.path = Path(run_dir) / METRICS_FILE
-        self.epochs, self.verbose = epochs, verbose
+        self.epochs, self.log_level = epochs, log_level
         self.rows: list[dict] | None = None  # loaded lazily: a resumed run keeps its earlier rows
         self.tensorboard = Path(run_dir) / TENSORBOARD_DIR
         self._writer = None  # made where the callback runs: it does not pickle
@@ -49,11 +50,11 @@ class MetricsRecorder(UserCallback):
         tmp.replace(self.path)
         self._write_events(row)
         if kind == "epoch":
-            if self.verbose:
+            if self.log_level >= logging.INFO:
                 rayhpc_log.show()
             values = "".join(f", {k} {v:.4g}" for k, v in row.items() if k.startswith("val_") and v is not None)
             of = f"/{self.epochs}" if self.epochs else ""  # None: a run of `steps`
-            log.info(f"epoch {row['epoch']}{of}: loss {row['loss']:.4g}{values}, "
+            log.log(self.log_level, f"epoch {row['epoch']}{of}: loss {row['loss']:.4g}{values}, "
                      f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.2f} ms/step "
                      f"({row['world_size']} workers x {row['batch_size_per_worker']} samples)")
 

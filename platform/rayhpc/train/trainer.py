@@ -66,7 +66,7 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     return TrainResult(cfg, metrics, checkpoint, job.ray_seconds, fit_started, fit_seconds)
 
 
-def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), verbose: bool = True,
+def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), log_level: int = logging.INFO,
                  init: dict | None = None):
     """The TorchTrainer for `cfg` on `task` with hyperparameters `hp` (and initial weights `init`): NCCL on
     GPUs, gloo on CPUs, checkpoints under the run folder."""
@@ -86,7 +86,7 @@ def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), verbos
             name=cfg.name, storage_path=str(cfg.storage_path.resolve()),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[MetricsRecorder(cfg.experiment_dir, cfg.epochs, verbose), *callbacks],
+            callbacks=[MetricsRecorder(cfg.experiment_dir, cfg.epochs, log_level), *callbacks],
             # Ray Train logs every report at INFO; the recorder logs one line per epoch instead
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),

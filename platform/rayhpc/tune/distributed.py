@@ -9,6 +9,8 @@ again, and Ray Train continues it from its latest checkpoint.
 
 from __future__ import annotations
 
+import logging
+
 from rayhpc.config import Compute, Optim, Schedule
 from rayhpc.task.hparams import PLATFORM_KEYS
 from rayhpc.task.load import LoadedTask
@@ -41,4 +43,4 @@ def train_distributed_trial(config: dict, *, task: LoadedTask, packs, sweep: Swe
     (member,) = members_of(config, packs)
     hp = {**defaults, **member}
     cfg = trial_train_config(sweep, hp, tune.get_context().get_trial_id(), gpu)
-    make_trainer(cfg, task, hp, callbacks=(TuneReportCallback(),), verbose=False).fit()
+    make_trainer(cfg, task, hp, callbacks=(TuneReportCallback(),), log_level=logging.DEBUG).fit()

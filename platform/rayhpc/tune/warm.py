@@ -110,7 +110,7 @@ def train_warm_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfi
     cfg = trial_train_config(sweep, hp, tune.get_context().get_trial_id(), gpu)
     cfg.make_dir()
     trial = Trial(cfg, task, hp, _load(tune.get_checkpoint()), MetricsRecorder(cfg.experiment_dir, cfg.epochs,
-                                                                               verbose=False))
+                                                                               logging.DEBUG))
     failures = 0
     while True:
         warm = _warm_group(sweep, gpu)

@@ -162,7 +162,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import make_data   # a module beside the task file: it travels with it
+from regression_data import make_data   # a module beside the task file: it travels with it
 
 
 class Regression:
@@ -179,7 +179,7 @@ class Regression:
         x, y = batch
         return F.mse_loss(model(x), y)
 '''
-HELPERS = '''
+DATA_MODULE = '''
 import torch
 
 def make_data():
@@ -205,7 +205,7 @@ def test_a_task_file_travels_to_the_workers_by_value(ray_address, tmp_path):
     folder = tmp_path / "private"
     folder.mkdir()
     (folder / "regression.py").write_text(SHIPPED_TASK)
-    (folder / "helpers.py").write_text(HELPERS)
+    (folder / "regression_data.py").write_text(DATA_MODULE)
     cfg = validate(SweepConfig, {"task": f"{folder / 'regression.py'}:Regression", "storage_path": str(tmp_path),
                                  "num_samples": 4, "epochs": 3,
                                  "space": {"width": {"choice": [4, 16]}, "lr": {"loguniform": [0.003, 0.03]}}})

@@ -5,9 +5,11 @@
     python jobs/bench_train.py --gpt-options [--workers 1]
 
 Default: rayhpc DDP against torchrun-launched plain DDP on CPU (gloo).
-`--strategies`: one worker each, raw PyTorch (one process, no Ray, no wrapper)
-against our DDP and our FSDP2: steady-state samples/s as ratios to raw, and
-the time from fit() to done; with `--gpu` on CUDA, NCCL and bf16 autocast.
+`--strategies`: raw PyTorch (one process, no Ray, no wrapper) against our DDP and our
+FSDP2 (one worker, or `--workers N` with `--gpu`: one per GPU): steady-state samples/s,
+and the time from fit() to done; with `--gpu` on CUDA, NCCL and bf16 autocast, raw
+PyTorch's data on the GPU as a careful user puts it there (a per-sample DataLoader and
+pageable copies would make it, not the GPU, the bottleneck).
 `--gpt-options`: the example GPT task (jobs/tasks/gpt.py) trained eager, with each block
 compiled (`--compile blocks`), and with full and selective activation checkpointing:
 tokens/s as ratios to eager (the compile time falls in epoch 1, which is not counted).
@@ -60,7 +62,8 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads(out.read_text())
     return {"first_step_s": result["first_step_s"], "samples_per_s": sum(result["samples_per_s"][1:])
-            / (args.epochs - 1), "detail": "", "fit_s": NAN, "mfu": NAN, "data_wait_share": NAN}
+            / (args.epochs - 1), "detail": "", "fit_s": NAN, "mfu": NAN,
+            "data_wait_share": sum(result["data_wait_share"][1:]) / (args.epochs - 1)}
 
 
 def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str = "ddp",
@@ -97,7 +100,8 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="with --strategies: CUDA, NCCL, bf16 autocast")
     parser.add_argument("--gpt-options", action="store_true", help="the GPT task: eager vs compiled vs activation "
                         "checkpointing, tokens/s")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, help="DDP ranks (default 2; 1 with --strategies, or one per GPU "
+                        "with --strategies --gpu)")
     parser.add_argument("--in-features", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=2, help="Linear layers")
@@ -112,7 +116,8 @@ def main() -> None:
         parser.error("--gpu: only with --strategies (the torchrun comparison is CPU, gloo)")
     if args.epochs < 2:
         parser.error(f"--epochs {args.epochs}: need >= 2 (epoch 1 holds the warm-up)")
-    args.workers = 1 if args.strategies else args.workers
+    if args.workers is None or (args.strategies and not args.gpu):
+        args.workers = 1 if args.strategies else 2
     if args.gpt_options:
         args.batch = 32 if args.batch == 256 else args.batch  # windows of 64 bytes per sample
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))

@@ -1,8 +1,10 @@
 """Every GPU path of the platform on the GPUs this machine has, in one table (`jobs/gpu_check.py`).
 
 Each line runs one path the way a user does (the job scripts, as subprocesses) or calls the
-platform directly, and says PASS, FAIL or SKIP (why) with its figures. Without a GPU it says
-so, runs the lines that need none and exits 0, so CI runs it too.
+platform directly, and says PASS, FAIL or SKIP (why) with its figures. A line whose subject cannot
+run on the GPUs present is SKIP with the reason, never PASS: NCCL runs one rank per GPU, so TP, PP,
+the collectives and distributed trials need 2+ GPUs. Without a GPU every GPU line is SKIP and it
+exits 0, so CI runs it too; on a machine whose GPUs torch cannot use it says so and exits 1.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Callable
 
 import torch
 
+from rayhpc.devices import cuda_unusable, node_gpus, torch_build
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: jobs/bench/gpu_check.py
 # the H100 anchor (one worker, bf16): MLP 4096 -> 8192 x 3 -> 4096, batch 8192
 ANCHOR = ["--in-features", "4096", "--hidden", "8192", "--depth", "4", "--batch", "8192"]
-GOALS = {"rayhpc DDP": 0.99, "rayhpc FSDP2": 0.95}  # samples/s over raw PyTorch in the same run
+GOALS = {"rayhpc DDP": 0.99, "rayhpc FSDP2": 0.95}  # samples/s per GPU over raw PyTorch's in the same run
 FIT_GOAL_S = 12.0  # fit() to done for a job of about 3 s of training (plain Ray Train: 40.8 s)
 
 
@@ -101,23 +105,32 @@ def check_packed_sweep(work: Path, gpus: int) -> Line:
                 f"first line: {first.split(': ', 1)[-1][:90]}")
 
 
-def check_strategies(work: Path) -> list[Line]:
-    """DDP and FSDP2 (bf16) against raw PyTorch at the anchor size, in one run; MFU, data wait, fit() time."""
+def strategy_names(gpus: int) -> dict[str, str]:
+    """The DDP and FSDP2 lines' names, saying what ran: one worker per GPU; on one GPU the platform's DDP
+    does not wrap a single rank, so that line measures its training loop alone."""
+    ddp = f"DDP bf16, {gpus} GPUs" if gpus > 1 else "loop bf16, 1 GPU (one rank: no DDP wrapper)"
+    return {"rayhpc DDP": f"{ddp} vs raw PyTorch", "rayhpc FSDP2": f"FSDP2 bf16, {gpus} GPU(s) vs raw PyTorch"}
+
+
+def check_strategies(work: Path, gpus: int) -> list[Line]:
+    """DDP and FSDP2 (bf16, a worker per GPU) against raw PyTorch on one GPU (data on the GPU) at the anchor size,
+    in one run: samples/s per GPU, MFU, each side's share of time waiting for data, fit() time."""
     out = work / "strategies.json"
-    proc = run_job("bench_train.py", "--strategies", "--gpu", *ANCHOR, "--samples", "256000", "--epochs", "3",
-                   "--repeats", "1", "--json", str(out), timeout=420)
+    proc = run_job("bench_train.py", "--strategies", "--gpu", "--workers", str(gpus), *ANCHOR, "--samples", "256000",
+                   "--epochs", "3", "--repeats", "1", "--json", str(out), timeout=420)
     if proc.returncode:
         return [Line("DDP / FSDP2 vs raw PyTorch", "FAIL", _failed(proc))]
     rows = json.loads(out.read_text())
-    raw = rows["raw PyTorch"]["samples_per_s"]
+    raw = rows["raw PyTorch"]
     lines = []
     for name, goal in GOALS.items():
         r = rows[name]
-        ratio = r["samples_per_s"] / raw
-        waits = r["data_wait_share"] < 0.05
-        lines.append(Line(f"{name.split()[1]} bf16 vs raw PyTorch", "PASS" if ratio >= goal and waits else "FAIL",
-                          f"{r['samples_per_s']:,.0f} vs {raw:,.0f} samples/s = {ratio:.3f}x (goal >= {goal}); "
-                          f"MFU {r['mfu']:.1%}; waiting for data {r['data_wait_share']:.1%} of the time", data=r))
+        ratio = r["samples_per_s"] / gpus / raw["samples_per_s"]
+        waits = r["data_wait_share"] < 0.05 and raw["data_wait_share"] < 0.05
+        lines.append(Line(strategy_names(gpus)[name], "PASS" if ratio >= goal and waits else "FAIL",
+                          f"{r['samples_per_s'] / gpus:,.0f} vs {raw['samples_per_s']:,.0f} samples/s per GPU = "
+                          f"{ratio:.3f}x (goal >= {goal}); MFU {r['mfu']:.1%}; waiting for data "
+                          f"{r['data_wait_share']:.1%} of the time (raw {raw['data_wait_share']:.1%})", data=r))
     fit = rows["rayhpc DDP"]["fit_s"]
     lines.append(Line("fit() to done, ~3 s of training", "PASS" if fit < FIT_GOAL_S else "FAIL",
                       f"{fit:.1f} s (goal < {FIT_GOAL_S:g} s; plain Ray Train 40.8 s)"))
@@ -125,9 +138,7 @@ def check_strategies(work: Path) -> list[Line]:
 
 
 def layouts(gpus: int) -> dict[str, dict]:
-    """Model-parallel layouts for this many GPUs (one rank per GPU): world size 1 on one GPU."""
-    if gpus == 1:
-        return {"tp1 (world 1)": {}, "gpt (world 1)": dict(task=f"{ROOT}/jobs/tasks/gpt.py:GPT")}
+    """Model-parallel layouts for this many GPUs (one rank per GPU; 2+)."""
     mlp = {"hparams": {"hidden": 32 * gpus, "depth": 4}}
     found = {f"tp{gpus}": dict(parallelism={"tp": gpus}, **mlp),
              "pp2 1f1b": dict(parallelism={"pp": 2, "microbatches": 4, "schedule": "1f1b"}, **mlp)}
@@ -156,10 +167,10 @@ def check_model_parallel(work: Path, gpus: int) -> list[Line]:
             status, figures = "FAIL", str(exc).splitlines()[0]
         lines.append(Line(f"TP/PP on NCCL: {name}", status, figures))
     cfg = ParallelConfig(storage_path=work / "parallel", name="bf16", steps=10, precision="bf16",
-                         compute={"gpu": True, "num_workers": 1})
+                         parallelism={"tp": 2}, compute={"gpu": True, "num_workers": 2})
     result = run_parallel(cfg, log_level=logging.DEBUG)
     falls = result.losses[-1] < result.losses[0]
-    lines.append(Line("TP/PP bf16 autocast", "PASS" if falls else "FAIL",
+    lines.append(Line("TP/PP on NCCL: tp2 bf16 autocast", "PASS" if falls else "FAIL",
                       f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} in 10 steps"))
     return lines
 
@@ -175,13 +186,12 @@ def check_collectives(work: Path, gpus: int) -> Line:
     table = pd.concat(pd.read_parquet(p) for p in (work / "coll").rglob("collectives.parquet"))
     big = table[table["size_bytes"] == table["size_bytes"].max()].set_index("primitive")
     busbw = ", ".join(f"{k} {v:.0f}" for k, v in big["busbw_GBps"].items())
-    return Line("NCCL collectives", "PASS" if table["correct"].all() else "FAIL",
+    moved = bool((big["busbw_GBps"] > 0).all())  # a collective over one rank moves nothing: never a pass
+    return Line("NCCL collectives", "PASS" if table["correct"].all() and moved else "FAIL",
                 f"{gpus} rank(s), busbw at {big['size_bytes'].iloc[0] / 2**30:.0f} GiB (GB/s): {busbw}")
 
 
-def check_bubble(gpus: int) -> Line:
-    if gpus < 2:
-        return Line("pipeline bubble (CUDA events)", "SKIP", "needs 2 GPUs (one stage per GPU)")
+def check_bubble() -> Line:
     proc = run_job("bench_parallel.py", "--only", "bubble", "--gpu", "--pp", "2", "--microbatches", "2,4,8",
                    "--steps", "3")
     if proc.returncode:
@@ -208,8 +218,6 @@ def check_warm_sweep(work: Path, gpus: int) -> Line:
     """Distributed trials (2 NCCL ranks, a GPU each) on warm worker groups: the group starts once per slot."""
     import pandas as pd
 
-    if gpus < 2:
-        return Line("warm distributed-trial sweep", "SKIP", f"needs 2 GPUs (one NCCL rank each), found {gpus}")
     proc = run_job("tune_mlp.py", "--workers-per-trial", "2", "--num-samples", "6", "--max-concurrent", "2",
                    "--epochs", "3", "--storage-path", str(work / "warm"), "--name", "warm")
     if proc.returncode:
@@ -252,24 +260,44 @@ def _timed(check: Callable[[], Line | list[Line]], name: str) -> list[Line]:
     return found
 
 
+def checks(work: Path, gpus: int) -> list[tuple[str, list[str], int, Callable[[], Line | list[Line]]]]:
+    """(key for --only, the names of its lines, GPUs it needs, the check) of every GPU line."""
+    many = max(gpus, 2)
+    return [
+        ("packed sweep", ["packed sweep, 0.5 GPU per pack"], 1, lambda: check_packed_sweep(work, gpus)),
+        ("DDP/FSDP2", [*strategy_names(max(gpus, 1)).values(), "fit() to done, ~3 s of training"], 1,
+         lambda: check_strategies(work, gpus)),
+        ("TP/PP", [*(f"TP/PP on NCCL: {name}" for name in layouts(many)), "TP/PP on NCCL: tp2 bf16 autocast"], 2,
+         lambda: check_model_parallel(work, gpus)),
+        ("NCCL", ["NCCL collectives"], 2, lambda: check_collectives(work, gpus)),
+        ("bubble", ["pipeline bubble (CUDA events)"], 2, check_bubble),
+        ("digits", ["digits CNN sweep on GPU"], 1, lambda: check_digits(work)),
+        ("warm sweep", ["warm distributed-trial sweep"], 2, lambda: check_warm_sweep(work, gpus)),
+        ("array task", ["array task on its GPU"], 1, check_array_task),
+    ]
+
+
 def run_checks(out: Path, only: str | None = None) -> tuple[list[Line], str]:
     """Every line (`only`: those whose check name contains it) on this machine's GPUs, and where they ran."""
-    gpus = torch.cuda.device_count()
+    gpus, machine = torch.cuda.device_count(), node_gpus()
     names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
-    where = (f"{gpus} x {', '.join(names)}" if gpus else "no GPU") + f"; torch {torch.__version__}, CUDA " \
-            f"{torch.version.cuda or 'none'}; python {sys.version.split()[0]}"
+    found = f"{gpus} x {', '.join(names)}" if gpus else \
+        f"{machine} NVIDIA GPU(s) that torch cannot use" if machine else "no GPU"
+    where = f"{found}; {torch_build()}; python {sys.version.split()[0]}"
     lines = _timed(lambda: check_no_host_traffic(torch.device("cuda" if gpus else "meta")), "no host sync")
-    if not gpus or only == "no host sync":
-        return lines, where
-    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    checks = [(lambda: check_packed_sweep(work, gpus), "packed sweep"), (lambda: check_strategies(work), "DDP/FSDP2"),
-              (lambda: check_model_parallel(work, gpus), "TP/PP"), (lambda: check_collectives(work, gpus), "NCCL"),
-              (lambda: check_bubble(gpus), "bubble"), (lambda: check_digits(work), "digits"),
-              (lambda: check_warm_sweep(work, gpus), "warm sweep"), (check_array_task, "array task")]
-    for check, name in checks:
-        if only is not None and only not in name:
+    if machine and not gpus:  # GPUs on the machine, but not for this torch: every GPU line would be a lie
+        return [*lines, Line("torch can use this machine's GPUs", "FAIL",
+                             cuda_unusable(f"{machine} NVIDIA GPU(s) on this machine (driver)"))], where
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_")) if gpus else Path(".")  # (no GPU: every line SKIPs)
+    for key, line_names, needs, check in checks(work, gpus):
+        if only is not None and only not in key:
             continue
-        lines += _timed(check, name)
+        if gpus < needs:
+            why = "no GPU on this machine" if not gpus else \
+                f"needs {needs} GPUs (NCCL runs one rank per GPU), found {gpus}"
+            lines += [Line(name, "SKIP", why) for name in line_names]
+            continue
+        lines += _timed(check, key)
         write(out, lines, where)  # what is done is kept if a later line hangs
     return lines, where
 

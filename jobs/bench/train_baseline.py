@@ -6,7 +6,10 @@
 Same model, data, sampler and optimizer as the platform's loop. Under torchrun
 (RANK in the environment): DDP with `init_process_group` from torchrun's
 environment and nothing else. Run directly: one process, no process group, no
-wrapper ("raw PyTorch"), on `--device`, with bf16 autocast if `--bf16`.
+wrapper ("raw PyTorch"), on `--device`, with bf16 autocast if `--bf16`; on a GPU the
+training rows sit on the GPU and batches are index gathers there, as a careful user
+writes it (a DataLoader collating samples one by one and copying pageable memory keeps a
+GPU waiting). Each epoch's share of time spent waiting for its next batch is recorded.
 """
 
 from __future__ import annotations
@@ -43,6 +46,19 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def epoch_batches(train, rows: list[torch.Tensor] | None, sampler, batch: int, device: torch.device):
+    """One epoch's (x, y) batches on `device`: index gathers out of `rows` (the training rows, already on the
+    GPU), else what a DataLoader collates."""
+    if rows is None:
+        for x, y in DataLoader(train, batch_size=batch, sampler=sampler):
+            yield x.to(device), y.to(device)
+        return
+    order = torch.tensor(list(sampler), device=device)
+    for start in range(0, len(order), batch):
+        index = order[start:start + batch]
+        yield tuple(t[index] for t in rows)
+
+
 def main() -> None:
     args = parse_args()
     distributed = "RANK" in os.environ  # launched by torchrun
@@ -59,13 +75,19 @@ def main() -> None:
     model = DistributedDataParallel(model) if distributed else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(train, batch_size=args.batch, sampler=sampler)
-    first_step, per_epoch = None, []
+    # on a GPU the training rows (a Subset of a TensorDataset) go there once
+    rows = [t[train.indices].to(device) for t in train.dataset.tensors] if device.type == "cuda" else None
+    first_step, per_epoch, waits = None, [], []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        started, samples = time.perf_counter(), 0
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
+        started, samples, waited = time.perf_counter(), 0, 0.0
+        batches = iter(epoch_batches(train, rows, sampler, args.batch, device))
+        while True:
+            asked = time.perf_counter()
+            x, y = next(batches, (None, None))
+            waited += time.perf_counter() - asked
+            if x is None:
+                break
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda"):
                 out = model(x)
             loss = F.mse_loss(out.float(), y)
@@ -78,10 +100,13 @@ def main() -> None:
             dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        per_epoch.append(samples / (time.perf_counter() - started))
+        seconds = time.perf_counter() - started
+        per_epoch.append(samples / seconds)
+        waits.append(waited / seconds)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"first_step_s": first_step - args.launch_time, "samples_per_s": per_epoch}, f)
+            json.dump({"first_step_s": first_step - args.launch_time, "samples_per_s": per_epoch,
+                       "data_wait_share": waits}, f)
     if distributed:
         dist.destroy_process_group()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import math
 import os
@@ -79,6 +80,29 @@ def check_workers(res: Resources, num_workers: int, cpus_per_worker: float, gpu:
                           f"worker(s) of {each} each ({res.describe()})")
 
 
+GPU_PROBE_TIMEOUT_S = 120.0  # a worker process on a GPU node: start, import torch, ask CUDA
+
+
+def check_gpus_usable(gpus: float, key: str) -> None:
+    """Before a job trains on GPUs: one task given `gpus` GPU(s) asks torch on a GPU node whether it can
+    use them, so that a torch that cannot (a CPU build, a too-old driver) is one `ConfigError` naming the
+    build, not a job that trains on the CPU or fails inside its workers."""
+    import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
+
+    from rayhpc.devices import cuda_unusable  # torch: about 1.5 s to import, only where something trains
+
+    probe = ray.remote(num_cpus=0, num_gpus=min(gpus, 1.0))(cuda_unusable)
+    ref = probe.remote(f"{key} {gpus:g}")
+    try:
+        problem = ray.get(ref, timeout=GPU_PROBE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise ConfigError(f"{key} {gpus:g}: no task given {min(gpus, 1.0):g} GPU started within "
+                          f"{GPU_PROBE_TIMEOUT_S:g} s ({_current().describe()})") from None
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def resolve_address(address: str | None) -> str | None:
     """`--address`, else `RAY_ADDRESS`, else None (start a local cluster)."""
     return address or os.environ.get("RAY_ADDRESS") or None
@@ -133,10 +157,16 @@ def local_cpus() -> int:
     return cpus
 
 
-def local_gpus() -> int:
-    import torch  # torch: about 1.5 s to import, only where something trains
+def local_gpus() -> float:
+    """The GPUs a local Ray started here will offer: RAY_OVERRIDE_RESOURCES' (Ray's own override of what a
+    node has) or the machine's by the driver, as Ray counts them. Not torch's count: a torch that cannot use
+    the GPUs would hide them, and the job would run on the CPU of a GPU node without a word."""
+    override = json.loads(os.environ.get("RAY_OVERRIDE_RESOURCES") or "{}").get("GPU")
+    if override is not None:
+        return float(override)
+    from rayhpc.devices import node_gpus  # torch: about 1.5 s to import, only where something trains
 
-    return torch.cuda.device_count()
+    return node_gpus()
 
 
 def probe(address: str | None) -> Resources:
@@ -168,9 +198,11 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     # so it cannot be switched on from here (see use_token_if_present); rayhpc never
     # switches it off.
     try:
-        if address is None:  # the dashboard is on by default too, but only if ray[default] is there: say so when not
-            ctx = start_local(logging_level=logging.WARNING, **{"include_dashboard": True, **init_kwargs})
+        if address is None:
+            ctx = start_local(logging_level=logging.WARNING, **{"include_dashboard": dashboard_installed(),
+                                                                **init_kwargs})
         else:
+            private_ray_tmpdir()
             ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
     except (OSError, RuntimeError, ValueError) as exc:  # OSError: also a too-long RAY_TMPDIR socket path
         what = f"address (--address) {address}: cannot connect to" if address else "cannot start"
@@ -186,7 +218,40 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     return res
 
 
+def dashboard_installed() -> bool:
+    """Whether Ray's dashboard packages (`ray[default]`) are here: `ray.init(include_dashboard=True)` without
+    them is an exception, and images with only `ray[train,tune]` are common on GPU clusters. Ray itself
+    decides so by importing this module of its own (`ray._private.utils.get_dashboard_dependency_error`)."""
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401
+    except ImportError as exc:
+        log.warning(f"ray: dashboard off: Ray's dashboard packages are missing ({exc}); pip install 'ray[default]' "
+                    "for the dashboard and its metrics (docs/monitoring.md)")
+        return False
+    return True
+
+
 _local_temp: list[Path] = []  # the private temp folder of the local Ray this process started
+
+
+def private_ray_tmpdir() -> None:
+    """RAY_TMPDIR, for this process and the Ray processes it starts, in a new 0700 folder of this user's.
+
+    Ray Tune and Train take file locks (checkpoint and experiment syncing) in `<RAY_TMPDIR or /tmp>/
+    _ray_lockfiles`, one folder for every user of the machine: where another user made it first (0700),
+    every resume fails with PermissionError; where they made it 0777, they can hold the lock of a path of
+    ours and stall the job. Ray reads RAY_TMPDIR at each lock (and for its default temp folder, which the
+    platform never uses: every Ray it starts gets a private one). The folder is made inside the RAY_TMPDIR
+    the user set, if any, and removed at exit."""
+    if _ray_tmpdir:
+        return
+    folder = tempfile.mkdtemp(prefix="rayhpc-tmp-", dir=os.environ.get("RAY_TMPDIR") or None)
+    _ray_tmpdir.append(folder)
+    os.environ["RAY_TMPDIR"] = folder
+    atexit.register(shutil.rmtree, folder, True)
+
+
+_ray_tmpdir: list[str] = []  # this process's private RAY_TMPDIR, once made
 
 
 def start_local(**init_kwargs):
@@ -202,6 +267,7 @@ def start_local(**init_kwargs):
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     private_local_token()
+    private_ray_tmpdir()
     for attempt in range(3):  # the port is free when chosen; another process may take it before the GCS does
         temp = Path(tempfile.mkdtemp(prefix="rayhpc-"))
         port = free_port()

@@ -5,9 +5,11 @@
 3. probe the cluster (a local one is only described, not started);
 4. size the workers (the one CPU-per-worker default policy) and check that they can be placed;
 5. the job's own checks against the cluster;
-6. start or join Ray; save the job's config beside its results.
+6. start or join Ray; where the job trains on GPUs, check that torch on a GPU node can use them;
+   save the job's config beside its results.
 
-Everything that can be wrong with the input fails in steps 1-5, before any cluster starts.
+Everything that can be wrong with the input fails in steps 1-5, before any cluster starts; a torch
+that cannot use the cluster's GPUs fails in step 6, before anything trains.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ class Started(Generic[J]):
 def start_job(cfg: J, explicit: set[str] = frozenset(), *,
               bind: Callable[[J, Any], tuple[J, dict]] | None = None,
               workers: Callable[[J], int] | None = None,
-              check: Callable[[J, cluster.Resources], None] | None = None) -> Started[J]:
+              check: Callable[[J, cluster.Resources], None] | None = None,
+              gpus: Callable[[J, cluster.Resources], float] | None = None) -> Started[J]:
     """Steps 1-6 above. `bind(cfg, task) -> (cfg, hp)`: the job's hyperparameters for the task check
     (jobs that train a task); `workers(cfg)`: how many workers of `cfg.compute` it places;
-    `check(cfg, resources)`: the job's own resource checks."""
+    `check(cfg, resources)`: the job's own resource checks; `gpus(cfg, resources)`: GPUs per process
+    (default: one where `cfg.compute.gpu`)."""
     cfg = reconcile_resume(cfg, set(explicit))
     task = info = batch = None
     if bind is not None:
@@ -58,6 +62,9 @@ def start_job(cfg: J, explicit: set[str] = frozenset(), *,
     started = time.perf_counter()
     cluster.connect(address)
     ray_seconds = time.perf_counter() - started
+    each = (gpus or _compute_gpus)(cfg, res)
+    if each:
+        cluster.check_gpus_usable(each, "gpus_per_trial (--gpus-per-trial)" if gpus else "compute.gpu (--gpu)")
     if task is not None:
         task.ship()
     if not (cfg.resume and cfg.saved_file.exists()):
@@ -78,3 +85,8 @@ def _size_workers(cfg: J, res: cluster.Resources, n: int) -> J:
     cpus = compute.cpus_per_worker or cluster.default_cpus_per_worker(res, n, compute.gpu)
     cluster.check_workers(res, n, cpus, compute.gpu)
     return cfg.model_copy(update={"compute": compute.model_copy(update={"cpus_per_worker": cpus})})
+
+
+def _compute_gpus(cfg, _res: cluster.Resources) -> float:
+    compute = getattr(cfg, "compute", None)
+    return 1.0 if getattr(compute, "gpu", False) else 0.0

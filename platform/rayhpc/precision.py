@@ -15,9 +15,12 @@ import torch
 
 
 def set_matmul_precision(precision: str) -> None:
-    """TF32 matmuls for `tf32` and `bf16` (their fp32 parts), none for `fp32`; process-wide."""
-    torch.backends.cuda.matmul.allow_tf32 = precision != "fp32"
-    torch.backends.cudnn.allow_tf32 = precision != "fp32"
+    """TF32 matmuls and convolutions for `tf32` and `bf16` (their fp32 parts), IEEE fp32 for `fp32`;
+    process-wide. The `fp32_precision` settings replace the `allow_tf32` flags torch deprecated in 2.9
+    (mixing the two is an error in torch); cuDNN's own default is TF32 convolutions, so `fp32` sets both."""
+    fp32 = "ieee" if precision == "fp32" else "tf32"
+    torch.backends.cuda.matmul.fp32_precision = fp32
+    torch.backends.cudnn.conv.fp32_precision = fp32
 
 
 def autocast(precision: str, device: torch.device):

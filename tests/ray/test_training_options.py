@@ -341,7 +341,8 @@ def test_every_job_takes_one_precision_vocabulary_and_bf16_computes_in_bf16():
         set_matmul_precision(precision)
         with autocast(precision, x.device):
             got = model(x)
-        assert torch.backends.cuda.matmul.allow_tf32 is (precision != "fp32")
+        tf32 = "ieee" if precision == "fp32" else "tf32"
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == (tf32, tf32)
         assert (got.dtype == torch.bfloat16) is (precision == "bf16"), precision
         torch.testing.assert_close(got.float(), want, rtol=close, atol=close)
         if precision == "bf16":

@@ -11,13 +11,14 @@ import time
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 from helpers import GPUS, run_job
 from rayhpc.cluster import Resources
 from rayhpc.collectives.bench import _timed_runs
 from rayhpc.collectives.primitives import Case
 from rayhpc.config import ConfigError, validate
+from rayhpc.models import MLP
 from rayhpc.monitor.flops import StepFlops, peak_flops
 from rayhpc.task.batches import Batches
 from rayhpc.train.loop import Window
@@ -127,24 +128,94 @@ def test_loader_workers_give_the_same_batches_in_the_same_order():
     torch.testing.assert_close(next(Batches(TensorDataset(x, x), torch.device("cpu"))([3, 1], 2)), [x[[3, 1]]] * 2)
 
 
-def test_model_flops_are_counted_from_a_real_step():
-    layer, counter = torch.nn.Linear(64, 32), StepFlops()
-    x = torch.randn(16, 64, requires_grad=True)
+def test_the_train_and_validation_subsets_each_put_only_their_own_rows_on_the_device():
+    x, y = torch.randn(1000, 16), torch.randn(1000, 1)  # 64,000 + 4,000 bytes
+    train, val = Subset(TensorDataset(x, y), list(range(200, 1000))), Subset(TensorDataset(x, y), list(range(200)))
+    placed = [Batches(part, torch.device("cpu")) for part in (train, val)]
+    stored = sum(t.untyped_storage().nbytes() for b in placed for t in b.tensors)
+    assert stored == x.nbytes + y.nbytes, (stored, x.nbytes + y.nbytes)  # once in all, not once per subset
+    first = next(placed[0]([5, 0, 799], 3))  # item i of the subset is row indices[i] of the tensors
+    torch.testing.assert_close(first, [x[[205, 200, 999]], y[[205, 200, 999]]])
+
+
+def test_model_flops_are_six_times_parameters_times_batch_for_the_anchor_mlp():
+    """The anchor's shape at 1/64 of its width: the data needs no gradient, so autograd skips the first
+    layer's input gradient; the count is still the 6 x parameters x samples convention (bias adds aside)."""
+    model, batch = MLP(64, 128, 64, depth=4), 128
+    x, y = torch.randn(batch, 64), torch.randn(batch, 64)
+    assert not x.requires_grad
+    counter = StepFlops()
     with counter.once():
-        layer(x).sum().backward()
-    assert counter.flops == 6 * 16 * 64 * 32  # forward 2*B*in*out; backward that for weight and input grads
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    weights = sum(p.numel() for name, p in model.named_parameters() if name.endswith("weight"))
+    params = sum(p.numel() for p in model.parameters())
+    assert counter.flops == 6 * weights * batch, (counter.flops, 6 * weights * batch)
+    assert abs(counter.flops / (6 * params * batch) - 1) < 0.01  # biases: 320 of 28,992 parameters
+    assert counter.conv_flops == 0
     with counter.once():  # counted once only
-        layer(x.detach()).sum().backward()
-    assert counter.flops == 6 * 16 * 64 * 32
+        model(x).sum().backward()
+    assert counter.flops == 6 * weights * batch
+
+
+def test_convolutions_are_counted_apart_for_their_own_tf32_peak():
+    conv, counter = torch.nn.Conv2d(3, 8, 3, bias=False), StepFlops()
+    with counter.once():
+        conv(torch.randn(2, 3, 10, 10)).sum().backward()
+    assert counter.flops == counter.conv_flops == 3 * 2 * (2 * 8 * 8 * 8 * 3 * 3 * 3)  # 3 x 2 x outputs x kernel
     assert peak_flops(torch.device("cpu"), bf16=True) is None
 
 
+@pytest.mark.parametrize("name, bf16, conv_share, peak", [
+    ("NVIDIA H200 NVL", True, 0.0, 835e12),
+    ("NVIDIA H200", True, 0.0, 989.4e12),
+    ("NVIDIA GH200 480GB", False, 0.0, 66.9e12),  # fp32 matmuls
+    ("NVIDIA H100 80GB HBM3", False, 1.0, 494.7e12),  # fp32 convolutions: cuDNN runs them in TF32
+    ("NVIDIA H100 80GB HBM3", False, 0.5, 1 / (0.5 / 66.9e12 + 0.5 / 494.7e12)),
+])
+def test_the_peak_is_the_named_gpus_at_the_precision_each_flop_runs_in(monkeypatch, name, bf16, conv_share, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    settings = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = [s.fp32_precision for s in settings]
+    for setting, value in zip(settings, ("ieee", "tf32")):  # the fp32 job's settings, cuDNN's default kept
+        setting.fp32_precision = value
+    try:
+        assert peak_flops(torch.device("cuda", 0), bf16, conv_share) == pytest.approx(peak)
+    finally:
+        for setting, value in zip(settings, before):
+            setting.fp32_precision = value
+
+
 def test_the_gpu_check_runs_on_any_machine_and_says_where(tmp_path):
-    proc = run_job("gpu_check.py", "--out", str(tmp_path / "gpu_check.json"), "--only", "no host sync", timeout=120)
+    """Without a GPU every GPU line is SKIP with its reason (exit 0); on a GPU node only the first line runs
+    here (the whole check is tests/gpu's)."""
+    only = [] if GPUS == 0 else ["--only", "no host sync"]
+    proc = run_job("gpu_check.py", "--out", str(tmp_path / "gpu_check.json"), *only, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert [(line["name"], line["status"]) for line in report["lines"]] == [("no host sync in a step", "PASS")]
+    lines = [(line["name"], line["status"], line["figures"]) for line in report["lines"]]
+    assert lines[0][:2] == ("no host sync in a step", "PASS")
     assert ("no GPU" in report["machine"]) == (GPUS == 0) and report["machine"] in proc.stdout
+    if GPUS == 0:
+        assert len(lines) >= 12 and {(status, why) for _, status, why in lines[1:]} == {("SKIP", "no GPU on this machine")}
+        names = " | ".join(name for name, _, _ in lines)
+        for subject in ("packed sweep", "DDP", "FSDP2", "TP/PP on NCCL: tp2", "pp2 1f1b", "NCCL collectives",
+                        "pipeline bubble", "digits", "warm distributed-trial sweep", "array task"):
+            assert subject in names, (subject, names)
+
+
+def test_the_gpu_check_on_gpus_this_torch_cannot_use_fails_naming_the_build(tmp_path, monkeypatch, capsys):
+    """A GPU machine (the driver lists a GPU) whose torch cannot use it: exit 1, not "no GPU" and exit 0."""
+    import gpu_check
+    from bench import gpu_check as checks
+
+    monkeypatch.setattr(checks, "node_gpus", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", str(tmp_path / "gpu_check.json")]) == 1
+    out = capsys.readouterr().out
+    assert "1 NVIDIA GPU(s) that torch cannot use" in out and "no GPU on this machine" not in out, out
+    failed = [line for line in out.splitlines() if "FAIL" in line]
+    assert len(failed) == 1 and f"torch {torch.__version__} (" in failed[0] and "is_available() is False" in failed[0]
 
 
 def test_an_array_task_whose_torch_sees_no_gpu_is_one_error_line(monkeypatch):
@@ -153,6 +224,40 @@ def test_an_array_task_whose_torch_sees_no_gpu_is_one_error_line(monkeypatch):
     from rayhpc.tune.single import task_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match=r"^gpus_per_trial 1: no GPU visible to this array task \(CUDA_VISIBLE_DEV"):
+    with pytest.raises(ConfigError, match=r"^gpus_per_trial 1: array task: this process was given GPU\(s\) "
+                       r"\(CUDA_VISIBLE_DEVICES=.*\) but torch .* cannot use them: torch.cuda.is_available\(\) is False"):
         task_device(1)
     assert task_device(None) == torch.device("cpu")
+
+
+def test_bf16_data_parallel_on_the_cpu_computes_in_bf16_with_ddp_as_with_fsdp(tmp_path):
+    """`precision: bf16` is applied by both strategies (autocast for DDP, FSDP2's mixed-precision policy),
+    on one gloo rank in this process: the model's output is bf16 and the loss differs from fp32's by
+    bf16's rounding only."""
+    import torch.distributed as dist
+
+    from rayhpc.task import task_for
+    from rayhpc.task.hparams import full_hparams
+    from rayhpc.train.config import TrainConfig
+    from rayhpc.train.loop import make_worker
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        losses, dtypes = {}, {}
+        for strategy in ("ddp", "fsdp"):
+            for precision in ("fp32", "bf16"):
+                cfg = validate(TrainConfig, {"strategy": strategy, "precision": precision,
+                                             "storage_path": str(tmp_path), "compute": {"cpus_per_worker": 1}})
+                task = task_for("mlp", cfg.data)
+                hp = full_hparams(task.hp_model, {"hidden": 64})
+                w = make_worker(cfg, task, hp, torch.device("cpu"), 0, 1, lambda model, optimizer: None)
+                key = (strategy, precision)
+                w.model.register_forward_hook(lambda _m, _i, out, key=key: dtypes.update({key: out.dtype}))
+                losses[strategy, precision] = float(w.loss(next(w.train(range(64), 64))).detach())
+    finally:
+        dist.destroy_process_group()
+    assert dtypes == {("ddp", "fp32"): torch.float32, ("ddp", "bf16"): torch.bfloat16,
+                      ("fsdp", "fp32"): torch.float32, ("fsdp", "bf16"): torch.bfloat16}, dtypes
+    for strategy in ("ddp", "fsdp"):
+        fp32, bf16 = losses[strategy, "fp32"], losses[strategy, "bf16"]
+        assert fp32 != bf16 and abs(bf16 / fp32 - 1) < 0.05, losses

@@ -1,9 +1,13 @@
 """Model FLOPs utilisation (MFU): achieved model FLOP/s over the device's dense peak, as torchtitan reports it.
 
-The model FLOPs of a training step are counted, not estimated from a formula, so any task's model
-works: `torch.utils.flop_counter.FlopCounterMode` counts the matmuls, convolutions and attention
-of one real step's forward and backward (optimizer and elementwise work are not model FLOPs).
-Peaks are the vendors' dense (no sparsity) figures per GPU.
+What is counted: the matmuls, convolutions and attention of one real training step's **forward**
+(torch's FLOP formulas, `torch.utils.flop_counter`), times 3: the backward computes a gradient for
+each operand, twice the forward's work. That is the 6 x parameters x tokens convention for a dense
+model (less its bias adds), and it holds for any task's model (convolutions reuse their weights, so a
+formula in parameters would not). Counting the backward as it runs would miss the first layer's
+input gradient, which autograd skips because the data needs none (5.6% of the anchor MLP).
+Bias adds, elementwise work and the optimizer are not model FLOPs. Peaks are the vendors' dense
+(no sparsity) figures per GPU, for the precision each counted FLOP ran in.
 """
 
 from __future__ import annotations
@@ -11,25 +15,78 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode  # the hook FlopCounterMode itself is built on
+from torch.utils.flop_counter import flop_registry
 
 # (name fragment, bf16/fp16 peak, TF32 peak, plain fp32 peak) in FLOP/s; first match wins, so the
-# specific names come before the generic ones
+# specific names come before the generic ones ("H200 NVL" before "H200", "GH200" before "H200")
 PEAKS = (
     ("H100 PCIe", 756e12, 378e12, 51e12),
     ("H100 NVL", 835e12, 418e12, 60e12),
     ("H100", 989.4e12, 494.7e12, 66.9e12),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989.4e12, 494.7e12, 66.9e12),
     ("GH200", 989.4e12, 494.7e12, 66.9e12),
+    ("H200 NVL", 835e12, 418e12, 60e12),
+    ("H200", 989.4e12, 494.7e12, 66.9e12),  # SXM ("NVIDIA H200")
     ("A100", 312e12, 156e12, 19.5e12),
     ("L40S", 362e12, 183e12, 91.6e12),
     ("A10", 125e12, 62.5e12, 31.2e12),
 )
+CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten._convolution, torch.ops.aten.cudnn_convolution}
 
 
-def peak_flops(device: torch.device, bf16: bool) -> float | None:
-    """The dense peak FLOP/s of `device` at the precision its matmuls run in; None off GPUs or for a GPU
-    not in the table."""
+class _ForwardFlops(TorchDispatchMode):
+    """FLOPs of the ops torch has formulas for, run with grad mode on (the forward: autograd runs the
+    backward with grad mode off), split into convolutions and the rest (matmuls, attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = self.other = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None and torch.is_grad_enabled():
+            n = formula(*args, **kwargs, out_val=out)
+            if func._overloadpacket in CONVOLUTIONS:
+                self.conv += n
+            else:
+                self.other += n
+        return out
+
+
+class StepFlops:
+    """Counts the model FLOPs of the first step it wraps (`with counter.once(): step()`), then steps freely.
+    `enabled=False` for a compiled model: torch.compile does not compile under a dispatch mode, and then runs
+    the code eagerly from there on (no FLOPs, no MFU for compiled runs)."""
+
+    def __init__(self, enabled: bool = True):
+        self.flops: int | None = None if enabled else 0
+        self.conv_flops = 0
+
+    @contextlib.contextmanager
+    def once(self):
+        if self.flops is not None:
+            yield
+            return
+        with _ForwardFlops() as counted:
+            yield
+        self.flops, self.conv_flops = 3 * (counted.conv + counted.other), 3 * counted.conv
+
+
+def tf32_matmuls() -> bool:
+    return torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
+def tf32_convolutions() -> bool:
+    """cuDNN runs fp32 convolutions in TF32 unless told otherwise (its default, unlike matmuls)."""
+    return torch.backends.cudnn.conv.fp32_precision == "tf32"
+
+
+def peak_flops(device: torch.device, bf16: bool, conv_share: float = 0.0) -> float | None:
+    """The dense peak FLOP/s of `device` for a step whose model FLOPs are `conv_share` convolutions and the
+    rest matmuls, each at the precision it runs in; None off GPUs or for a GPU not in the table. A step
+    whose matmuls run in fp32 and convolutions in TF32 gets the peak that does both at their own rates."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -37,31 +94,12 @@ def peak_flops(device: torch.device, bf16: bool) -> float | None:
         if fragment in name:
             if bf16:
                 return half
-            return tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32
+            matmul, conv = (tf32 if tf32_matmuls() else fp32), (tf32 if tf32_convolutions() else fp32)
+            return 1.0 / ((1 - conv_share) / matmul + conv_share / conv)
     return None
 
 
-class StepFlops:
-    """Counts the model FLOPs of the first step it wraps (`with counter.once(): step()`), then steps freely.
-    `enabled=False` for a compiled model: torch.compile does not compile under the counter's dispatch mode,
-    and then runs the code eagerly from there on (no FLOPs, no MFU for compiled runs)."""
-
-    def __init__(self, enabled: bool = True):
-        self.flops: int | None = None if enabled else 0
-
-    @contextlib.contextmanager
-    def once(self):
-        if self.flops is not None:
-            yield
-            return
-
-        mode = FlopCounterMode(display=False)
-        with mode:
-            yield
-        self.flops = mode.get_total_flops()
-
-
-def mfu(flops_per_s: float, device: torch.device, bf16: bool) -> float | None:
+def mfu(flops_per_s: float, device: torch.device, bf16: bool, conv_share: float = 0.0) -> float | None:
     """Achieved model FLOP/s of one device over its peak (0..1), or None where the peak is unknown."""
-    peak = peak_flops(device, bf16)
+    peak = peak_flops(device, bf16, conv_share)
     return flops_per_s / peak if peak else None

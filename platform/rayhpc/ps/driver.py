@@ -28,6 +28,7 @@ import pandas as pd
 import ray
 import torch
 
+from rayhpc import cluster
 from rayhpc.config import ConfigError
 from rayhpc.job import start_job
 from rayhpc.optim import step_plan
@@ -79,6 +80,7 @@ def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
 
     job = start_job(cfg, explicit, bind=bind, workers=lambda c: c.compute.num_workers)
     cfg, task = job.cfg, job.task
+    made["resources"] = fleet_resources(cfg, job.resources)
     say = functools.partial(log.log, log_level)
     run = Progress(cfg, made, started=time.time())
     failures: list[str] = []
@@ -115,6 +117,21 @@ def plan_run(cfg: PSConfig, task, hp: dict) -> dict:
             "validates": val is not None and len(val) > 0}
 
 
+def fleet_resources(cfg: PSConfig, res: cluster.Resources) -> dict[str, dict]:
+    """Ray resources of each server, each worker and the evaluator. With `gpu` a worker takes a whole GPU;
+    the evaluator takes a sliver of one only where the workers leave a GPU free: on a node whose every
+    GPU a worker holds, a sliver would never place (whole-GPU requests leave no fraction behind), so
+    it validates on the CPU there."""
+    gpu = cfg.compute.gpu
+    spare = gpu and res.gpus - cfg.compute.num_workers >= EVALUATOR_GPU
+    return {"server": {"num_cpus": cfg.compute.cpus_per_server, "num_gpus": 0},
+            "worker": {"num_cpus": cfg.compute.cpus_per_worker, "num_gpus": 1 if gpu else 0},
+            "evaluator": {"num_cpus": 0, "num_gpus": EVALUATOR_GPU if spare else 0}}
+
+
+EVALUATOR_GPU = 0.01  # of a GPU the workers leave free: its CUDA context and one model
+
+
 def describe(cfg: PSConfig, made: dict) -> str:
     sizes = made["layout"].sizes()
     staleness = "" if cfg.mode == "sync" else f", staleness {'unbounded' if cfg.staleness is None else cfg.staleness}"
@@ -122,7 +139,9 @@ def describe(cfg: PSConfig, made: dict) -> str:
             f"{cfg.compute.cpus_per_worker:g} CPU{' + 1 GPU' if cfg.compute.gpu else ''}, {cfg.compute.num_servers} "
             f"server(s) holding {' + '.join(f'{n:,}' for n in sizes)} parameters ({sum(sizes) * 4 / 1e6:.3f} MB in "
             f"fp32); {made['steps_per_epoch']} steps per epoch of {cfg.global_batch} samples; per step each worker "
-            f"moves 2 x {sum(sizes) * 4 / 1e6:.3f} MB (pull + push)")
+            f"moves 2 x {sum(sizes) * 4 / 1e6:.3f} MB (pull + push)"
+            + ("" if not cfg.compute.gpu or made["resources"]["evaluator"]["num_gpus"] else
+               "; validation on the CPU (the workers hold every GPU)"))
 
 
 def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path | None) -> Fleet:
@@ -132,7 +151,7 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
     run.restart_at(step)
     per_epoch, total = made["steps_per_epoch"], made["total_steps"]
     ends = [run.end_of(e) for e in range(made["epochs"])]
-    server_cls = ray.remote(ParameterServer).options(num_cpus=cfg.compute.cpus_per_server)
+    server_cls = ray.remote(ParameterServer).options(**made["resources"]["server"])
     layout = made["layout"]
     holds = [{"pieces": [(p.name, p.start, p.stop) for p in pieces], "shapes": layout.shapes}
              for pieces in layout.servers]
@@ -143,9 +162,9 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
                for j in range(cfg.compute.num_servers)]
     fleet = Fleet(servers, [None] * cfg.compute.num_workers, {})
     if made["validates"]:  # the validations of the epochs still to end: each waits for its epoch
-        gpu = cfg.compute.gpu
-        fleet.evaluator = ray.remote(PSEvaluator).options(num_cpus=0, num_gpus=0.01 if gpu else 0).remote(
-            cfg, task, made["hp"], made["layout"], servers, "cuda" if gpu else "cpu")
+        where = made["resources"]["evaluator"]
+        fleet.evaluator = ray.remote(PSEvaluator).options(**where).remote(
+            cfg, task, made["hp"], made["layout"], servers, "cuda" if where["num_gpus"] else "cpu")
         fleet.eval_queue.extend(run.validations_due(step))
         for _ in range(EVALS_AHEAD):
             ask_validation(fleet, run)
@@ -169,12 +188,10 @@ def ask_validation(fleet: Fleet, run: Progress) -> None:
 
 def start_worker(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, w: int, step: int) -> None:
     """Worker `w` (new), running from global step `step` to the end of that step's epoch."""
-    gpu = cfg.compute.gpu
     # two threads: `info()` answers while `run_epoch` runs (the driver gives each worker one epoch at a time)
-    cls = ray.remote(PSWorker).options(num_cpus=cfg.compute.cpus_per_worker, num_gpus=1 if gpu else 0,
-                                       max_concurrency=2)
+    cls = ray.remote(PSWorker).options(**made["resources"]["worker"], max_concurrency=2)
     fleet.workers[w] = cls.remote(w, cfg.compute.num_workers, cfg, task, made["hp"], made["layout"], fleet.servers,
-                                  "cuda" if gpu else "cpu")
+                                  "cuda" if cfg.compute.gpu else "cpu")
     epoch = step // made["steps_per_epoch"]
     fleet.calls[fleet.workers[w].run_epoch.remote(epoch, step, run.end_of(epoch))] = w
 

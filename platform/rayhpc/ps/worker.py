@@ -12,6 +12,7 @@ import numpy as np
 import ray
 import torch
 
+from rayhpc.devices import cuda_device
 from rayhpc.monitor.metrics import PSMetrics
 from rayhpc.optim import accumulate_gradient
 from rayhpc.ps.server import as_tensor
@@ -28,7 +29,7 @@ class PSWorker:
         torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker)))
         self.index, self.n, self.cfg, self.task, self.hp = index, num_workers, cfg, task, hp
         self.layout, self.servers = layout, servers
-        self.device = torch.device(device)
+        self.device = cuda_device(f"parameter-server worker {index}") if device == "cuda" else torch.device(device)
         train, _ = task.split_data(hp, cfg.data)
         self.model = task.initial_model(hp).to(self.device)  # its values come from the servers at each pull
         apply_options(self.model, task.obj, cfg)
@@ -93,7 +94,7 @@ class PSEvaluator:
     def __init__(self, cfg, task, hp: dict, layout: Layout, servers: list, device: str):
         torch.set_num_threads(1)
         self.cfg, self.task, self.layout, self.servers = cfg, task, layout, servers
-        self.device = torch.device(device)
+        self.device = cuda_device("parameter-server evaluator") if device == "cuda" else torch.device(device)
         _, val = task.split_data(hp, cfg.data)
         self.model = task.initial_model(hp).to(self.device)
         self.params = dict(self.model.named_parameters())

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from rayhpc.devices import cuda_device
 from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.optim import optimizer_step, step_plan
@@ -128,7 +129,8 @@ def train_loop_per_worker(config: dict) -> None:
     _quiet_report_logs()
     cfg, task, hp = config["cfg"], config["task"], config["hp"]
     ctx = ray.train.get_context()
-    device = get_device()
+    # Ray Train's get_device() is the CPU where torch cannot use the GPU Ray gave: refuse that instead
+    device = cuda_device(f"rank {ctx.get_world_rank()}") if ray.get_gpu_ids() else get_device()
     worker = make_worker(cfg, task, hp, device, ctx.get_world_rank(), ctx.get_world_size(),
                          lambda model, optimizer: checkpoint.restore(
                              ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
@@ -263,5 +265,5 @@ def _utilisation(w: Worker, samples_per_s: float) -> dict:
     if not w.flops.flops:
         return {}
     flops_per_s = samples_per_s * w.flops.flops / w.first_batch
-    share = mfu(flops_per_s, w.device, w.cfg.use_bf16)
+    share = mfu(flops_per_s, w.device, w.cfg.use_bf16, w.flops.conv_flops / w.flops.flops)
     return {"worker_tflops": flops_per_s / 1e12, **({"mfu": share} if share is not None else {})}

@@ -18,8 +18,9 @@ from typing import Callable
 
 import torch
 
-from rayhpc.config import ConfigError, ModelOptions, check_trusted_job, load_yaml, validate
+from rayhpc.config import ModelOptions, check_trusted_job, load_yaml, validate
 from rayhpc.data import DataConfig
+from rayhpc.devices import cuda_device
 from rayhpc.optim import optimizer_step, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task import task_for
@@ -85,11 +86,7 @@ def task_device(gpus: float | None) -> torch.device:
     CUDA_VISIBLE_DEVICES) where the sweep asks for GPUs, else the CPU."""
     if not gpus:
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        raise ConfigError(f"gpus_per_trial {gpus:g}: no GPU visible to this array task "
-                          f"(CUDA_VISIBLE_DEVICES={visible!r}, torch {torch.__version__})")
-    return torch.device("cuda", 0)
+    return cuda_device(f"gpus_per_trial {gpus:g}: array task")
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,7 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     Everything that can be wrong with the input is checked before Ray starts (`rayhpc.job`).
     `callbacks` are extra Ray Tune callbacks (tests use one to kill a trial).
     """
-    job = start_job(cfg, explicit, bind=bind_sweep, check=check_resources)
+    job = start_job(cfg, explicit, bind=bind_sweep, check=check_resources, gpus=trial_gpus)
     cfg = job.cfg
     gpus = trial_gpus(cfg, job.resources)
     if cfg.model_options_set and cfg.workers_per_trial == 1:

@@ -20,6 +20,7 @@ import torch
 
 from rayhpc.config import ModelOptions
 from rayhpc.data import DataConfig
+from rayhpc.devices import cuda_device
 from rayhpc.optim import lr_factor, optimizer_step, split_batch, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, to_device
@@ -267,6 +268,6 @@ def _device() -> torch.device:
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     # Ray sets CUDA_VISIBLE_DEVICES per trial, so the trial's GPU is always index 0.
-    if ray.get_gpu_ids() and torch.cuda.is_available():
-        return torch.device("cuda", 0)
+    if ray.get_gpu_ids():
+        return cuda_device(f"trial given GPU(s) {ray.get_gpu_ids()}")
     return torch.device("cpu")

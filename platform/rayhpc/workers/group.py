@@ -96,6 +96,8 @@ class RankWorker:
         import torch  # torch: about 1.5 s to import, only where something trains
         import torch.distributed as dist
 
+        from rayhpc.devices import cuda_device
+
         env = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size,
                "MASTER_ADDR": master_addr, "MASTER_PORT": port}
         os.environ.update({k: str(v) for k, v in env.items()})
@@ -105,8 +107,8 @@ class RankWorker:
             # every rank on a node sees the node's GPUs (NCCL's peer-to-peer paths need that)
             # and uses its own by index
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus
-            torch.cuda.set_device(device_index)
-            device = torch.device("cuda", device_index)
+            device = cuda_device(f"rank {rank} (GPU {device_index} of {visible_gpus})", device_index)
+            torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
         if self.store is None:
@@ -144,6 +146,10 @@ class WorkerGroup:
         """`placement_group`: one that already holds a bundle of `cpus_per_worker` (+ `gpus_per_worker`)
         per rank at indices 0..num_workers-1 (a Tune trial's), used and left in place at shutdown;
         else the group reserves its own."""
+        if gpus_per_worker not in (0, 1):
+            # NCCL runs one rank per GPU: two ranks sharing one fail later with "Duplicate GPU detected"
+            raise ValueError(f"gpus_per_worker {gpus_per_worker:g}: a rank of a worker group takes no GPU (gloo) "
+                             "or one whole GPU (NCCL, one rank per GPU)")
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self.cpus_per_worker, self.gpus_per_worker = cpus_per_worker, gpus_per_worker
         self.backend = "nccl" if gpus_per_worker > 0 else "gloo"
@@ -232,8 +238,9 @@ class WorkerGroup:
                 rank = pending.pop(ref)
                 try:
                     value = ray.get(ref)
-                except ray.exceptions.RayError as exc:  # the actor died (killed, out of memory...)
-                    failed[rank] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                except ray.exceptions.RayError as exc:  # the actor died (killed, out of memory...) or init raised
+                    cause = getattr(exc, "cause", None) or exc  # a RayTaskError's first line is only its header
+                    failed[rank] = f"{type(cause).__name__}: {str(cause).splitlines()[0]}"
                     continue
                 if outcomes and not value[0]:
                     failed[rank] = value[1]

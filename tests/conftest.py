@@ -29,12 +29,13 @@ def ray_cluster():
     """Start one local Ray cluster (2 CPUs, no GPUs, token auth, dashboard) shared by every test; yield
     its `address_info` (gcs_address, webui_url, metrics_export_port, node_ip_address, ...).
     No GPUs even on a GPU node: the tests that use it compare against CPU references, and a sweep
-    on it would otherwise take GPU shares (the GPU paths are `jobs/gpu_check.py`'s)."""
-    import ray
+    on it would otherwise take GPU shares (the GPU paths are `jobs/gpu_check.py`'s). Started as the platform
+    starts a local Ray (private folder, its own port): never one that `ray.init()` would find on the machine."""
+    from rayhpc import cluster
 
-    ctx = ray.init(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
+    ctx = cluster.start_local(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
     yield ctx.address_info
-    ray.shutdown()
+    cluster.disconnect()
 
 
 @pytest.fixture(scope="module")

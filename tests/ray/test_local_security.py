@@ -163,3 +163,21 @@ def test_a_task_file_in_a_folder_others_can_write_is_not_imported(world_tmp):
     assert out.stderr == (f"error: task (--task) {shared}/task.py:Dropout: {shared} (mode 1777) can be written "
                           f"by other users, so what it holds may not be yours, and it is not loaded; if it is: "
                           f"chmod -R go-w {shared}\n"), out.stderr
+
+
+def test_ray_takes_its_file_locks_in_a_private_folder_not_in_the_machines_shared_one(ray_cluster):
+    """Ray Tune and Train lock files in `<RAY_TMPDIR or /tmp>/_ray_lockfiles`, one folder for all users: whoever
+    makes it first (0700) makes every other user's resume fail with PermissionError. The driver and the
+    processes of the Ray it started lock in a 0700 folder of this user's (RAY_TMPDIR) instead."""
+    import os
+    from pathlib import Path
+
+    from ray._common.utils import get_default_system_temp_dir  # where Ray's TempFileLock puts its locks
+
+    def where() -> tuple[str, int, int]:
+        folder = Path(get_default_system_temp_dir())
+        return str(folder), stat.S_IMODE(folder.stat().st_mode), folder.stat().st_uid
+
+    driver = where()
+    assert driver == (os.environ["RAY_TMPDIR"], 0o700, os.getuid()) and Path(driver[0]).name.startswith("rayhpc-tmp-")
+    assert ray.get(ray.remote(where).remote()) == driver  # the workers of the Ray the driver started: the same

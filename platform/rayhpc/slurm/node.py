@@ -182,7 +182,9 @@ def run(job_dir: Path, command: list[str]) -> int:
     cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE") or "1"
     gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
     command = [*command, f"--node-ip-address={ip}", f"--temp-dir={root}/r", f"--num-cpus={cpus}", f"--num-gpus={gpus}"]
-    env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}"}
+    # RAY_TMPDIR: Ray Tune and Train's file locks in this node's private folder, not in /tmp/_ray_lockfiles,
+    # which every user of the node shares (rayhpc.cluster.private_ray_tmpdir)
+    env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}", "RAY_TMPDIR": root}
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _stop)

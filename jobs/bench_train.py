@@ -100,8 +100,8 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="with --strategies: CUDA, NCCL, bf16 autocast")
     parser.add_argument("--gpt-options", action="store_true", help="the GPT task: eager vs compiled vs activation "
                         "checkpointing, tokens/s")
-    parser.add_argument("--workers", type=int, help="DDP ranks (default 2; 1 with --strategies, or one per GPU "
-                        "with --strategies --gpu)")
+    parser.add_argument("--workers", type=int, help="DDP ranks (default 2; with --strategies 1, or with "
+                        "--strategies --gpu one per GPU you give, each compared with raw PyTorch on one GPU)")
     parser.add_argument("--in-features", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=2, help="Linear layers")
@@ -130,20 +130,22 @@ def main() -> None:
     for i in range(args.repeats):
         for name, run in plan(args).items():
             runs.setdefault(name, []).append(run(work, i))
-    print_table(runs, "tokens/s" if args.gpt_options else "samples/s")
+    print_table(runs, "tokens/s" if args.gpt_options else "samples/s", args.workers if args.strategies else 1)
     if args.json:
         Path(args.json).write_text(json.dumps({name: _median(results) for name, results in runs.items()}, indent=1))
 
 
-def print_table(runs: dict[str, list[dict]], unit: str) -> None:
-    """Medians over the repeats, each beside the first (baseline) row."""
+def print_table(runs: dict[str, list[dict]], unit: str, per: int = 1) -> None:
+    """Medians over the repeats, each beside the first (baseline) row; `per` > 1: the ratio per worker (GPU) of
+    the rows after the baseline (raw PyTorch on one GPU)."""
     rows = [(name, _median(results)) for name, results in runs.items()]
     base = rows[0][1]
     print(f"\n{'':32s} {'first step':>11s} {'vs ' + rows[0][0].split()[0]:>12s} {unit:>10s} "
-          f"{'ratio':>7s} {'fit() to done':>14s} {'MFU':>6s} {'data wait':>10s}")
-    for name, r in rows:
+          f"{'ratio' if per == 1 else 'per GPU':>7s} {'fit() to done':>14s} {'MFU':>6s} {'data wait':>10s}")
+    for i, (name, r) in enumerate(rows):
+        ratio = r["samples_per_s"] / (per if i else 1) / base["samples_per_s"]
         print(f"{name:32s} {r['first_step_s']:10.1f}s {r['first_step_s'] / base['first_step_s']:11.2f}x "
-              f"{r['samples_per_s']:10,.0f} {r['samples_per_s'] / base['samples_per_s']:6.3f}x "
+              f"{r['samples_per_s']:10,.0f} {ratio:6.3f}x "
               + _cell(r["fit_s"], "13.1f", 14, "s") + " " + _cell(r["mfu"], "6.1%", 6) + " "
               + _cell(r["data_wait_share"], "10.1%", 10))
     for name, results in list(runs.items())[1:]:

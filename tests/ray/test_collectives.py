@@ -105,14 +105,14 @@ def test_bad_input_names_the_key_before_ray_starts(tmp_path):
 def test_a_short_scaling_study_runs_end_to_end(ray_address, tmp_path):
     """Weak scaling here; strong scaling runs across the two Slurm nodes (test_slurm)."""
     proc = run_job("scaling_study.py", "--address", ray_address, "--modes", "weak", "--workers", "1,2", "--epochs",
-                   "2", "--hidden", "64", "--storage-path", str(tmp_path), timeout=600)
+                   "2", "--hidden", "64", "--steps-per-epoch", "20", "--storage-path", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = pd.read_parquet(tmp_path / "scaling" / "scaling.parquet")
     assert sorted(zip(table["mode"], table["workers"])) == [("weak", 1), ("weak", 2)]
     assert set(table["nodes"]) == {1} and (table["samples_per_s"] > 0).all()
     weak = table.set_index("workers")
     assert weak["global_batch"].tolist() == [128, 256]
-    assert set(table["steps_per_epoch"]) == {50}  # the data sized for the default steps, whatever the batch
+    assert set(table["steps_per_epoch"]) == {20}  # the data sized for the steps asked, whatever the batch
     assert_speedup_and_efficiency(weak)
     image = matplotlib.image.imread(tmp_path / "scaling" / "scaling.png")
     assert image.shape[0] > 300 and image.shape[1] > 800

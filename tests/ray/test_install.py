@@ -65,7 +65,7 @@ def test_the_installed_package_is_not_the_checkout(installed, tmp_path):
 def test_an_installed_rayhpc_sweeps_a_task_file_from_outside_the_repository(installed, tmp_path):
     (tmp_path / "mine").mkdir()
     shutil.copy(ROOT / "tests" / "tasks" / "line.py", tmp_path / "mine" / "line.py")
-    proc = in_venv(installed, "rayhpc", "tune", "--task", "mine/line.py:Line", "--num-samples", "2", "--epochs", "2",
+    proc = in_venv(installed, "rayhpc", "tune", "--task", "mine/line.py:Line", "--num-samples", "2", "--epochs", "1",
                    "--config", str(_space(tmp_path)), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "started local Ray" in proc.stdout and "best 2 of 2 trials by best_val_loss" in proc.stdout, proc.stdout

@@ -16,8 +16,8 @@ import ray
 
 from helpers import ATTACKER, ROOT, as_attacker, job_env, python_as_attacker, run_job_warm
 
-JOBS = {"sweep": ["tune_mlp.py", "--num-samples", "2", "--epochs", "2"],
-        "training": ["train_mlp.py", "--num-workers", "2", "--epochs", "3"]}
+JOBS = {"sweep": ["tune_mlp.py", "--num-samples", "2", "--epochs", "1"],
+        "training": ["train_mlp.py", "--num-workers", "2", "--epochs", "1"]}
 
 
 @pytest.mark.parametrize("kind", JOBS)

@@ -129,13 +129,20 @@ def test_loader_workers_give_the_same_batches_in_the_same_order():
 
 
 def test_the_train_and_validation_subsets_each_put_only_their_own_rows_on_the_device():
+    """On another device (meta here, a GPU in use) the two subsets of one tensor hold its bytes once in all;
+    on the tensors' own device (CPU training) they share the tensors, copying nothing. Either way item i of
+    a subset is row indices[i]."""
     x, y = torch.randn(1000, 16), torch.randn(1000, 1)  # 64,000 + 4,000 bytes
     train, val = Subset(TensorDataset(x, y), list(range(200, 1000))), Subset(TensorDataset(x, y), list(range(200)))
-    placed = [Batches(part, torch.device("cpu")) for part in (train, val)]
+    placed = [Batches(part, torch.device("meta")) for part in (train, val)]
     stored = sum(t.untyped_storage().nbytes() for b in placed for t in b.tensors)
     assert stored == x.nbytes + y.nbytes, (stored, x.nbytes + y.nbytes)  # once in all, not once per subset
-    first = next(placed[0]([5, 0, 799], 3))  # item i of the subset is row indices[i] of the tensors
-    torch.testing.assert_close(first, [x[[205, 200, 999]], y[[205, 200, 999]]])
+    shared = [Batches(part, torch.device("cpu")) for part in (train, val)]
+    assert all(t.untyped_storage().data_ptr() in (x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr())
+               for b in shared for t in b.tensors)
+    assert [tuple(t.shape) for t in next(placed[0]([5, 0, 799], 3))] == [(3, 16), (3, 1)]
+    for batches, items, rows in [(shared[0], [5, 0, 799], [205, 200, 999]), (shared[1], [5, 0, 199], [5, 0, 199])]:
+        torch.testing.assert_close(next(batches(items, 3)), [x[rows], y[rows]])
 
 
 def test_model_flops_are_six_times_parameters_times_batch_for_the_anchor_mlp():

@@ -96,9 +96,14 @@ class Batches:
         self.tensors = None
         if fast is not None:  # this dataset's rows on the device once; batches are index gathers there
             tensors, rows = fast
-            # a Subset's own rows only, gathered on the host first: the train and validation subsets of
-            # one tensor would otherwise each put the whole tensor on the device (2x its size per process)
-            self.tensors = [(t if rows is None else t[rows]).to(self.device) for t in tensors]
+            self.rows = None
+            if rows is not None and tensors[0].device != self.device:
+                # a Subset's own rows only, gathered where they are: the train and validation subsets of one
+                # tensor would otherwise each put the whole tensor on the device (2x its size per process)
+                self.tensors = [t[rows].to(self.device) for t in tensors]
+            else:  # where the tensors already are (CPU training), the subsets share them: no copy at all
+                self.tensors = [t.to(self.device) for t in tensors]
+                self.rows = None if rows is None else rows.to(self.device)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -119,6 +124,8 @@ class Batches:
         index = torch.as_tensor(list(indices), dtype=torch.long, device=self.device)
         for start in range(0, len(index), batch_size):
             rows = index[start:start + batch_size]
+            if self.rows is not None:
+                rows = self.rows[rows]
             # a list, as the default collate makes of tuple items
             yield [t[rows] for t in self.tensors]
 

@@ -4,12 +4,14 @@ a Ray of its own in a private folder, and never joins the cluster someone else n
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -169,9 +171,6 @@ def test_ray_takes_its_file_locks_in_a_private_folder_not_in_the_machines_shared
     """Ray Tune and Train lock files in `<RAY_TMPDIR or /tmp>/_ray_lockfiles`, one folder for all users: whoever
     makes it first (0700) makes every other user's resume fail with PermissionError. The driver and the
     processes of the Ray it started lock in a 0700 folder of this user's (RAY_TMPDIR) instead."""
-    import os
-    from pathlib import Path
-
     from ray._common.utils import get_default_system_temp_dir  # where Ray's TempFileLock puts its locks
 
     def where() -> tuple[str, int, int]:

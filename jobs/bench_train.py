@@ -61,9 +61,8 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
                     str(args.batch), "--epochs", str(args.epochs), *device],
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads(out.read_text())
-    return {"first_step_s": result["first_step_s"], "samples_per_s": sum(result["samples_per_s"][1:])
-            / (args.epochs - 1), "detail": "", "fit_s": NAN, "mfu": NAN,
-            "data_wait_share": sum(result["data_wait_share"][1:]) / (args.epochs - 1)}
+    later = {key: statistics.mean(result[key][1:]) for key in ("samples_per_s", "data_wait_share")}  # epoch 1: warm-up
+    return {"first_step_s": result["first_step_s"], **later, "detail": "", "fit_s": NAN, "mfu": NAN}
 
 
 def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str = "ddp",

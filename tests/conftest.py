@@ -3,9 +3,11 @@ markers each folder's tests get. Helpers are in helpers.py."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -14,6 +16,10 @@ import pytest
 from helpers import ATTACKER, ROOT, SUBMITTED, require
 
 KINDS = ("unit", "ray", "slurm", "browser", "gpu")
+# the suite's own rayhpc folder: its jobs never join a cluster the developer started with `rayhpc up`, and
+# the tests of `rayhpc up` start theirs here (a new 0700 folder, removed at the end)
+os.environ["RAYHPC_HOME"] = tempfile.mkdtemp(prefix="rayhpc-home-")
+atexit.register(shutil.rmtree, os.environ["RAYHPC_HOME"], True)
 
 
 def pytest_collection_modifyitems(items):

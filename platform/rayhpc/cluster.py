@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rayhpc import interrupt
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import ensure_private_file, write_private
+from rayhpc.slurm.private import UnsafePath, ensure_private_file, write_private
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,22 @@ def check_gpus_usable(gpus: float, key: str) -> None:
 
 
 def resolve_address(address: str | None) -> str | None:
-    """`--address`, else `RAY_ADDRESS`, else None (start a local cluster)."""
-    return address or os.environ.get("RAY_ADDRESS") or None
+    """`--address`, else `RAY_ADDRESS`, else the user's own cluster on this machine (`rayhpc up`), else
+    None (start a local cluster). Never a cluster found anywhere else (Ray's own default)."""
+    if address or os.environ.get("RAY_ADDRESS"):
+        return address or os.environ.get("RAY_ADDRESS")
+    from rayhpc.up import connection
+
+    try:
+        found = connection.find()
+    except UnsafePath as exc:
+        raise ConfigError(f"{connection.path()}: {exc}") from None
+    if found is not None:
+        _user_cluster[:] = [found]
+    return found
+
+
+_user_cluster: list[str] = []  # the address of the user's cluster (`rayhpc up`), once found
 
 
 def use_token_if_present() -> None:
@@ -204,6 +218,8 @@ def connect(address: str | None, **init_kwargs) -> Resources:
         else:
             private_ray_tmpdir()
             ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
+            if address in _user_cluster:
+                joined_user_cluster()
     except (OSError, RuntimeError, ValueError) as exc:  # OSError: also a too-long RAY_TMPDIR socket path
         what = f"address (--address) {address}: cannot connect to" if address else "cannot start"
         raise ConfigError(f"{what} a Ray cluster: {exc}".splitlines()[0]) from None
@@ -211,11 +227,29 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     res = _current()
     dashboard = getattr(ctx, "dashboard_url", None)
     started = f"started local Ray at {res.address} in {_local_temp[-1]}" if address is None else \
-        f"joined Ray at {address}"
+        f"joined your cluster (rayhpc up) at {address}" if address in _user_cluster else f"joined Ray at {address}"
     # the dashboard asks for the cluster's token once per browser: `ray get-auth-token` prints it
     log.info(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
              + (f"; dashboard http://{dashboard} (token: `ray get-auth-token`)" if dashboard else ""))
     return res
+
+
+def joined_user_cluster() -> None:
+    """This job runs on the user's cluster: `rayhpc down` stops it first (it is registered), and its stop
+    line then says that the cluster went away rather than which signal came."""
+    from rayhpc.up import connection
+
+    entry = connection.register_job()
+    atexit.register(entry.unlink, missing_ok=True)
+    held_by = (connection.read() or {}).get("pid")
+
+    def went_away() -> str | None:
+        info = connection.read()
+        if info is None or info.get("stopping") or info.get("pid") != held_by:
+            return "your cluster (rayhpc up) went away (rayhpc down)"
+        return None
+
+    interrupt.explain(went_away)
 
 
 def dashboard_installed() -> bool:
@@ -232,6 +266,11 @@ def dashboard_installed() -> bool:
 
 
 _local_temp: list[Path] = []  # the private temp folder of the local Ray this process started
+
+
+def local_temp() -> Path:
+    """The private temp folder of the local Ray this process started."""
+    return _local_temp[-1]
 
 
 def private_ray_tmpdir() -> None:

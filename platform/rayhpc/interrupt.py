@@ -41,6 +41,7 @@ GRACE_S = 7.0
 GRACE_VARIABLE = "RAYHPC_STOP_GRACE_S"
 _received: list[int] = []  # the first stop signal this process got
 _job: list = []  # the config of the job this process runs, once known (its line names it)
+_causes: list[Callable[[], str | None]] = []  # what may have sent the signal, asked when the line is made
 
 
 def install() -> None:
@@ -71,6 +72,12 @@ def grace_s() -> float:
 
         raise ConfigError(f"{GRACE_VARIABLE} {value!r}: expected seconds >= 0, e.g. {GRACE_VARIABLE}=30")
     return seconds
+
+
+def explain(cause: Callable[[], str | None]) -> None:
+    """`cause()`, where it returns a text, says what stopped the job in its line, instead of the signal
+    (the user's cluster going down sends its jobs SIGTERM)."""
+    _causes.append(cause)
 
 
 def running(cfg) -> None:
@@ -196,6 +203,9 @@ def stop_line(forced: bool = False) -> str:
     """The one line a stopped job prints: which signal, whether it had to be ended at once, and for a job
     with a folder (`running`) where its checkpoints are and the command that resumes it."""
     line = f"interrupted by {signal.Signals(received() or signal.SIGINT).name}"
+    for cause in _causes:
+        with contextlib.suppress(Exception):  # the line is printed whatever a cause's check meets
+            line = cause() or line
     if forced:
         line += f" (not stopped within {grace_s():g} s: ended at once)"
     if _job:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 from rayhpc import cluster
 from rayhpc.config import JobConfig, reconcile_resume
+from rayhpc.monitor.startup import mark
 from rayhpc.task import task_for
 from rayhpc.task.check import check_task
 
@@ -49,10 +50,12 @@ def start_job(cfg: J, explicit: set[str] = frozenset(), *,
     (jobs that train a task); `workers(cfg)`: how many workers of `cfg.compute` it places;
     `check(cfg, resources)`: the job's own resource checks; `gpus(cfg, resources)`: GPUs per process
     (default: one where `cfg.compute.gpu`)."""
+    mark("imports and config")
     cfg = reconcile_resume(cfg, set(explicit))
     task = info = batch = None
     if bind is not None:
         cfg, task, info, batch = bind_task(cfg, bind)
+        mark("task check")
     address = cluster.resolve_address(cfg.address)
     res = cluster.probe(address)
     if workers is not None:
@@ -62,6 +65,7 @@ def start_job(cfg: J, explicit: set[str] = frozenset(), *,
     started = time.perf_counter()
     cluster.connect(address)
     ray_seconds = time.perf_counter() - started
+    mark("ray")
     each = (gpus or _compute_gpus)(cfg, res)
     if each:
         cluster.check_gpus_usable(each, "gpus_per_trial (--gpus-per-trial)" if gpus else "compute.gpu (--gpu)")

@@ -25,7 +25,7 @@ def job(main, argv: list[str]) -> tuple[int, str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            cli.run_main(main, argv)
+            cli.run_main(main, argv, quick_exit=False)
         except SystemExit as exc:
             return exc.code, err.getvalue()
     return 0, err.getvalue()

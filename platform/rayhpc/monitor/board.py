@@ -33,9 +33,11 @@ class SweepBoard:
 
 
 def open_board(sweep: str):
-    """This sweep's board actor, created if absent (0 CPUs: it never takes a trial's slot)."""
+    """This sweep's board actor, created if absent (0 CPUs: it never takes a trial's slot). Named by the
+    sweep and its driver's Ray job: two sweeps of one name (in two folders) on one cluster have a board each."""
     actor = ray.remote(num_cpus=0)(SweepBoard)
-    return actor.options(name=PREFIX + sweep, namespace=NAMESPACE, get_if_exists=True).remote(sweep)
+    name = f"{PREFIX}{sweep}:{ray.get_runtime_context().get_job_id()}"
+    return actor.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote(sweep)
 
 
 def read_boards() -> list[dict]:

@@ -14,6 +14,7 @@ import pandas as pd
 from ray.tune import Callback
 
 from rayhpc import interrupt
+from rayhpc.monitor.startup import mark
 from rayhpc.tune.trainable import members_of
 
 RESULTS_FILE = "results.parquet"
@@ -170,6 +171,9 @@ class ResultsRecorder(Callback):
                                            self.interrupted), self.exp_dir)
         shutil.rmtree(self.exp_dir / PARTS_DIR, ignore_errors=True)
         return path
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        mark("first result")  # start-up benchmarks: the time to a sweep's first result
 
     def on_step_end(self, iteration, trials, **info):
         self.trials = trials

@@ -1,0 +1,69 @@
+"""Where a command's fixed cost goes: named marks on the way to its first result, timed from the process's start.
+
+A job calls `mark(phase)` as each phase ends (imports, the task check, Ray's start, the first result, the
+work, the shutdown). `breakdown()` is the one line a job prints (`start-up: ...`); with RAYHPC_TIMINGS=FILE
+each mark is also appended to FILE as a JSON line (`{"phase": ..., "t": unix time}`), which
+`jobs/bench_sweep.py --first-result` and `jobs/bench_train.py --first-result` read to print the
+breakdown of a run beside the ideal and `torchrun`. Standard library only: the first mark is taken
+before Ray or torch is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+VARIABLE = "RAYHPC_TIMINGS"
+_marks: list[tuple[str, float]] = []
+
+
+def start_ticks(pid: int | str = "self") -> int:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat): with the pid, names one
+    process for good (a pid alone may be another process's later). OSError where it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        raise OSError(f"/proc/{pid}/stat: unreadable") from None
+
+
+def process_start() -> float:
+    """This process's start as a unix time, from /proc (clock ticks since boot; 10 ms resolution)."""
+    try:
+        ticks = start_ticks()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return time.time()
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def mark(phase: str) -> None:
+    """The end of `phase`, now (the first mark of a phase counts: a resumed loop does not move it)."""
+    if any(name == phase for name, _ in _marks):
+        return
+    now = time.time()
+    _marks.append((phase, now))
+    path = os.environ.get(VARIABLE)
+    if path:
+        with open(path, "a") as out:  # a file the benchmark made in its own private folder
+            out.write(json.dumps({"phase": phase, "t": now}) + "\n")
+
+
+def breakdown(upto: str | None = None) -> str:
+    """`phase 1.2 s, phase 0.3 s, ...`: each marked phase's own seconds, the first from the process's start,
+    up to and including `upto`."""
+    parts, before = [], process_start()
+    for name, t in _marks:
+        parts.append(f"{name} {max(t - before, 0.0):.1f} s")
+        before = t
+        if name == upto:
+            break
+    return ", ".join(parts)
+
+
+def read(path: str | Path) -> dict[str, float]:
+    """The marks a run wrote to `path` (RAYHPC_TIMINGS): phase -> unix time."""
+    lines = Path(path).read_text().splitlines() if Path(path).exists() else []
+    return {entry["phase"]: entry["t"] for entry in map(json.loads, lines)}

@@ -1,0 +1,76 @@
+"""The process that holds the user's cluster, started in the background by `rayhpc up`:
+
+    python -m rayhpc.up.daemon [--num-cpus N] [--num-gpus N] [--no-dashboard]
+
+It starts a local Ray as every job does (`cluster.start_local`: private temp folder, token auth, free
+ports), writes the connection file, and waits. On SIGTERM, SIGINT or SIGHUP (`rayhpc down`) it removes the
+connection file first (no new job joins), stops Ray, and kills whatever process of the cluster is left:
+every process Ray started carries MARKER in its environment. Ray's processes also end with this one
+(Ray ties a local cluster's processes to the process that started it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+
+from rayhpc import cluster
+from rayhpc.monitor.startup import start_ticks
+from rayhpc.up import connection
+
+log = logging.getLogger(__name__)
+
+
+def cluster_info(ctx, marker: str) -> dict:
+    """The connection file's fields (those of a Slurm job's cluster.json, and the holding process)."""
+    address = ctx.address_info["gcs_address"]
+    info = {"job": None, "restart": 0, "head": connection.host(), "head_ip": address.rsplit(":", 1)[0],
+            "address": address, "ports": {"gcs": int(address.rsplit(":", 1)[1])},
+            "nodes": {connection.host(): address.rsplit(":", 1)[0]},
+            "token_path": os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token"),
+            "pid": os.getpid(), "pid_start": start_ticks(), "marker": marker, "started": time.time(),
+            "temp_dir": str(cluster.local_temp()), "ray_tmpdir": os.environ["RAY_TMPDIR"]}
+    if ctx.dashboard_url:
+        info.update(dashboard=f"http://{ctx.dashboard_url}",
+                    tunnel=f"ssh -N -L {ctx.dashboard_url.rsplit(':', 1)[1]}:{ctx.dashboard_url} {connection.host()}")
+        info["ports"]["dashboard"] = int(ctx.dashboard_url.rsplit(":", 1)[1])
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rayhpc.up.daemon")
+    parser.add_argument("--num-cpus", type=float)
+    parser.add_argument("--num-gpus", type=float)
+    parser.add_argument("--no-dashboard", action="store_true")
+    args = parser.parse_args(argv)
+    os.umask(0o077)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stop.set())
+    marker = secrets.token_hex(8)
+    os.environ[connection.MARKER] = marker  # every process Ray starts inherits it
+    options = {k: v for k, v in (("num_cpus", args.num_cpus), ("num_gpus", args.num_gpus)) if v is not None}
+    ctx = cluster.start_local(logging_level=logging.WARNING, log_to_driver=False,
+                              include_dashboard=not args.no_dashboard and cluster.dashboard_installed(), **options)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # ray.init replaced it
+    connection.write(cluster_info(ctx, marker))
+    print(f"rayhpc up: cluster at {ctx.address_info['gcs_address']} held by process {os.getpid()}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    with_file = connection.read()
+    if with_file and with_file.get("pid") == os.getpid():
+        connection.path().unlink()
+    cluster.disconnect()
+    connection.kill(connection.leftovers(marker))
+    print("rayhpc down: cluster stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

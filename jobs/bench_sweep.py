@@ -7,6 +7,10 @@
         # memory, files and bytes per trial, the results table's write; --kill-after: a sweep of the
         # largest size whose driver is SIGKILLed that many seconds in, then resumed
     python jobs/bench_sweep.py --distributed [--trials 16] [--workers 2] [--epochs 5]
+    python jobs/bench_sweep.py --first-result [--repeats 2]
+        # the default sweep (`python jobs/tune_mlp.py`) and the 16-trial reference sweep below (30 epochs), each
+        # cold (its own Ray) and with the user's cluster up (`rayhpc up`): wall, ideal / wall, and where the
+        # wall goes (imports and config, task check, Ray, first result, work, shutdown, exit)
         # trials of 2 workers each, on warm worker groups and with a TorchTrainer per trial, side by side
 
 (a) array job: one fresh Python process per trial, `--cpus` at a time (what
@@ -117,7 +121,12 @@ def main() -> None:
     parser.add_argument("--distributed", action="store_true", help="instead: --trials trials of --workers workers "
                         "(--epochs, default 5 here), on warm worker groups and with a TorchTrainer per trial")
     parser.add_argument("--workers", type=int, default=2, help="with --distributed: workers per trial")
+    parser.add_argument("--first-result", action="store_true", help="instead: time to first result, cold and "
+                        "with the user's cluster up, of the default sweep and of the --trials reference sweep")
+    parser.add_argument("--repeats", type=int, default=2, help="with --first-result: runs of each (medians)")
     args = parser.parse_args()
+    if args.first_result:
+        return first_result(args)
     if args.scale:
         return scale(args)
     if args.distributed:
@@ -129,15 +138,8 @@ def main() -> None:
         start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
         print_adaptive(adaptive_rows(args.trials, epochs, not args.no_unpacked), args.trials, epochs)
         return
-    lrs = [0.001 * 3 ** (i / 2) for i in range(args.trials // 4)]
     work = Path(tempfile.mkdtemp(prefix="bench_sweep_"))
-    cfg = SweepConfig(name="ours", storage_path=work, num_samples=1, search="grid", epochs=args.epochs,
-                      space={"hidden": {"grid": [8, 16, 32, 64]}, "lr": {"grid": lrs}})
-    task = task_for(cfg.task, cfg.data)
-    cfg, _ = bind_sweep(cfg, task)
-    configs = cfg.configs(task.hp_model)
-    cfg_file = work / "sweep.yaml"  # what an array task reads: the sweep and its drawn trials beside it
-    cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    cfg, configs, cfg_file = reference_sweep(args, work)
     save_plan([[c] for c in configs], work)
     n = len(configs)
     print(f"sweep benchmark: {n} trials, {args.epochs} epochs each, {args.cpus} CPUs, work dir {work}", flush=True)
@@ -158,6 +160,53 @@ def main() -> None:
     print(f"{'approach':42s} {'makespan':>9s} {'in-trial sum':>13s} {'makespan/ideal':>15s}")
     for name, makespan, summed in rows:
         print(f"{name:42s} {makespan:8.1f}s {summed:12.1f}s {makespan / ideal:14.2f}x")
+
+
+def reference_sweep(args, work: Path, name: str = "ours") -> tuple[SweepConfig, list[dict], Path]:
+    """The reference sweep (a grid of 4 widths x --trials/4 learning rates, --epochs), its trials, and its
+    config file (what an array task, or `tune_mlp.py --config`, reads)."""
+    lrs = [0.001 * 3 ** (i / 2) for i in range(args.trials // 4)]
+    cfg = SweepConfig(name=name, storage_path=work, num_samples=1, search="grid", epochs=args.epochs,
+                      space={"hidden": {"grid": [8, 16, 32, 64]}, "lr": {"grid": lrs}})
+    task = task_for(cfg.task, cfg.data)
+    cfg, _ = bind_sweep(cfg, task)
+    cfg_file = work / f"{name}.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True)))
+    return cfg, cfg.configs(task.hp_model), cfg_file
+
+
+def first_result(args) -> None:
+    """The default sweep and the reference sweep, cold and with the user's cluster up, side by side."""
+    from bench.first_result import breakdown, cluster_up, cold, median, timed
+
+    work = Path(tempfile.mkdtemp(prefix="bench_first_"))
+    default_cfg = SweepConfig(storage_path=work)
+    default_cfg, _ = bind_sweep(default_cfg, task_for(default_cfg.task, default_cfg.data))
+    ref_cfg, ref_configs, ref_file = reference_sweep(args, work, "reference")
+    sweeps = {"default sweep": (default_cfg, default_cfg.configs(task_for(default_cfg.task, default_cfg.data).hp_model),
+                                []),
+              f"{len(ref_configs)}-trial reference sweep": (ref_cfg, ref_configs, ["--config", str(ref_file)])}
+    ideal = {name: reference_seconds(cfg, configs) / args.cpus for name, (cfg, configs, _) in sweeps.items()}
+    script = [sys.executable, str(Path(__file__).with_name("tune_mlp.py"))]
+
+    def runs(env: dict, how: str) -> dict:
+        out = {}
+        for name, (_, _, flags) in sweeps.items():
+            out[name] = median([timed([*script, *flags, "--storage-path", str(work / f"{how}{i}")], env, work,
+                                      f"{how}{i}") for i in range(args.repeats)])
+        return out
+
+    rows = {"cold": runs(cold(work), "cold")}
+    with cluster_up(work, args.cpus) as env:
+        rows["cluster up"] = runs(env, "up")
+    print(f"time to first result: {args.cpus} CPUs, medians of {args.repeats} run(s); ideal = the trials' summed "
+          f"in-trial seconds alone / CPUs\n\n{'sweep':28s} {'how':11s} {'wall':>7s} {'ideal':>6s} {'ideal/wall':>11s}  "
+          f"where the wall goes (s)")
+    for name in sweeps:
+        for how, measured in rows.items():
+            r = measured[name]
+            print(f"{name:28s} {how:11s} {r['wall']:6.1f}s {ideal[name]:5.1f}s {ideal[name] / r['wall']:10.2f}   "
+                  f"{breakdown(r)}")
 
 
 def distributed(args) -> None:

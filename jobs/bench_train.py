@@ -27,6 +27,7 @@ shared machine: single runs vary by 10-20%).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -65,7 +66,7 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
     return {"first_step_s": result["first_step_s"], **later, "detail": "", "fit_s": NAN, "mfu": NAN}
 
 
-def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str = "ddp",
+def rayhpc(args, work: Path, name: str, env: dict, strategy: str = "ddp",
            job: dict | None = None) -> dict:
     """`train_mlp.py` on the MLP of `args` (or `job`: the config's other keys, e.g. another task)."""
     config = work / f"{name}.yaml"
@@ -78,7 +79,7 @@ def rayhpc(args, work: Path, name: str, env: dict | None = None, strategy: str =
                                           "out_features": args.in_features}}})}))
     launch = time.time()
     proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--config", str(config)],
-                          capture_output=True, text=True, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, env={**os.environ, **env})
     if proc.returncode:
         raise SystemExit(f"train_mlp.py failed:\n{proc.stdout}\n{proc.stderr}")
     metrics = pd.read_parquet(work / name / "metrics.parquet")
@@ -125,10 +126,15 @@ def main() -> None:
     print(f"bench_train: {model}, {args.workers} "
           f"{'NCCL' if args.gpu else 'gloo'} worker(s) x {args.batch} samples/step, {args.epochs} epochs"
           + ("" if args.gpt_options else f" of {int(args.samples * 0.8)} samples"), flush=True)
+    from bench.first_result import cluster_up, cold
+
     runs: dict[str, list[dict]] = {}
-    for i in range(args.repeats):
-        for name, run in plan(args).items():
-            runs.setdefault(name, []).append(run(work, i))
+    with contextlib.ExitStack() as stack:
+        # the default comparison also runs with the user's cluster up (`rayhpc up`): the job joins it
+        up = None if args.strategies or args.gpt_options else stack.enter_context(cluster_up(work, args.workers))
+        for i in range(args.repeats):
+            for name, run in plan(args, cold(work), up).items():
+                runs.setdefault(name, []).append(run(work, i))
     print_table(runs, "tokens/s" if args.gpt_options else "samples/s", args.workers if args.strategies else 1)
     if args.json:
         Path(args.json).write_text(json.dumps({name: _median(results) for name, results in runs.items()}, indent=1))
@@ -156,24 +162,27 @@ def _cell(value: float, spec: str, width: int, unit: str = "") -> str:
     return f"{value:{spec}}{unit}" if value == value else f"{'-':>{width}s}"
 
 
-def plan(args) -> dict:
-    """The runs of one repeat, the baseline first."""
+def plan(args, cold: dict, up: dict | None) -> dict:
+    """The runs of one repeat, the baseline first. `cold`: the environment of a job that starts its own Ray;
+    `up`: of one that joins the user's cluster."""
     if args.gpt_options:
         def gpt(extra: dict):
             job = {"task": str(ROOT / "jobs" / "tasks" / "gpt.py") + ":GPT",
                    "optim": {"optimizer": "adamw", "lr": 1e-3}, "hparams": {"corpus_bytes": args.gpt_bytes}, **extra}
             return lambda work, i: rayhpc(args, work, f"gpt-{'-'.join(map(str, extra.values())) or 'eager'}{i}",
-                                          job=job)
+                                          cold, job=job)
         return {"GPT eager": gpt({}), "GPT compiled blocks": gpt({"compile": "blocks"}),
                 "GPT full AC": gpt({"activation_checkpointing": "full"}),
                 "GPT selective AC": gpt({"activation_checkpointing": "selective"})}
     if args.strategies:
         return {"raw PyTorch": lambda work, i: baseline(args, work, raw=True),
-                "rayhpc DDP": lambda work, i: rayhpc(args, work, f"ddp{i}"),
-                "rayhpc FSDP2": lambda work, i: rayhpc(args, work, f"fsdp{i}", strategy="fsdp")}
+                "rayhpc DDP": lambda work, i: rayhpc(args, work, f"ddp{i}", cold),
+                "rayhpc FSDP2": lambda work, i: rayhpc(args, work, f"fsdp{i}", cold, strategy="fsdp")}
     return {"torchrun + plain DDP": lambda work, i: baseline(args, work),
-            "rayhpc DDP": lambda work, i: rayhpc(args, work, f"rayhpc{i}"),
-            "rayhpc DDP, Ray Train defaults": lambda work, i: rayhpc(args, work, f"defaults{i}", RAY_TRAIN_DEFAULTS)}
+            "rayhpc DDP": lambda work, i: rayhpc(args, work, f"rayhpc{i}", cold),
+            "rayhpc DDP, your cluster up": lambda work, i: rayhpc(args, work, f"up{i}", up),
+            "rayhpc DDP, Ray Train defaults": lambda work, i: rayhpc(args, work, f"defaults{i}",
+                                                                    {**cold, **RAY_TRAIN_DEFAULTS})}
 
 
 def _median(results: list[dict]) -> dict:

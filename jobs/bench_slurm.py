@@ -9,6 +9,13 @@ other node at once. Ready: jobs through the platform's startup run `true`, and t
 startup logs when every node had joined, in seconds since the batch script started.
 Overhead = ready - Ray's own start. (Ray's documented example sleeps 10 s for the head and
 5 s per worker node instead.)
+
+    python jobs/bench_slurm.py --sweep [--trials 16] [--epochs 30] [--repeats 1]
+
+The reference sweep (a grid of 4 widths x trials/4 learning rates) through `rayhpc submit` on 2 nodes,
+against the same spec as an array job on the same CPUs (`rayhpc submit --array`, as many tasks at once
+as the Ray job has CPUs): each wall from the submission until the results table is written and the
+jobs have left the queue.
 """
 
 import argparse
@@ -20,6 +27,8 @@ import time
 from pathlib import Path
 
 from rayhpc.slurm.config import load_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
 from rayhpc.slurm.submit import log_dir, sbatch, submit
 
 TIMING = re.compile(r"rayhpc: timing: head launched ([\d.]+) s, head port open ([\d.]+) s, "
@@ -98,14 +107,62 @@ def wait(job: str) -> None:
         time.sleep(0.5)
 
 
+def sweep_wall(cluster, file: str, work: Path, name: str, flags: list[str], array: bool) -> float:
+    """Seconds from submitting the reference sweep `name` (through `rayhpc submit`, or `--array`) until its
+    results table is written and no job of it is left in the queue."""
+    command = [sys.executable, "-m", "rayhpc", "submit", "--cluster", file, *["--array"] * array,
+               "--", *([] if array else [sys.executable, "-u", str(ROOT / "jobs" / "tune_mlp.py")]),
+               "--config", str(work / "sweep.yaml"), "--name", name, *flags]
+    start = time.time()
+    out = subprocess.run(command, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"{' '.join(command)}:\n{out.stdout}\n{out.stderr}")
+    results = work / name / "results.parquet"
+    names = ",".join(f"rayhpc-{cluster.name}{suffix}" for suffix in ("", "-array", "-collect"))
+    while not results.exists() or subprocess.run(["squeue", "-h", "-n", names, "-o", "%i"],
+                                                 capture_output=True, text=True).stdout.strip():
+        time.sleep(0.2)
+    return time.time() - start
+
+
+def sweeps(cluster, a) -> None:
+    """`--sweep`: the reference sweep through `rayhpc submit` and as an array job, side by side."""
+    import tempfile
+
+    import yaml
+
+    nodes, cpus = cluster.slurm.nodes, cluster.slurm.cpus_per_task or 1
+    work = Path(tempfile.mkdtemp(prefix="bench_slurm_sweep_", dir=cluster.log_dir))  # on every node's filesystem
+    lrs = [0.001 * 3 ** (i / 2) for i in range(a.trials // 4)]
+    (work / "sweep.yaml").write_text(yaml.safe_dump({
+        "storage_path": str(work), "search": "grid", "num_samples": 1, "epochs": a.epochs,
+        "space": {"hidden": {"grid": [8, 16, 32, 64]}, "lr": {"grid": lrs}}}))
+    rows = {"rayhpc submit (Ray on the nodes)": [], "array job": []}
+    for i in range(a.repeats):
+        rows["rayhpc submit (Ray on the nodes)"].append(sweep_wall(cluster, a.cluster, work, f"ray{i}", [], array=False))
+        rows["array job"].append(sweep_wall(cluster, a.cluster, work, f"array{i}", ["--max-concurrent", str(nodes * cpus)],
+                                            array=True))
+    walls = {name: sorted(runs)[len(runs) // 2] for name, runs in rows.items()}
+    print(f"reference sweep: {len(lrs) * 4} trials, {a.epochs} epochs, {nodes} nodes x {cpus} CPU(s); median of "
+          f"{a.repeats} run(s), from submission to the results table\n")
+    for name, wall in walls.items():
+        print(f"{name:34s} {wall:7.1f}s {wall / walls['array job']:6.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cluster", default="cluster_configs/local-slurm.yaml")
     p.add_argument("--nodes", default="1,2", help="comma-separated node counts")
     p.add_argument("--repeats", type=int, default=3, help="jobs per node count (the median is shown)")
+    p.add_argument("--sweep", action="store_true", help="instead: the reference sweep through rayhpc submit and as "
+                   "an array job")
+    p.add_argument("--trials", type=int, default=16, help="with --sweep")
+    p.add_argument("--epochs", type=int, default=30, help="with --sweep")
     a = p.parse_args()
     cluster = load_cluster(a.cluster)
     log_dir(cluster)  # made 0700 if missing; refused if another user controls it
+    if a.sweep:
+        return sweeps(cluster, a)
     print(f"{'nodes':>5} {'Ray own start s':>16} {'head port open s':>17} {'all joined s':>13} {'overhead s':>11}")
     overhead = {}
     for nodes in [int(n) for n in a.nodes.split(",")]:

@@ -41,6 +41,9 @@ def test_the_wheel_ships_the_platform_and_no_benchmark_or_test_code(installed):
     (wheel,) = (installed / "dist").glob("rayhpc-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "rayhpc/slurm/ray_cluster.sbatch" in names and "rayhpc/examples/gpt.py" in names, names
+    # every subpackage of the source (pyproject lists them one by one)
+    for package in (ROOT / "platform" / "rayhpc").glob("*/__init__.py"):
+        assert f"rayhpc/{package.parent.name}/__init__.py" in names, f"{package.parent.name} is not in the wheel"
     # the collectives benchmark is a platform command (`rayhpc collectives`); the benchmark scripts' helpers
     # (jobs/bench/) and the tests' references are not
     assert [n for n in names if n.startswith("rayhpc/bench/") or "test" in n or "reference" in n] == [], names

@@ -124,17 +124,26 @@ def _kind(annotation) -> type | None:
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None, *,
-             quick_exit: bool = True) -> NoReturn:
+             quick_exit: bool = True, warm: bool = True) -> NoReturn:
     """Run `main`, turning user-input errors into `error: ...` and exit status 2, and a stop signal
     (Ctrl-C, SIGTERM, Slurm's SIGUSR1 warning: `rayhpc.interrupt`) into one line and 128 + its number;
     checkpoints already written are kept, and a resumed run continues from them. `quick_exit`: the
-    process ends once its exit handlers ran (`_quick_exit`); False where the caller goes on after it."""
+    process ends once its exit handlers ran (`_quick_exit`); False where the caller goes on after it.
+    `warm`: a job command is handed to the warm starter of the user's cluster where one is up
+    (`rayhpc.up.warm`), which runs it without the seconds of imports."""
     if quick_exit:
         atexit.register(_quick_exit)
     rayhpc_log.show()  # the platform's progress lines, as plain lines on stdout
     # what the job writes (results, checkpoints, logs, a local Ray's files: its processes inherit this) is
     # the user's alone, 0600 files in 0700 folders, on nodes and filesystems other users share
     os.umask(0o077)
+    if warm and quick_exit and main.__name__ in WARM_COMMANDS:
+        from rayhpc.up import warm as starter  # standard library only: no seconds of imports here
+
+        code = starter.run(main.__name__, None if argv is None else list(argv))
+        if code is not None:
+            _exit_status[:] = [code]
+            sys.exit(code)
     try:
         try:
             interrupt.install()
@@ -167,6 +176,8 @@ def _quick_exit() -> None:
 
 
 _exit_status: list[int] = []  # the status this process exits with, once known
+# the job commands: the warm starter of the user's cluster runs them (the others import little)
+WARM_COMMANDS = {"tune_main", "train_main", "parallel_main", "ps_main", "collectives_main", "scaling_main"}
 
 
 def parse_config(parser: ArgParser, model: type[M], argv) -> tuple[M, set[str]]:
@@ -401,12 +412,14 @@ def up_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=float, metavar="N", help="CPUs it offers (default: this machine's)")
     parser.add_argument("--num-gpus", type=float, metavar="N", help="GPUs it offers (default: this machine's)")
     parser.add_argument("--no-dashboard", action="store_true", help="without Ray's dashboard")
+    parser.add_argument("--no-warm", action="store_true", help="without the warm starter: each command then "
+                        "imports torch and Ray itself (about 2 s) instead of running in a child of one that has")
     args = parser.parse_args(argv)
     for key in ("num_cpus", "num_gpus"):
         value = getattr(args, key)
         if value is not None and not 0 <= value < float("inf"):
             parser.error(f"{key} (--{key.replace('_', '-')}) {value:g}: expected a number >= 0")
-    print(up(args.num_cpus, args.num_gpus, not args.no_dashboard))
+    print(up(args.num_cpus, args.num_gpus, not args.no_dashboard, not args.no_warm))
     return 0
 
 

@@ -4,6 +4,7 @@ connection file."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,9 +16,9 @@ import pandas as pd
 import pytest
 from ray.util.state import list_actors, list_objects, list_placement_groups
 
-from helpers import ROOT, run_job
+from helpers import ROOT, job_env, run_job
 from rayhpc.tune.results import read_results
-from rayhpc.up import connection
+from rayhpc.up import connection, warm
 
 # Ray Train's autoscaling coordinator: one detached actor per cluster, made by its first Train run
 CLUSTER_SERVICES = {"_AutoscalingCoordinatorActor"}
@@ -47,7 +48,7 @@ def assert_gone(info: dict) -> None:
         time.sleep(0.2)
     assert not connection.leftovers(info["marker"]), "processes of the cluster are left"
     assert not Path(info["temp_dir"]).exists() and not Path(info["ray_tmpdir"]).exists()
-    assert not connection.path().exists()
+    assert not connection.path().exists() and not warm.socket_path().exists()
     assert not connection.listening_uids(info["ports"]["gcs"])
 
 
@@ -90,14 +91,22 @@ def test_up_writes_a_private_connection_file_and_status_shows_it(user_cluster):
 
 
 def test_jobs_join_it_and_leave_it_as_they_found_it(user_cluster, tmp_path):
+    """Each job runs in a child of the cluster's warm starter (the process the command started waits for it),
+    joins the cluster, and leaves nothing of its own there."""
     address = user_cluster["address"]
     for script, args in (("train_mlp.py", ["--num-workers", "2", "--epochs", "1"]),
                          ("tune_mlp.py", ["--num-samples", "4", "--epochs", "2"])):
         before = snapshot(address)
-        proc = run_job(script, "--storage-path", str(tmp_path), *args)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert f"ray: joined your cluster (rayhpc up) at {address}" in proc.stdout, proc.stdout
-        assert "started local Ray" not in proc.stdout
+        marks = tmp_path / f"{script}.timings"
+        proc = subprocess.Popen([sys.executable, str(ROOT / "jobs" / script), "--storage-path", str(tmp_path), *args],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=job_env({"RAYHPC_TIMINGS": str(marks)}))
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out + err
+        assert f"ray: joined your cluster (rayhpc up) at {address}" in out, out
+        assert "started local Ray" not in out
+        ran_in = {json.loads(line)["pid"] for line in marks.read_text().splitlines()}
+        assert len(ran_in) == 1 and ran_in != {proc.pid}, (ran_in, proc.pid)  # the starter's child, not the command
         assert_as_found(address, before)
     assert len(read_results(tmp_path / "mlp-sweep")) == 4
     assert not list(connection.jobs_dir().iterdir()), "a job that ended is still registered"
@@ -117,6 +126,8 @@ def sweeps_shown() -> list[set[int]]:
     shown = []
     for block in text.split("\nsweep ")[1:]:
         lines = block.splitlines()
+        if len(lines) < 3:  # "sweep NAME: no trials yet"
+            continue
         column = lines[1].split().index("hidden")
         shown.append({int(line.split()[column]) for line in lines[2:] if line.strip()})
     return shown
@@ -126,7 +137,8 @@ def test_two_jobs_at_once_see_only_their_own(user_cluster, tmp_path):
     grids = {"a": [8, 16], "b": [32, 64]}
     jobs = {name: subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"),
                                     *sweep_args(tmp_path / name, grid)], cwd=ROOT, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True) for name, grid in grids.items()}
+                                   stderr=subprocess.STDOUT, text=True, env=job_env(None))
+            for name, grid in grids.items()}
     # while both run, each has its own board (what `rayhpc status` shows) with its own trials
     deadline, seen = time.monotonic() + 120, set()
     while len(seen) < 2 and time.monotonic() < deadline and all(j.poll() is None for j in jobs.values()):
@@ -140,19 +152,42 @@ def test_two_jobs_at_once_see_only_their_own(user_cluster, tmp_path):
         assert sorted(table["config.hidden"]) == grid and set(table["status"]) == {"finished"}
 
 
+def test_ctrl_c_reaches_a_job_in_the_warm_starter_and_other_code_runs_in_its_own_process(user_cluster, tmp_path,
+                                                                                          monkeypatch, caplog):
+    job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--storage-path", str(tmp_path),
+                            "--num-samples", "2", "--epochs", "100000"], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=job_env(None))
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "mlp-sweep").glob("train_pack_*/checkpoint_*")):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.2)
+    job.send_signal(signal.SIGINT)  # to the command's process only, as a terminal's Ctrl-C
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGINT, (job.returncode, err)
+    assert err.startswith("interrupted by SIGINT: sweep mlp-sweep stopped;") and err.count("\n") == 1, err
+
+    monkeypatch.setattr(warm, "fingerprint", lambda: "other code")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with caplog.at_level("INFO", logger="rayhpc"):
+        assert warm.run("tune_main", ["--help"]) is None  # the starter refuses: the command runs here
+    assert "your cluster's warm starter runs other code than this command" in caplog.text
+
+
 def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user_cluster, tmp_path):
+    """Then a cluster that is gone (its holder SIGKILLed) is noticed at once by the resumed run, which starts a
+    Ray of its own, says so, and removes what the cluster left."""
     config = tmp_path / "sweep.yaml"
     config.write_text(f"name: downed\nstorage_path: {tmp_path}\nnum_samples: 6\npack: 1\nmax_concurrent: 1\n"
                       "epochs: 5\ndata: {synthetic: {num_samples: 6000}}\n")
     exp_dir = tmp_path / "downed"
     driver = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=job_env(None))
     deadline = time.monotonic() + 180
     while not (len(before := read_results(exp_dir)) and (before["status"] == "finished").any()):
         assert driver.poll() is None and time.monotonic() < deadline, "no trial finished before the deadline"
         time.sleep(0.2)
     text = down()
-    assert f"stopping 1 job(s) on it (SIGTERM: each saves its state): pids {driver.pid}" in text, text
+    assert "stopping 1 job(s) on it (SIGTERM: each saves its state): pids " in text, text
     out, err = driver.communicate(timeout=60)
     assert driver.returncode == 128 + signal.SIGTERM, (driver.returncode, err)
     lines = [line for line in err.strip().splitlines() if not line.startswith("(")]  # not forwarded by Ray
@@ -162,25 +197,20 @@ def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user
     finished_before = read_results(exp_dir).query("status == 'finished'").set_index("trial_id")
     assert 0 < len(finished_before) < 6
 
-    proc = run_job("tune_mlp.py", "--config", str(config), "--resume")  # the cluster is down: a Ray of its own
-    assert proc.returncode == 0 and "started local Ray" in proc.stdout, proc.stdout + proc.stderr
-    final = pd.read_parquet(exp_dir / "results.parquet").set_index("trial_id")
-    assert len(final) == 6 and set(final["status"]) == {"finished"}
-    pd.testing.assert_frame_equal(final.loc[finished_before.index][["val_loss", "train_seconds"]],
-                                  finished_before[["val_loss", "train_seconds"]])
-
-
-def test_a_cluster_that_is_gone_is_noticed_at_once(tmp_path):
     info = up()
-    os.kill(info["pid"], signal.SIGKILL)  # its Ray ends with it (Ray ties its processes to their starter)
+    os.kill(info["pid"], signal.SIGKILL)  # its Ray and warm starter end with it (tied to their starter)
     deadline = time.monotonic() + 15
     while connection.problem(info) is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert connection.problem(info) == f"its process {info['pid']} has ended"
-    proc = run_job("tune_mlp.py", "--storage-path", str(tmp_path), "--num-samples", "2", "--epochs", "1")
+    proc = run_job("tune_mlp.py", "--config", str(config), "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     gone = [line for line in proc.stdout.splitlines() if "is gone" in line]
     assert gone == [f"ray: the cluster of `rayhpc up` in {connection.path()} is gone (its process {info['pid']} "
                     "has ended); this job starts a Ray of its own"], proc.stdout
     assert "started local Ray" in proc.stdout
-    assert_gone(info)  # what the killed cluster left (its folders, the file) was removed by the job
+    assert_gone(info)  # what the killed cluster left (its folders, files, socket) was removed by the job
+    final = pd.read_parquet(exp_dir / "results.parquet").set_index("trial_id")
+    assert len(final) == 6 and set(final["status"]) == {"finished"}
+    pd.testing.assert_frame_equal(final.loc[finished_before.index][["val_loss", "train_seconds"]],
+                                  finished_before[["val_loss", "train_seconds"]])

@@ -2,7 +2,7 @@
 
 A job calls `mark(phase)` as each phase ends (imports, the task check, Ray's start, the first result, the
 work, the shutdown). `breakdown()` is the one line a job prints (`start-up: ...`); with RAYHPC_TIMINGS=FILE
-each mark is also appended to FILE as a JSON line (`{"phase": ..., "t": unix time}`), which
+each mark is also appended to FILE as a JSON line (`{"phase": ..., "t": unix time, "pid": ...}`), which
 `jobs/bench_sweep.py --first-result` and `jobs/bench_train.py --first-result` read to print the
 breakdown of a run beside the ideal and `torchrun`. Standard library only: the first mark is taken
 before Ray or torch is imported.
@@ -48,7 +48,7 @@ def mark(phase: str) -> None:
     path = os.environ.get(VARIABLE)
     if path:
         with open(path, "a") as out:  # a file the benchmark made in its own private folder
-            out.write(json.dumps({"phase": phase, "t": now}) + "\n")
+            out.write(json.dumps({"phase": phase, "t": now, "pid": os.getpid()}) + "\n")
 
 
 def breakdown(upto: str | None = None) -> str:

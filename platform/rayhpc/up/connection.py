@@ -137,7 +137,7 @@ def remove_remains(info: dict) -> list[int]:
     kill(left)
     for folder in (info["temp_dir"], info["ray_tmpdir"]):
         shutil.rmtree(folder, ignore_errors=True)
-    for file in (path(), log_path()):
+    for file in (path(), log_path(), path().with_suffix(".sock")):
         with contextlib.suppress(OSError):
             file.unlink()
     return left

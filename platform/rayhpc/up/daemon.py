@@ -1,10 +1,11 @@
 """The process that holds the user's cluster, started in the background by `rayhpc up`:
 
-    python -m rayhpc.up.daemon [--num-cpus N] [--num-gpus N] [--no-dashboard]
+    python -m rayhpc.up.daemon [--num-cpus N] [--num-gpus N] [--no-dashboard] [--no-warm]
 
 It starts a local Ray as every job does (`cluster.start_local`: private temp folder, token auth, free
-ports), writes the connection file, and waits. On SIGTERM, SIGINT or SIGHUP (`rayhpc down`) it removes the
-connection file first (no new job joins), stops Ray, and kills whatever process of the cluster is left:
+ports), starts the warm starter (`rayhpc.up.warm`: job commands run in children of one interpreter
+that has imported torch and Ray already), writes the connection file, and waits. On SIGTERM, SIGINT
+or SIGHUP (`rayhpc down`) it removes the connection file first (no new job joins), stops Ray, and kills whatever process of the cluster is left:
 every process Ray started carries MARKER in its environment. Ray's processes also end with this one
 (Ray ties a local cluster's processes to the process that started it).
 """
@@ -16,6 +17,7 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -43,11 +45,31 @@ def cluster_info(ctx, marker: str) -> dict:
     return info
 
 
+WARM_START_TIMEOUT_S = 60.0  # its imports: seconds
+
+
+def start_warm() -> subprocess.Popen | None:
+    """The warm starter, once it listens (the cluster is announced after it: the first command is warm too);
+    None, with a line in the log, where it did not start."""
+    from rayhpc.up import warm
+
+    starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.warm"], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + WARM_START_TIMEOUT_S
+    while not warm.socket_path().exists():
+        if starter.poll() is not None or time.monotonic() > deadline:
+            starter.kill()
+            print("rayhpc up: no warm starter: each command imports torch and Ray itself", flush=True)
+            return None
+        time.sleep(0.05)
+    return starter
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rayhpc.up.daemon")
     parser.add_argument("--num-cpus", type=float)
     parser.add_argument("--num-gpus", type=float)
     parser.add_argument("--no-dashboard", action="store_true")
+    parser.add_argument("--no-warm", action="store_true", help="without the warm starter (rayhpc.up.warm)")
     args = parser.parse_args(argv)
     os.umask(0o077)
     stop = threading.Event()
@@ -59,13 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     ctx = cluster.start_local(logging_level=logging.WARNING, log_to_driver=False,
                               include_dashboard=not args.no_dashboard and cluster.dashboard_installed(), **options)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # ray.init replaced it
-    connection.write(cluster_info(ctx, marker))
+    starter = None if args.no_warm else start_warm()
+    connection.write({**cluster_info(ctx, marker), "warm_pid": starter and starter.pid})
     print(f"rayhpc up: cluster at {ctx.address_info['gcs_address']} held by process {os.getpid()}", flush=True)
     while not stop.wait(1.0):
         pass
     with_file = connection.read()
     if with_file and with_file.get("pid") == os.getpid():
         connection.path().unlink()
+    if starter is not None:
+        starter.terminate()  # the jobs it started are processes of their own, stopped by `rayhpc down` first
+        starter.wait()
+        connection.path().with_suffix(".sock").unlink(missing_ok=True)
     cluster.disconnect()
     connection.kill(connection.leftovers(marker))
     print("rayhpc down: cluster stopped", flush=True)

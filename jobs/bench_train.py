@@ -27,7 +27,6 @@ shared machine: single runs vary by 10-20%).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -128,13 +127,15 @@ def main() -> None:
           + ("" if args.gpt_options else f" of {int(args.samples * 0.8)} samples"), flush=True)
     from bench.first_result import cluster_up, cold
 
-    runs: dict[str, list[dict]] = {}
-    with contextlib.ExitStack() as stack:
-        # the default comparison also runs with the user's cluster up (`rayhpc up`): the job joins it
-        up = None if args.strategies or args.gpt_options else stack.enter_context(cluster_up(work, args.workers))
-        for i in range(args.repeats):
-            for name, run in plan(args, cold(work), up).items():
-                runs.setdefault(name, []).append(run(work, i))
+    rows = plan(args, cold(work))
+    runs: dict[str, list[dict]] = {name: [] for name in rows}
+    for i in range(args.repeats):  # the cold runs first: the user's cluster, idle, would load the machine
+        for name, run in rows.items():
+            if name != UP:
+                runs[name].append(run(work, i))
+    if UP in rows:  # then the same job joining the user's cluster (`rayhpc up`)
+        with cluster_up(work, args.workers) as up:
+            runs[UP] = [rows[UP](work, i, up) for i in range(args.repeats)]
     print_table(runs, "tokens/s" if args.gpt_options else "samples/s", args.workers if args.strategies else 1)
     if args.json:
         Path(args.json).write_text(json.dumps({name: _median(results) for name, results in runs.items()}, indent=1))
@@ -162,9 +163,12 @@ def _cell(value: float, spec: str, width: int, unit: str = "") -> str:
     return f"{value:{spec}}{unit}" if value == value else f"{'-':>{width}s}"
 
 
-def plan(args, cold: dict, up: dict | None) -> dict:
+UP = "rayhpc DDP, your cluster up"
+
+
+def plan(args, cold: dict) -> dict:
     """The runs of one repeat, the baseline first. `cold`: the environment of a job that starts its own Ray;
-    `up`: of one that joins the user's cluster."""
+    the UP row's run takes the environment of one that joins the user's cluster."""
     if args.gpt_options:
         def gpt(extra: dict):
             job = {"task": str(ROOT / "jobs" / "tasks" / "gpt.py") + ":GPT",
@@ -180,7 +184,7 @@ def plan(args, cold: dict, up: dict | None) -> dict:
                 "rayhpc FSDP2": lambda work, i: rayhpc(args, work, f"fsdp{i}", cold, strategy="fsdp")}
     return {"torchrun + plain DDP": lambda work, i: baseline(args, work),
             "rayhpc DDP": lambda work, i: rayhpc(args, work, f"rayhpc{i}", cold),
-            "rayhpc DDP, your cluster up": lambda work, i: rayhpc(args, work, f"up{i}", up),
+            UP: lambda work, i, up: rayhpc(args, work, f"up{i}", up),
             "rayhpc DDP, Ray Train defaults": lambda work, i: rayhpc(args, work, f"defaults{i}",
                                                                     {**cold, **RAY_TRAIN_DEFAULTS})}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -311,9 +312,11 @@ def start_local(**init_kwargs):
         temp = Path(tempfile.mkdtemp(prefix="rayhpc-"))
         port = free_port()
         try:
-            with environment(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"):
-                # in a folder of its own inside ours: Ray makes its temp dir 0777, ours stays 0700
-                ctx = ray.init(address="local", _temp_dir=str(temp / "ray"), **init_kwargs)
+            with environment(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"), agent_port_chosen():
+                # in a folder of its own inside ours: Ray makes its temp dir 0777, ours stays 0700; the dashboard
+                # on a free port, not Ray's 8265 (one port for every Ray on the node)
+                ctx = ray.init(address="local", _temp_dir=str(temp / "ray"),
+                               **{"dashboard_port": free_port(), **init_kwargs})
         except Exception:
             shutil.rmtree(temp, ignore_errors=True)
             if attempt == 2 or ray.is_initialized():
@@ -323,6 +326,30 @@ def start_local(**init_kwargs):
         atexit.register(disconnect)  # once; Ray stops before its folder goes, whichever exit handler runs first
         _local_temp.append(temp)
         return ctx
+
+
+@contextlib.contextmanager
+def agent_port_chosen():
+    """Inside: the Ray a `ray.init` starts gives its dashboard agent a port of the system's choosing, not Ray's
+    fixed 52365. Where any other Ray on the node (another user's, or the user's own cluster) holds 52365, the
+    agent retries it with a growing back-off for seconds (4-5 s of every job's start, measured) and then
+    runs without its HTTP server. `ray start` takes --dashboard-agent-listen-port (the Slurm startup sets
+    it); `ray.init` has no argument for it, so the default of its private `RayParams` is changed here, for
+    this call only (0: the agent binds a free port and reports it, as Ray supports)."""
+    from ray._private import parameter  # private: the only place the agent's port can be set for ray.init
+
+    init = parameter.RayParams.__init__
+
+    @functools.wraps(init)
+    def with_free_agent_port(self, *args, **kwargs):
+        kwargs.setdefault("dashboard_agent_listen_port", 0)
+        init(self, *args, **kwargs)
+
+    parameter.RayParams.__init__ = with_free_agent_port
+    try:
+        yield
+    finally:
+        parameter.RayParams.__init__ = init
 
 
 def disconnect() -> None:

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from helpers import ATTACKER, ROOT, as_attacker, job_env, python_as_attacker, run_job_warm
+from rayhpc.up.connection import listening_uids
 
 JOBS = {"sweep": ["tune_mlp.py", "--num-samples", "2", "--epochs", "1"],
         "training": ["train_mlp.py", "--num-workers", "2", "--epochs", "1"]}
@@ -180,3 +181,11 @@ def test_ray_takes_its_file_locks_in_a_private_folder_not_in_the_machines_shared
     driver = where()
     assert driver == (os.environ["RAY_TMPDIR"], 0o700, os.getuid()) and Path(driver[0]).name.startswith("rayhpc-tmp-")
     assert ray.get(ray.remote(where).remote()) == driver  # the workers of the Ray the driver started: the same
+
+
+def test_the_local_rays_dashboard_agent_listens_on_a_free_port_not_rays_fixed_one(ray_cluster):
+    """Ray's default, 52365, is one port for every Ray on the node: where another user's Ray (or the user's own
+    cluster) holds it, a job's agent retried it for 4-5 s of its start, then ran without its HTTP server."""
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    port = node["DashboardAgentListenPort"]
+    assert port not in (0, 52365) and os.getuid() in listening_uids(port), port

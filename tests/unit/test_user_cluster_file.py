@@ -71,3 +71,16 @@ def test_a_connection_file_others_can_write_is_not_used(home, tmp_path):
 
 def test_no_file_no_cluster(home):
     assert connection.find() is None and not home.exists()  # looking creates nothing
+
+
+def test_up_refuses_bad_input_before_starting_anything_and_down_without_a_cluster_says_so(home):
+    def rayhpc(*args):
+        return subprocess.run([sys.executable, "-m", "rayhpc", *args], capture_output=True, text=True,
+                              env={**os.environ, connection.HOME_VARIABLE: str(home)})
+
+    bad = rayhpc("up", "--num-cpus", "-1")
+    assert bad.returncode == 2 and bad.stderr == ("error: num_cpus (--num-cpus) -1: expected a number >= 0 "
+                                                  "(see --help)\n"), bad.stderr
+    assert not home.exists()  # nothing started, nothing written
+    idle = rayhpc("down")
+    assert idle.returncode == 0 and idle.stdout.startswith("no cluster of yours is up on "), idle.stdout

@@ -29,8 +29,8 @@ def rayhpc(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
                           env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, timeout=timeout)
 
 
-def up() -> dict:
-    proc = rayhpc("up", "--num-cpus", "2", "--num-gpus", "0")
+def up(*flags: str) -> dict:
+    proc = rayhpc("up", "--num-cpus", "2", "--num-gpus", "0", *flags)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return connection.read()
 
@@ -90,26 +90,29 @@ def test_up_writes_a_private_connection_file_and_status_shows_it(user_cluster):
     assert "1 node(s); in use: 0/2 CPU" in status.stdout, status.stdout
 
 
-def test_jobs_join_it_and_leave_it_as_they_found_it(user_cluster, tmp_path):
-    """Each job runs in a child of the cluster's warm starter (the process the command started waits for it),
-    joins the cluster, and leaves nothing of its own there."""
+def start(script: str, args: list[str], marks: Path) -> subprocess.Popen:
+    """`python jobs/SCRIPT ARGS` as a user runs it, its phases marked in `marks` (with the pid that ran them)."""
+    return subprocess.Popen([sys.executable, str(ROOT / "jobs" / script), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=job_env({"RAYHPC_TIMINGS": str(marks)}))
+
+
+def assert_joined_in_the_starter(job: subprocess.Popen, marks: Path, address: str) -> None:
+    """The job ended well, joined the cluster, and ran in a child of the cluster's warm starter (the process the
+    command started only waited for it)."""
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, out
+    assert f"ray: joined your cluster (rayhpc up) at {address}" in out and "started local Ray" not in out, out
+    ran_in = {json.loads(line)["pid"] for line in marks.read_text().splitlines()}
+    assert len(ran_in) == 1 and ran_in != {job.pid}, (ran_in, job.pid)
+
+
+def test_a_training_job_joins_it_and_leaves_it_as_it_found_it(user_cluster, tmp_path):
     address = user_cluster["address"]
-    for script, args in (("train_mlp.py", ["--num-workers", "2", "--epochs", "1"]),
-                         ("tune_mlp.py", ["--num-samples", "4", "--epochs", "2"])):
-        before = snapshot(address)
-        marks = tmp_path / f"{script}.timings"
-        proc = subprocess.Popen([sys.executable, str(ROOT / "jobs" / script), "--storage-path", str(tmp_path), *args],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=job_env({"RAYHPC_TIMINGS": str(marks)}))
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out + err
-        assert f"ray: joined your cluster (rayhpc up) at {address}" in out, out
-        assert "started local Ray" not in out
-        ran_in = {json.loads(line)["pid"] for line in marks.read_text().splitlines()}
-        assert len(ran_in) == 1 and ran_in != {proc.pid}, (ran_in, proc.pid)  # the starter's child, not the command
-        assert_as_found(address, before)
-    assert len(read_results(tmp_path / "mlp-sweep")) == 4
-    assert not list(connection.jobs_dir().iterdir()), "a job that ended is still registered"
+    before = snapshot(address)
+    job = start("train_mlp.py", ["--storage-path", str(tmp_path), "--num-workers", "2", "--epochs", "1"],
+                tmp_path / "marks")
+    assert_joined_in_the_starter(job, tmp_path / "marks", address)
+    assert_as_found(address, before)
 
 
 def sweep_args(folder: Path, hidden: list[int], epochs: int = 40) -> list[str]:
@@ -133,23 +136,23 @@ def sweeps_shown() -> list[set[int]]:
     return shown
 
 
-def test_two_jobs_at_once_see_only_their_own(user_cluster, tmp_path):
-    grids = {"a": [8, 16], "b": [32, 64]}
-    jobs = {name: subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"),
-                                    *sweep_args(tmp_path / name, grid)], cwd=ROOT, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, env=job_env(None))
+def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(user_cluster, tmp_path):
+    address, grids = user_cluster["address"], {"a": [8, 16], "b": [32, 64]}
+    before = snapshot(address)
+    jobs = {name: start("tune_mlp.py", sweep_args(tmp_path / name, grid), tmp_path / f"{name}.marks")
             for name, grid in grids.items()}
     # while both run, each has its own board (what `rayhpc status` shows) with its own trials
     deadline, seen = time.monotonic() + 120, set()
     while len(seen) < 2 and time.monotonic() < deadline and all(j.poll() is None for j in jobs.values()):
         seen |= {frozenset(hidden) for hidden in sweeps_shown() if len(hidden) == 2}
     for name, job in jobs.items():
-        out, _ = job.communicate(timeout=300)
-        assert job.returncode == 0, out
+        assert_joined_in_the_starter(job, tmp_path / f"{name}.marks", address)
     assert sorted(map(sorted, seen)) == [grids["a"], grids["b"]], seen
     for name, grid in grids.items():
         table = read_results(tmp_path / name / "same")
         assert sorted(table["config.hidden"]) == grid and set(table["status"]) == {"finished"}
+    assert_as_found(address, before)
+    assert not list(connection.jobs_dir().iterdir()), "a job that ended is still registered"
 
 
 def test_ctrl_c_reaches_a_job_in_the_warm_starter_and_other_code_runs_in_its_own_process(user_cluster, tmp_path,
@@ -177,7 +180,7 @@ def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user
     """Then a cluster that is gone (its holder SIGKILLed) is noticed at once by the resumed run, which starts a
     Ray of its own, says so, and removes what the cluster left."""
     config = tmp_path / "sweep.yaml"
-    config.write_text(f"name: downed\nstorage_path: {tmp_path}\nnum_samples: 6\npack: 1\nmax_concurrent: 1\n"
+    config.write_text(f"name: downed\nstorage_path: {tmp_path}\nnum_samples: 4\npack: 1\nmax_concurrent: 1\n"
                       "epochs: 5\ndata: {synthetic: {num_samples: 6000}}\n")
     exp_dir = tmp_path / "downed"
     driver = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config)],
@@ -195,10 +198,10 @@ def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user
                                                    "downed stopped"), err
     assert_gone(user_cluster)
     finished_before = read_results(exp_dir).query("status == 'finished'").set_index("trial_id")
-    assert 0 < len(finished_before) < 6
+    assert 0 < len(finished_before) < 4
 
-    info = up()
-    os.kill(info["pid"], signal.SIGKILL)  # its Ray and warm starter end with it (tied to their starter)
+    info = up("--no-warm")  # no warm starter: this cluster is killed at once
+    os.kill(info["pid"], signal.SIGKILL)  # its Ray ends with it (tied to the process that started it)
     deadline = time.monotonic() + 15
     while connection.problem(info) is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -211,6 +214,6 @@ def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user
     assert "started local Ray" in proc.stdout
     assert_gone(info)  # what the killed cluster left (its folders, files, socket) was removed by the job
     final = pd.read_parquet(exp_dir / "results.parquet").set_index("trial_id")
-    assert len(final) == 6 and set(final["status"]) == {"finished"}
+    assert len(final) == 4 and set(final["status"]) == {"finished"}
     pd.testing.assert_frame_equal(final.loc[finished_before.index][["val_loss", "train_seconds"]],
                                   finished_before[["val_loss", "train_seconds"]])

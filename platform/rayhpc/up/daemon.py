@@ -46,6 +46,7 @@ def cluster_info(ctx, marker: str) -> dict:
 
 
 WARM_START_TIMEOUT_S = 60.0  # its imports: seconds
+WARM_STOP_TIMEOUT_S = 30.0  # its jobs' statuses sent to their commands: at once, once the jobs have ended
 
 
 def start_warm() -> subprocess.Popen | None:
@@ -90,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if with_file and with_file.get("pid") == os.getpid():
         connection.path().unlink()
     if starter is not None:
-        starter.terminate()  # the jobs it started are processes of their own, stopped by `rayhpc down` first
-        starter.wait()
+        starter.terminate()  # it ends once the jobs it started have (`rayhpc down` stopped them first)
+        try:
+            starter.wait(timeout=WARM_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            starter.kill()
+            starter.wait()
         connection.path().with_suffix(".sock").unlink(missing_ok=True)
     cluster.disconnect()
     connection.kill(connection.leftovers(marker))

@@ -137,8 +137,14 @@ def serve() -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     print(f"rayhpc up: warm starter on {path}", flush=True)
-    while True:
-        for key, _ in selector.select():
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
+    # once told to stop (SIGTERM): no new command, and on until every running command's status is sent
+    while not stopping or any(key.fileobj is not listener for key in selector.get_map().values()):
+        if stopping and listener.fileno() >= 0:  # those running end as `rayhpc down` tells them
+            selector.unregister(listener)
+            listener.close()
+        for key, _ in selector.select(timeout=0.2):
             if key.fileobj is not listener:
                 key.data(key.fileobj)
                 continue
@@ -205,6 +211,7 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
     """In the forked child: become the command's process (its files, folder, environment, path, argv) and run
     it; its exit (status, exit handlers) is the command's own."""
     conn.close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the command's own handlers come with it (run_main)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)

@@ -48,7 +48,7 @@ def assert_gone(info: dict) -> None:
         time.sleep(0.2)
     assert not connection.leftovers(info["marker"]), "processes of the cluster are left"
     assert not Path(info["temp_dir"]).exists() and not Path(info["ray_tmpdir"]).exists()
-    assert not connection.path().exists() and not warm.socket_path().exists()
+    assert not connection.path().exists() and not connection.socket_path().exists()
     assert not connection.listening_uids(info["ports"]["gcs"])
 
 

@@ -47,6 +47,11 @@ def log_path() -> Path:
     return path().with_suffix(".log")
 
 
+def socket_path() -> Path:
+    """Where the cluster's warm starter listens (`rayhpc.up.warm`)."""
+    return path().with_suffix(".sock")
+
+
 def folder() -> Path:
     """The folder of the connection files, made private (0700) where missing."""
     return private_dir(path().parent)
@@ -137,7 +142,7 @@ def remove_remains(info: dict) -> list[int]:
     kill(left)
     for folder in (info["temp_dir"], info["ray_tmpdir"]):
         shutil.rmtree(folder, ignore_errors=True)
-    for file in (path(), log_path(), path().with_suffix(".sock")):
+    for file in (path(), log_path(), socket_path()):
         with contextlib.suppress(OSError):
             file.unlink()
     return left

@@ -52,11 +52,9 @@ WARM_STOP_TIMEOUT_S = 30.0  # its jobs' statuses sent to their commands: at once
 def start_warm() -> subprocess.Popen | None:
     """The warm starter, once it listens (the cluster is announced after it: the first command is warm too);
     None, with a line in the log, where it did not start."""
-    from rayhpc.up import warm
-
     starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.warm"], stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + WARM_START_TIMEOUT_S
-    while not warm.socket_path().exists():
+    while not connection.socket_path().exists():
         if starter.poll() is not None or time.monotonic() > deadline:
             starter.kill()
             print("rayhpc up: no warm starter: each command imports torch and Ray itself", flush=True)
@@ -97,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             starter.kill()
             starter.wait()
-        connection.path().with_suffix(".sock").unlink(missing_ok=True)
+        connection.socket_path().unlink(missing_ok=True)
     cluster.disconnect()
     connection.kill(connection.leftovers(marker))
     print("rayhpc down: cluster stopped", flush=True)

@@ -41,10 +41,6 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 MAX_REQUEST = 1 << 20
 
 
-def socket_path() -> Path:
-    return connection.path().with_suffix(".sock")
-
-
 def fingerprint() -> str:
     """This Python and the platform's code as installed (every module file's path, size and mtime)."""
     root = Path(__file__).resolve().parents[1]
@@ -82,7 +78,7 @@ def _receive(conn: socket.socket) -> tuple[dict | None, list[int]]:
 def run(main: str, argv) -> int | None:
     """Run the command `main(argv)` in the warm starter of the user's cluster; its exit status, or None where
     there is no starter (or not one of this code): the caller then runs it itself."""
-    path = socket_path()
+    path = connection.socket_path()
     if not path.exists() or os.environ.get("RAY_ADDRESS"):  # a cluster named otherwise: a process of its own
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -128,7 +124,7 @@ def serve() -> None:
         raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
                          f"({threading.enumerate()}); fork is not safe")
     ours = fingerprint()
-    path = socket_path()
+    path = connection.socket_path()
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -191,7 +191,8 @@ def plan(args, cold: dict) -> dict:
 
 def _median(results: list[dict]) -> dict:
     keys = ("first_step_s", "samples_per_s", "fit_s", "mfu", "data_wait_share")
-    return {key: statistics.median(r[key] for r in results) for key in keys}
+    return {**{key: statistics.median(r[key] for r in results) for key in keys},
+            "detail": " | ".join(r["detail"] for r in results if r["detail"])}  # where each run's start-up went
 
 
 if __name__ == "__main__":

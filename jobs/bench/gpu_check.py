@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: jobs/bench/gpu_check
 # the H100 anchor (one worker, bf16): MLP 4096 -> 8192 x 3 -> 4096, batch 8192
 ANCHOR = ["--in-features", "4096", "--hidden", "8192", "--depth", "4", "--batch", "8192"]
 GOALS = {"rayhpc DDP": 0.99, "rayhpc FSDP2": 0.95}  # samples/s per GPU over raw PyTorch's in the same run
-FIT_GOAL_S = 12.0  # fit() to done for a job of about 3 s of training (plain Ray Train: 40.8 s)
+FIT_GOAL_S = 12.0  # fit() to done for a job of about 3 s of training
 
 
 @dataclass
@@ -126,14 +126,16 @@ def check_strategies(work: Path, gpus: int) -> list[Line]:
     for name, goal in GOALS.items():
         r = rows[name]
         ratio = r["samples_per_s"] / gpus / raw["samples_per_s"]
-        waits = r["data_wait_share"] < 0.05 and raw["data_wait_share"] < 0.05
+        # On a GPU the host's time in next(batches) also holds its waits on a full CUDA launch queue, so even
+        # raw PyTorch, whose batches are indexed on the GPU, shows some: the platform may wait as much as raw.
+        waits = r["data_wait_share"] < max(0.05, raw["data_wait_share"])
         lines.append(Line(strategy_names(gpus)[name], "PASS" if ratio >= goal and waits else "FAIL",
                           f"{r['samples_per_s'] / gpus:,.0f} vs {raw['samples_per_s']:,.0f} samples/s per GPU = "
                           f"{ratio:.3f}x (goal >= {goal}); MFU {r['mfu']:.1%}; waiting for data "
                           f"{r['data_wait_share']:.1%} of the time (raw {raw['data_wait_share']:.1%})", data=r))
     fit = rows["rayhpc DDP"]["fit_s"]
     lines.append(Line("fit() to done, ~3 s of training", "PASS" if fit < FIT_GOAL_S else "FAIL",
-                      f"{fit:.1f} s (goal < {FIT_GOAL_S:g} s; plain Ray Train 40.8 s)"))
+                      f"{fit:.1f} s (goal < {FIT_GOAL_S:g} s); start-up: {rows['rayhpc DDP']['detail']}"))
     return lines
 
 
@@ -233,17 +235,17 @@ def check_warm_sweep(work: Path, gpus: int) -> Line:
                 f"{table['best_val_loss'].min():.4g}")
 
 
-def check_array_task() -> Line:
-    """An array task asking for a GPU trains on it."""
+def check_array_task(gpus: float = 1) -> Line:
+    """An array task asking for a GPU trains on it (`gpus` 0: on the CPU, which a CPU test runs)."""
     from rayhpc.data import DataConfig
     from rayhpc.task import task_for
     from rayhpc.task.hparams import full_hparams
     from rayhpc.tune.single import task_device, train_single
 
-    task = task_for(None, DataConfig())
-    result = train_single(task, full_hparams(task.hp_model, {}), 2, device=task_device(1))
+    task = task_for("mlp", DataConfig())
+    result = train_single(task, full_hparams(task.hp_model, {}), 2, device=task_device(gpus))
     where = next(result["model"].parameters()).device
-    return Line("array task on its GPU", "PASS" if where.type == "cuda" else "FAIL",
+    return Line("array task on its GPU", "PASS" if where.type == ("cuda" if gpus else "cpu") else "FAIL",
                 f"trained on {where}, val_loss {result['val_loss']:.4f}")
 
 

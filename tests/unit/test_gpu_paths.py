@@ -210,6 +210,14 @@ def test_the_gpu_check_runs_on_any_machine_and_says_where(tmp_path):
             assert subject in names, (subject, names)
 
 
+def test_the_gpu_checks_array_task_line_runs_its_task():
+    """The array-task line's own code (run on a GPU only by gpu_check) trains the built-in task: here on the CPU."""
+    from bench.gpu_check import check_array_task
+
+    line = check_array_task(0)
+    assert line.status == "PASS" and "trained on cpu" in line.figures, line
+
+
 def test_the_gpu_check_on_gpus_this_torch_cannot_use_fails_naming_the_build(tmp_path, monkeypatch, capsys):
     """A GPU machine (the driver lists a GPU) whose torch cannot use it: exit 1, not "no GPU" and exit 0."""
     import gpu_check

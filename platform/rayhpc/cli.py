@@ -199,7 +199,8 @@ def tune_main(argv: Sequence[str] | None = None) -> int:
     with ray_session(cfg):
         table = run_sweep(cfg, explicit=explicit)
     print(format_best(table, table.attrs["objective"]))
-    print(f"results: {cfg.experiment_dir / 'results.parquet'} ({len(table)} trials)")
+    where = cfg.study.expanduser().resolve() if cfg.study else cfg.experiment_dir  # a slice: the study's union
+    print(f"results: {where / 'results.parquet'} ({len(table)} trials)")
     errored = int((table["status"] == "error").sum())
     return 1 if errored == len(table) else 0
 
@@ -346,8 +347,15 @@ def status_main(argv: Sequence[str] | None = None) -> int:
                        "with --address, a Ray cluster's nodes, resources in use, running jobs and sweeps.")
     parser.add_argument("job", nargs="?", metavar="JOBID", help="a Slurm job id of a rayhpc job")
     parser.add_argument("--address", metavar="ADDR", help="a running Ray cluster (host:port); default $RAY_ADDRESS")
+    parser.add_argument("--study", metavar="DIR", help="a study folder (tune --study): its slices, trials by state "
+                        "and the best so far")
     args = parser.parse_args(argv)
     # each form of the command imports only what it needs (see the module docstring)
+    if args.study is not None:
+        from rayhpc.study.slice import study_status  # the study folder only: no Ray, no Slurm
+
+        print(study_status(Path(args.study)))
+        return 0
     if args.job is not None:
         from rayhpc.slurm.control import job_status  # Slurm's view, then the job's Ray
 

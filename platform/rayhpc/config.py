@@ -190,12 +190,16 @@ def reconcile_resume(cfg: J, explicit: set[str]) -> J:
                           f"{cfg.kind}s there: {', '.join(there) or 'none'}")
     check_trusted_job(cfg.experiment_dir)
     saved = validate(type(cfg), load_yaml(cfg.saved_file))
-    now, before = cfg.saved(), saved.saved()
+    check_agrees(cfg.saved(), saved.saved(), explicit, f"the resumed {cfg.kind}'s", "drop it to resume, or start "
+                 "a new --name")
+    return saved.model_copy(update={"resume": True, "address": cfg.address, "storage_path": cfg.storage_path})
+
+
+def check_agrees(now: dict, before: dict, explicit: set[str], whose: str, fix: str) -> None:
+    """Every key the user gave explicitly equals what was saved (`whose`: whose values they are)."""
     for key in sorted(explicit):
         if key.split(".")[0] in before and _get(now, key) != _get(before, key):
-            raise ConfigError(f"{key}: {_get(now, key)!r} differs from the resumed {cfg.kind}'s "
-                              f"{_get(before, key)!r}; drop it to resume, or start a new --name")
-    return saved.model_copy(update={"resume": True, "address": cfg.address, "storage_path": cfg.storage_path})
+            raise ConfigError(f"{key}: {_get(now, key)!r} differs from {whose} {_get(before, key)!r}; {fix}")
 
 
 def check_trusted_job(folder: Path) -> None:

@@ -226,5 +226,7 @@ def resume_command(cfg) -> str:
     else:  # rayhpc COMMAND
         command = [Path(argv[0]).name, *argv[1:2]]
     where = ["--address", cfg.address] if cfg.address else []
+    if getattr(cfg, "study", None) is not None:  # a slice of a study: any slice started on it continues it
+        return shlex.join([*command, "--study", str(cfg.study), *where])
     return shlex.join([*command, "--name", cfg.name, "--storage-path", str(cfg.experiment_dir.parent), *where,
                        "--resume"])

@@ -42,20 +42,34 @@ class MemberTrial:
 class RungKeeper:
     """ASHA decisions for pack members (run as a Ray actor: `RungKeeper.remote(...)` via `start_keeper`)."""
 
-    def __init__(self, path: str, metric: str, mode: str, max_t: int, grace_period: int, reduction_factor: float):
-        self.path = Path(path)
-        if self.path.exists():
-            saved = pickle.loads(self.path.read_bytes())
-            self.scheduler, self.decided, self.added = saved["scheduler"], saved["decided"], saved["added"]
-            return
+    def __init__(self, path: str, metric: str, mode: str, max_t: int, grace_period: int, reduction_factor: float,
+                 lock: str | None = None):
+        """`lock`: a study's lock file (`rayhpc.study`): the state is then shared by every slice's keeper,
+        read again and written back under the lock at each decision."""
+        self.path, self.lock = Path(path), lock
         self.scheduler = ASHAScheduler(time_attr="epoch", metric=metric, mode=mode, max_t=max_t,
                                        grace_period=grace_period, reduction_factor=reduction_factor)
         self.decided: dict[tuple[str, int], bool] = {}  # (member, epoch) -> stop
         self.added: set[str] = set()
+        self._load()
+
+    def _load(self) -> None:
+        if self.path.exists():
+            saved = pickle.loads(self.path.read_bytes())
+            self.scheduler, self.decided, self.added = saved["scheduler"], saved["decided"], saved["added"]
 
     def decide(self, metric: str, results: list[tuple[str, int, float]]) -> list[bool]:
         """Whether each (member id, epoch, metric value) must stop, in order; a result already decided
         (a resumed pack running an epoch again) gets the same answer."""
+        if self.lock is None:
+            return self._decide(metric, results)
+        from rayhpc.study.folder import file_lock  # only a study's keepers share their state
+
+        with file_lock(Path(self.lock)):
+            self._load()  # what the other slices decided since
+            return self._decide(metric, results)
+
+    def _decide(self, metric: str, results: list[tuple[str, int, float]]) -> list[bool]:
         answers = []
         for member, epoch, value in results:
             if (member, epoch) not in self.decided:
@@ -73,14 +87,27 @@ class RungKeeper:
 
 
 def start_keeper(exp_dir: Path, objective: tuple[str, str], epochs: int, grace_period: int,
-                 reduction_factor: float):
-    """The sweep's keeper actor (no CPU: it only does bookkeeping), resuming its saved state if any."""
+                 reduction_factor: float, lock: Path | None = None):
+    """The sweep's keeper actor (no CPU: it only does bookkeeping), resuming its saved state if any;
+    `lock`: a study's, whose slices share the state."""
     actor = ray.remote(num_cpus=0)(RungKeeper)
     return actor.remote(str(exp_dir / STATE_FILE), objective[0], objective[1], epochs, grace_period,
-                        reduction_factor)
+                        reduction_factor, None if lock is None else str(lock))
 
 
 OPTUNA_TRIALS_FILE = "optuna_trials.json"
+
+
+def ask_pack(study, distributions: dict, shared: list[str], n: int) -> list:
+    """`n` Optuna trials asked of `study` at once, the first sampled freely and the hyperparameters a pack
+    shares (`shared`) fixed to the first's for the rest (Optuna's own `enqueue_trial`; the sampler draws the
+    others)."""
+    batch = []
+    for i in range(n):
+        if i and shared:
+            study.enqueue_trial({k: batch[0].params[k] for k in shared}, skip_if_exists=False)
+        batch.append(study.ask(distributions))
+    return batch
 
 
 class PackedOptunaSearch(Searcher):
@@ -112,11 +139,7 @@ class PackedOptunaSearch(Searcher):
     def suggest(self, trial_id: str) -> dict | None:
         if self.asked >= self.total:
             return self.FINISHED
-        batch = []
-        for i in range(min(self.pack, self.total - self.asked)):
-            if i and self.shared:  # the hyperparameters a pack shares: the first member's
-                self.study.enqueue_trial({k: batch[0].params[k] for k in self.shared}, skip_if_exists=False)
-            batch.append(self.study.ask(self.distributions))
+        batch = ask_pack(self.study, self.distributions, self.shared, min(self.pack, self.total - self.asked))
         self.asked += len(batch)
         self.pending[trial_id] = batch
         return {"members": [{**self.constants, **t.params} for t in batch]}

@@ -3,6 +3,7 @@ hyperparameters). Command-line flags are derived from the fields (`rayhpc.cli`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -74,6 +75,9 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     asha: AshaConfig = AshaConfig()
     pbt: PbtConfig = PbtConfig()
     space: dict[str, Any] | None = Field(None, description="search space; unset: the task's own, else lr")
+    study: Path | None = Field(None, description="a study folder (on a filesystem every slice sees): this run "
+                               "becomes one slice of the sweep kept there, with any others started on it; the "
+                               "first slice's settings define the sweep (rayhpc.study)")
 
     @model_validator(mode="before")
     @classmethod

@@ -40,43 +40,69 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     Everything that can be wrong with the input is checked before Ray starts (`rayhpc.job`).
     `callbacks` are extra Ray Tune callbacks (tests use one to kill a trial).
     """
+    study = None
+    if cfg.study is not None:  # a slice of a study: the study's sweep, this slice's own Tune experiment
+        from rayhpc.study.slice import as_slice
+
+        cfg, study, me = as_slice(cfg, set(explicit))
     job = start_job(cfg, explicit, bind=bind_sweep, check=check_resources, gpus=trial_gpus)
     cfg = job.cfg
     gpus = trial_gpus(cfg, job.resources)
     if cfg.model_options_set and cfg.workers_per_trial == 1:
         options = ", ".join(f"{k} {v}" for k, v in cfg.model_options_set.items())
         log.info(f"sweep {cfg.name}: {options}: its trials run unpacked, each the task's own model")
-    packs = _plan(job)
-    _describe(cfg, packs, gpus)
+    if study is not None:
+        study.join(me, job.info.objective)
+    packs = _plan(job, study)
+    _describe(cfg, packs, gpus, study)
     try:
-        _tuner(job, packs, gpus, callbacks).fit()
+        _tuner(job, packs, gpus, callbacks, study).fit()
     finally:
         interrupt.install()  # Tune's handlers stay installed after fit()
     if interrupt.received():  # Tune stopped the sweep early, its state and the results so far saved
         raise KeyboardInterrupt
-    table = read_results(cfg.experiment_dir)
+    if study is not None:
+        with study.locked():  # the union of every slice's trials so far
+            study.write_results()
+            table = study.results()
+    else:
+        table = read_results(cfg.experiment_dir)
     table.attrs["objective"] = job.info.objective  # (reported name, "min" or "max"): what "best" means
     return table
 
 
-def _plan(job: Started[SweepConfig]) -> list[list[dict]] | None:
-    """The saved plan of a resumed sweep, else a new one (None: a searcher proposes the trials)."""
-    cfg, task = job.cfg, job.task
+def _plan(job: Started[SweepConfig], study=None) -> list[list[dict]] | None:
+    """The saved plan of a resumed sweep, else a new one (None: a searcher proposes the trials). A study's
+    slice: the study's plan, made by its first slice, in packs for STUDY_ROUNDS rounds of its slots."""
+    cfg = job.cfg
     if cfg.resume and (cfg.experiment_dir / PLAN_FILE).exists():
         return load_plan(cfg.experiment_dir)
-    packs = None
-    if cfg.search != "optuna":
-        configs = cfg.configs(task.hp_model)
-        key = functools.partial(pack_key, task, job.info) if can_pack(cfg) else None
-        if key is not None and len(set(map(key, configs))) < len(configs):  # some trials would share a pack
-            problem = packing_problem(task, configs[0], job.sample_batch)
-            if problem is not None:
-                log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
-                key = None
-        n_slots = slots(cfg, job.resources, trial_gpus(cfg, job.resources))
-        packs = make_plan(configs, pack_size(cfg, len(configs), n_slots), key)
+    if study is not None:
+        if cfg.search == "optuna":
+            return None
+        with study.locked():
+            study.ensure_plan(lambda: _new_plan(job, STUDY_ROUNDS))
+        return None  # the slice's Tune trials are the packs it claims (`rayhpc.study.search`)
+    packs = None if cfg.search == "optuna" else _new_plan(job)
     save_plan(packs, cfg.experiment_dir)
     return packs
+
+
+STUDY_ROUNDS = 4  # a study's packs fill a slice's slots this many times: a slice that joins later finds work
+
+
+def _new_plan(job: Started[SweepConfig], rounds: int = 1) -> list[list[dict]]:
+    """Every trial of a random or grid search, in packs that fill the cluster's slots `rounds` times."""
+    cfg, task = job.cfg, job.task
+    configs = cfg.configs(task.hp_model)
+    key = functools.partial(pack_key, task, job.info) if can_pack(cfg) else None
+    if key is not None and len(set(map(key, configs))) < len(configs):  # some trials would share a pack
+        problem = packing_problem(task, configs[0], job.sample_batch)
+        if problem is not None:
+            log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
+            key = None
+    n_slots = slots(cfg, job.resources, trial_gpus(cfg, job.resources))
+    return make_plan(configs, pack_size(cfg, len(configs), n_slots * rounds), key)
 
 
 MAX_CONTEXTS_PER_GPU = 8  # trial processes sharing a GPU: each holds a CUDA context (~0.5 GiB) and its own memory
@@ -110,7 +136,7 @@ def trial_gpus(cfg: SweepConfig, res: cluster.Resources) -> float:
     return cfg.gpus_per_trial
 
 
-def _settings(job: Started[SweepConfig]) -> TrialSettings:
+def _settings(job: Started[SweepConfig], study=None) -> TrialSettings:
     cfg, task = job.cfg, job.task
     pbt = None
     if cfg.scheduler == "pbt":
@@ -120,10 +146,11 @@ def _settings(job: Started[SweepConfig]) -> TrialSettings:
     return TrialSettings(epochs=cfg.epochs, steps=cfg.steps, threads=max(1, int(cfg.cpus_per_trial)),
                          defaults=cfg.defaults(task.hp_model), data_keys=tuple(sorted(job.info.data_reads)),
                          data=cfg.data, objective=job.info.objective, precision=cfg.precision, pbt=pbt,
-                         model_options=ModelOptions(**cfg.model_dump(include=set(ModelOptions.model_fields))))
+                         model_options=ModelOptions(**cfg.model_dump(include=set(ModelOptions.model_fields))),
+                         study=None if study is None else str(study.path))
 
 
-def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
+def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, study=None):
     cfg, (metric, mode) = job.cfg, job.info.objective
     # Tune's newer output engine prints its own tables even at verbose=0; the legacy
     # one honours it, and ProgressPrinter shows what matters. Both are read at fit().
@@ -132,15 +159,19 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple):
     # state often (good for --resume) and warn about it every few seconds.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
 
-    proposed = optuna_pack(job, gpus) if packs is None else 0  # members per trial Optuna proposes
-    keeper = _keeper(job, packed=packs is not None or proposed > 1)
-    trainable, max_concurrent = _trainable(job, packs, gpus, keeper)
+    optuna = packs is None and cfg.search == "optuna"
+    proposed = optuna_pack(job, gpus, STUDY_ROUNDS if study else 2) if optuna else 0  # per Optuna trial
+    keeper = _keeper(job, packs is not None or proposed > 1 or study is not None, study)
+    trainable, max_concurrent = _trainable(job, packs, gpus, keeper, study)
     recorder = ResultsRecorder(cfg.experiment_dir, packs, cfg.epochs, searched(cfg.space), job.info)
     if cfg.resume and tune.Tuner.can_restore(str(cfg.experiment_dir)):
         relink_pruned_checkpoints(cfg.experiment_dir)
         # the callbacks, schedulers and searcher come back from the saved tuner state
         return tune.Tuner.restore(str(cfg.experiment_dir), trainable, resume_unfinished=True, resume_errored=True)
-    if packs is not None:
+    if study is not None:  # each Tune trial a pack claimed from the study, no more than run at once
+        param_space, search_alg, num_samples = {}, _study_searcher(job, study, proposed), -1
+        max_concurrent = slots(cfg, job.resources, gpus)
+    elif packs is not None:
         param_space = {"pack": tune.grid_search(list(range(len(packs))))}
         search_alg, num_samples = None, 1
     else:
@@ -194,19 +225,40 @@ def relink_pruned_checkpoints(exp_dir: Path) -> None:
             shutil.copytree(newest, before, copy_function=os.link)
 
 
-def _keeper(job: Started[SweepConfig], packed: bool):
+def _keeper(job: Started[SweepConfig], packed: bool, study=None):
     """ASHA over the members of packs (each a trial to Tune's ASHA math, `rayhpc.tune.adaptive`), or None:
-    unpacked trials of a searcher, or distributed ones, are Tune trials that Tune's own ASHA stops."""
+    unpacked trials of a searcher, or distributed ones, are Tune trials that Tune's own ASHA stops. A
+    study's slices share one keeper's state, in the study folder."""
     cfg = job.cfg
     if cfg.scheduler != "asha" or not packed or cfg.workers_per_trial > 1:
         return None
     from rayhpc.tune.adaptive import start_keeper  # only ASHA sweeps of packs
 
+    if study is not None:
+        from rayhpc.study.folder import LOCK_FILE
+
+        return start_keeper(study.path, job.info.objective, cfg.epochs, cfg.asha.grace_period,
+                            cfg.asha.reduction_factor, lock=study.path / LOCK_FILE)
     return start_keeper(cfg.experiment_dir, job.info.objective, cfg.epochs, cfg.asha.grace_period,
                         cfg.asha.reduction_factor)
 
 
-def optuna_pack(job: Started[SweepConfig], gpus: float) -> int:
+def _study_searcher(job: Started[SweepConfig], study, size: int):
+    """The slice's searcher (`rayhpc.study.search`): packs from the study's plan, or Optuna's from its journal."""
+    from rayhpc.study.search import OptunaProposer, SliceRecorder, StudySearcher  # only a study's slices
+    from rayhpc.tune.results import value_columns
+
+    cfg, (metric, mode) = job.cfg, job.info.objective
+    propose = None
+    if cfg.search == "optuna":
+        shared = shared_keys(job.task, job.info, cfg.defaults(job.task.hp_model))
+        propose = OptunaProposer(study.path, tune_domains(cfg.space), sorted(shared), mode, cfg.seed, study.me)
+    recorder = SliceRecorder(cfg.epochs, searched(cfg.space), value_columns(job.info.metric_names, job.info.objective),
+                             metric)
+    return StudySearcher(study, study.me, recorder, size, cfg.num_samples, propose, metric, mode)
+
+
+def optuna_pack(job: Started[SweepConfig], gpus: float, per_slot: int = 2) -> int:
     """Members per Tune trial of an Optuna search: as given; else enough that each slot runs 2 batches
     (TPE learns from the first before it proposes the second; more, smaller batches learn more often
     but pay a pack's start each: 4 per slot measured 1.8x the packed random sweep's wall at 128 trials,
@@ -221,7 +273,7 @@ def optuna_pack(job: Started[SweepConfig], gpus: float) -> int:
     if cfg.pack is not None or not can_pack(cfg):
         return cfg.pack or 1
     n_slots = slots(cfg, job.resources, gpus)
-    size = max(1, min(MAX_PACK, math.ceil(cfg.num_samples / (2 * n_slots))))
+    size = max(1, min(MAX_PACK, math.ceil(cfg.num_samples / (per_slot * n_slots))))
     if size > 1 and (problem := packing_problem(job.task, cfg.defaults(job.task.hp_model), job.sample_batch)):
         log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
         return 1
@@ -246,11 +298,11 @@ def _optuna(job: Started[SweepConfig], pack: int):
     return {}, searcher, math.ceil(cfg.num_samples / pack)
 
 
-def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None):
+def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None, study=None):
     """The Tune trainable with its resources, and the most trials to run at once."""
     cfg, res = job.cfg, job.resources
     if cfg.workers_per_trial == 1:
-        trainable = tune.with_parameters(train_pack, task=job.task, packs=packs, settings=_settings(job),
+        trainable = tune.with_parameters(train_pack, task=job.task, packs=packs, settings=_settings(job, study),
                                          keeper=keeper)
         return tune.with_resources(trainable, {"cpu": cfg.cpus_per_trial, "gpu": gpus}), cfg.max_concurrent
     kwargs = dict(task=job.task, packs=packs, sweep=cfg, defaults=cfg.defaults(job.task.hp_model), gpu=gpus > 0)
@@ -276,8 +328,11 @@ def _scheduler(cfg: SweepConfig):
     return FIFOScheduler()
 
 
-def _describe(cfg: SweepConfig, packs, gpus: float) -> None:
-    if packs is None:
+def _describe(cfg: SweepConfig, packs, gpus: float, study=None) -> None:
+    if study is not None:
+        n = sum(len(p) for p in study.plan) if study.plan is not None else cfg.num_samples
+        trials = f"slice of study {study.path} ({n} trials, {cfg.search})"
+    elif packs is None:
         trials = f"{cfg.num_samples} trials proposed by {cfg.search}{f' in packs of {cfg.pack}' if cfg.pack else ''}"
     else:
         n = sum(len(p) for p in packs)

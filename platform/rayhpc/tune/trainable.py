@@ -23,6 +23,7 @@ from rayhpc.data import DataConfig
 from rayhpc.devices import cuda_device
 from rayhpc.optim import lr_factor, optimizer_step, split_batch, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
+from rayhpc.study.folder import PACKS_DIR, latest_pack_checkpoint, save_pack_checkpoint
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
 from rayhpc.train import checkpoint
@@ -46,6 +47,7 @@ class TrialSettings:
     precision: str = "tf32"  # `rayhpc.precision`'s vocabulary
     model_options: ModelOptions = ModelOptions()  # compile and activation checkpointing (unpacked trials only)
     pbt: PbtRules | None = None  # population-based training of each pack's members
+    study: str | None = None  # a study's folder (`rayhpc.study`): packs checkpoint there, for any slice to resume
 
 
 def members_of(config: dict, packs: list[list[dict]] | None) -> list[dict]:
@@ -88,7 +90,9 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     train, val = trial_data(task, hp, settings)
     per_epoch = math.ceil(len(train) / hp["batch_size"])
     total, epochs = step_plan(per_epoch, settings.epochs, settings.steps)
-    state = _restore(tune.get_checkpoint())
+    # members are ASHA's trials by plan position (a searcher's packs: by Tune trial; a study's: by study pack)
+    pack_id = config["pack"] if "pack" in config else tune.get_context().get_trial_id()
+    state = _restore(tune.get_checkpoint(), settings.study, pack_id)
     if state is not None and (state["epoch"] >= epochs or not state["slots"]):
         # restored from its final checkpoint (the driver died before recording the end):
         # report the final metrics again instead of training anything twice
@@ -97,8 +101,6 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     pack, opt, state = _build(task, members, device, state, settings)
     train_batches, val_batches = Batches(train, device), (Batches(val, device) if val is not None else None)
     resumed_from = state["epoch"]
-    # members are ASHA's trials by plan position (a searcher's packs: by Tune trial)
-    pack_id = config["pack"] if "pack" in config else tune.get_context().get_trial_id()
     for epoch in range(state["epoch"], epochs):
         with autocast(settings.precision, device):
             current = [members[j] for j in state["slots"]]
@@ -115,10 +117,15 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
             exploit_explore(pack, opt, state, values, settings.pbt, state["epoch"], pack_id)
         seconds = state["seconds"] + time.perf_counter() - entered
         metrics = _metrics(values, state, settings.objective, seconds, resumed_from)
-        with tempfile.TemporaryDirectory() as tmp:
-            _save(Path(tmp), {**state, "seconds": seconds, "metrics": metrics}, pack, opt,
-                  min(total, state["epoch"] * per_epoch))
-            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+        step = min(total, state["epoch"] * per_epoch)
+        if settings.study is not None:  # in the study, where any slice resumes it: Tune keeps none
+            save_pack_checkpoint(Path(settings.study, PACKS_DIR, str(pack_id)), state["epoch"],
+                                 lambda d: _save(d, {**state, "seconds": seconds, "metrics": metrics}, pack, opt, step))
+            tune.report(metrics)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                _save(Path(tmp), {**state, "seconds": seconds, "metrics": metrics}, pack, opt, step)
+                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
         if not state["slots"]:
             return  # every member stopped
 
@@ -257,7 +264,11 @@ def load_pack_state(folder: Path) -> dict:
     return {**state, **weights, "rng": torch.load(folder / checkpoint.RNG_FILE, weights_only=True)}
 
 
-def _restore(ckpt) -> dict | None:
+def _restore(ckpt, study: str | None, pack_id) -> dict | None:
+    """The pack's state from Tune's checkpoint, or from the study's newest (another slice's too), or None."""
+    if study is not None:
+        found = latest_pack_checkpoint(Path(study, PACKS_DIR, str(pack_id)))
+        return None if found is None else load_pack_state(found)
     if ckpt is None:
         return None
     with ckpt.as_directory() as d:

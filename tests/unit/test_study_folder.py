@@ -1,0 +1,95 @@
+"""The study folder's bookkeeping, tested directly (no Ray): concurrent claims, dead slices, shared ASHA, a
+slice's definition. (Slices running a sweep together: tests/ray/test_study.py.)"""
+
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing
+import os
+import random
+
+import pytest
+
+from rayhpc.config import ConfigError
+from rayhpc.study.folder import LEDGER_FILE, LOCK_FILE, Study
+from rayhpc.study.slice import as_slice
+from rayhpc.tune.adaptive import RungKeeper
+from rayhpc.tune.config import SweepConfig
+
+TRIALS = 1000
+
+
+def _worker(folder: str, name: str, abandon: int) -> None:
+    """A slice: claims packs until none is left, finishing each; with `abandon`, it claims that many and dies."""
+    study = Study(folder)
+    study.join(name, ("val_loss", "min"))
+    for _ in range(abandon):
+        with study.locked():
+            study.claim(name, None, 1, 0)
+    if abandon:
+        os._exit(0)  # dead, its claims unfinished: another slice must take them over
+    while True:
+        with study.locked():
+            pack = study.claim(name, None, 1, 0)
+        if pack is None:
+            return
+        with study.locked():
+            study.finish(name, pack["pack"], [{"trial_id": f"{pack['pack']}-0", "slice": name}])
+
+
+def test_four_processes_claim_a_thousand_trials_each_exactly_once_and_take_over_a_dead_ones(tmp_path):
+    study = Study(tmp_path)
+    with study.locked():
+        study.ensure_plan(lambda: [[{"lr": i}] for i in range(TRIALS)])
+    ctx = multiprocessing.get_context("fork")
+    quitter = ctx.Process(target=_worker, args=(str(tmp_path), "quitter", 10))
+    quitter.start()
+    quitter.join()  # it claimed 10 packs and died holding them
+    slices = [ctx.Process(target=_worker, args=(str(tmp_path), f"s{i}", 0)) for i in range(4)]
+    for p in slices:
+        p.start()
+    for p in slices:
+        p.join(timeout=120)
+    assert [p.exitcode for p in slices] == [0] * 4
+    events = [json.loads(line) for line in (tmp_path / LEDGER_FILE).read_text().splitlines()]
+    finished = collections.Counter(e["pack"] for e in events if e["event"] == "finish")
+    assert sorted(finished) == list(range(TRIALS)) and set(finished.values()) == {1}
+    claims = collections.Counter(e["pack"] for e in events if e["event"] == "claim")
+    assert sum(claims.values()) == TRIALS + 10  # the quitter's 10, each claimed again once
+    by = collections.Counter(e["slice"] for e in events if e["event"] == "finish")
+    assert set(by) == {"s0", "s1", "s2", "s3"}, by  # every slice finished some; the quitter none
+    rows = Study(tmp_path)
+    with rows.locked():
+        assert sorted(rows.results()["trial_id"]) == sorted(f"{i}-0" for i in range(TRIALS))
+
+
+def test_asha_across_two_slices_stops_at_the_same_rungs_as_one_slice(tmp_path):
+    rng = random.Random(0)
+    results = [(f"{m // 8}-{m % 8}", epoch, rng.random() / epoch) for epoch in range(1, 5) for m in range(32)]
+    args = ("val_loss", "min", 4, 1, 2.0)
+    one = RungKeeper(str(tmp_path / "one.pkl"), *args)
+    alone = [one.decide("val_loss", [r])[0] for r in results]
+    shared = tmp_path / "study"
+    shared.mkdir()
+    slices = [RungKeeper(str(shared / "asha.pkl"), *args, lock=str(shared / LOCK_FILE)) for _ in range(2)]
+    together = [slices[i % 2].decide("val_loss", [r])[0] for i, r in enumerate(results)]  # reports alternate
+    assert together == alone
+    assert 0 < sum(alone) < len(alone)  # ASHA stopped some, not all
+
+
+def test_a_slice_agrees_with_its_study_or_is_refused_before_anything_starts(tmp_path):
+    first, _, _ = as_slice(SweepConfig(study=tmp_path / "s", num_samples=8, epochs=2), {"num_samples", "epochs"})
+    assert (first.num_samples, first.storage_path) == (8, tmp_path / "s" / "slices")
+    assert oct((tmp_path / "s").stat().st_mode & 0o777) == "0o700"
+    joined, _, _ = as_slice(SweepConfig(study=tmp_path / "s"), set())  # the study's definition, not the defaults
+    assert (joined.num_samples, joined.epochs) == (8, 2) and joined.name != first.name
+    with pytest.raises(ConfigError, match=r"^num_samples: 9 differs from study .*'s 8; drop it"):
+        as_slice(SweepConfig(study=tmp_path / "s", num_samples=9), {"num_samples"})
+    with pytest.raises(ConfigError, match=r"^resume \(--resume\): a study continues by itself"):
+        as_slice(SweepConfig(study=tmp_path / "s", resume=True), {"resume"})
+    with pytest.raises(ConfigError, match=r"^workers_per_trial \(--workers-per-trial\) 2: a study's slices"):
+        as_slice(SweepConfig(study=tmp_path / "t", workers_per_trial=2), {"workers_per_trial"})
+    os.chmod(tmp_path / "s", 0o770)
+    with pytest.raises(ConfigError, match=r"^study \(--study\) .*: .*mode 0770"):
+        as_slice(SweepConfig(study=tmp_path / "s"), set())

@@ -1,0 +1,99 @@
+"""Slices of one study on two real Ray clusters: a TPE sweep run together, a slice SIGKILLed and started
+again, every trial exactly once. (The study folder's bookkeeping alone: tests/unit/test_study_folder.py.)"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from helpers import ROOT, job_env, run_job
+from rayhpc.study.folder import LEDGER_FILE, PACKS_DIR, RESULTS_FILE, SLICES_DIR
+from rayhpc.study.search import _journal
+
+SWEEP = "search: optuna\nnum_samples: 64\nepochs: 6\nseed: 3\ndata: {synthetic: {num_samples: 6000}}\n"
+
+
+def events(study: Path) -> list[dict]:
+    return [json.loads(line) for line in (study / LEDGER_FILE).read_text().splitlines()]
+
+
+def slice_proc(config: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=job_env(env))
+
+
+def wait_for_checkpoint(study: Path, slice_name: str, proc: subprocess.Popen) -> int:
+    """A pack that slice `slice_name` holds and has checkpointed (epoch 1 or later) but not finished."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        if (study / LEDGER_FILE).exists():
+            claimed = {e["pack"] for e in events(study) if e["event"] == "claim" and e["slice"] == slice_name}
+            done = {e["pack"] for e in events(study) if e["event"] == "finish"}
+            for pack in sorted(claimed - done):
+                if list((study / PACKS_DIR / str(pack)).glob("epoch-*")):
+                    return pack
+        time.sleep(0.05)
+    raise AssertionError(f"slice {slice_name} checkpointed no pack in 180 s")
+
+
+def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_and_repeats_nothing(
+        ray_address, tmp_path):
+    study, config = tmp_path / "study", tmp_path / "sweep.yaml"
+    config.write_text(f"study: {study}\n{SWEEP}")
+    first = slice_proc(config, "--address", ray_address)  # a slice on the suite's cluster
+    deadline = time.monotonic() + 120
+    while not ((study / LEDGER_FILE).exists() and events(study)):
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+        time.sleep(0.05)
+    doomed = events(study)[0]["slice"]
+    other = slice_proc(config, env={"RAY_OVERRIDE_RESOURCES": '{"CPU": 1}'})  # a cluster of its own, later
+    orphan = wait_for_checkpoint(study, doomed, first)
+    first.kill()  # SIGKILL: no clean-up at all, its packs claimed and unfinished
+    first.wait()
+    again = run_job("tune_mlp.py", "--study", str(study), "--address", ray_address)  # the study's own definition
+    assert again.returncode == 0, again.stdout + again.stderr
+    out, _ = other.communicate(timeout=300)
+    assert other.returncode == 0, out
+
+    log = events(study)
+    slices = [e["slice"] for e in log if e["event"] == "slice"]
+    finished = collections.Counter(e["pack"] for e in log if e["event"] == "finish")
+    assert len(slices) == 3 and set(finished.values()) == {1}, finished  # every pack finished once
+    by_slice = collections.Counter(e["slice"] for e in log if e["event"] == "finish")
+    assert doomed not in by_slice and {slices[1], slices[2]} <= set(by_slice), by_slice  # both live slices ran some
+    claims = [e["slice"] for e in log if e["event"] == "claim" and e["pack"] == orphan]
+    assert claims[0] == doomed and len(claims) == 2, claims  # the killed slice's pack, taken over once
+    table = pd.read_parquet(study / RESULTS_FILE)
+    assert len(table) == 64 and table["trial_id"].is_unique and set(table["status"]) == {"finished"}
+    # no pack was trained to its end twice: one checkpoint of the last epoch each; the orphan resumed from its own
+    for pack in finished:
+        assert len(list((study / PACKS_DIR / str(pack)).glob("epoch-000006-*"))) == 1, pack
+    resumed = [json.loads(r.read_text().splitlines()[0]) for r in (study / SLICES_DIR).glob("*/*/result.json")
+               if json.loads((r.parent / "params.json").read_text())["pack"] == orphan]
+    assert [r["resumed_from_epoch"] >= 1 for r in resumed] == [True], resumed
+    # Optuna's study holds each of the 64 trials once, every one told its value
+    import optuna
+
+    trials = optuna.load_study(study_name="rayhpc", storage=_journal(study)).trials
+    assert len(trials) == 64 and {t.state.name for t in trials} == {"COMPLETE"}
+    assert sorted(t.value for t in trials) == sorted(table["val_loss"])
+
+    # one slice alone, the same budget: two slices find a best at least as good
+    alone, config_alone = tmp_path / "alone", tmp_path / "alone.yaml"
+    config_alone.write_text(f"study: {alone}\n{SWEEP}")
+    proc = run_job("tune_mlp.py", "--config", str(config_alone), "--address", ray_address)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    best_alone = pd.read_parquet(alone / RESULTS_FILE)["best_val_loss"].min()
+    assert table["best_val_loss"].min() <= best_alone, (table["best_val_loss"].min(), best_alone)
+    status = subprocess.run([sys.executable, "-m", "rayhpc", "status", "--study", str(study)], capture_output=True,
+                            text=True, cwd=ROOT, env=job_env(None))
+    assert status.returncode == 0 and "64 finished" in status.stdout and "0 running" in status.stdout, status
+    assert os.stat(study).st_mode & 0o777 == 0o700

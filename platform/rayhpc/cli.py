@@ -311,6 +311,10 @@ def submit_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch script instead of submitting it")
     parser.add_argument("--array", action="store_true",
                         help="run a sweep as a Slurm array job, one trial per task: give tune_mlp.py's flags after --")
+    parser.add_argument("--study", metavar="DIR", help="a study folder the nodes share: the sweep COMMAND runs as "
+                        "a slice of it (tune --study DIR)")
+    parser.add_argument("--slices", type=int, default=1, metavar="K", help="with --study: K jobs, each its own Ray "
+                        "cluster running a slice (submit more at any time; each joins)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python -u jobs/tune_mlp.py")
     args = parser.parse_args(argv)
     if args.nodes is not None and args.nodes < 1:
@@ -319,9 +323,32 @@ def submit_main(argv: Sequence[str] | None = None) -> int:
     cfg = load_cluster(args.cluster)
     if args.array:
         return _submit_array(cfg, command, args.dry_run)
-    out = submit(cfg, command, nodes=args.nodes, dry_run=args.dry_run)
-    print(out if args.dry_run else f"submitted job {out}: log {cfg.log_dir}/rayhpc-{cfg.name}-{out}.log")
+    if args.study is not None or args.slices != 1:
+        command = _slice_command(parser, command, args.study, args.slices)
+    out = [submit(cfg, command, nodes=args.nodes, dry_run=args.dry_run) for _ in range(args.slices)]
+    if args.dry_run:
+        print(out[0])
+    else:
+        logs = ", ".join(f"{cfg.log_dir}/rayhpc-{cfg.name}-{job}.log" for job in out)
+        print(f"submitted job {', '.join(out)}: log {logs}" + (f"; rayhpc status --study {command[-1]}"
+                                                             if args.study else ""))
     return 0
+
+
+def _slice_command(parser: ArgParser, command: list[str], study: str | None, slices: int) -> list[str]:
+    """The sweep command with `--study DIR` (the folder made private here, before anything is submitted)."""
+    from rayhpc.study.slice import open_study  # only submissions of slices
+
+    if study is None:
+        parser.error(f"slices (--slices) {slices}: give --study DIR, the folder the slices share")
+    if slices < 1:
+        parser.error(f"slices (--slices) {slices}: must be at least 1")
+    if any(arg == "--study" or arg.startswith("--study=") for arg in command):
+        parser.error("study (--study): give it to rayhpc submit, not in the command after --")
+    if not any(arg.endswith("tune_mlp.py") or arg == "tune" for arg in command):
+        parser.error(f"study (--study): the command must be a sweep (jobs/tune_mlp.py or rayhpc tune), got "
+                     f"{' '.join(command) or 'none'}")
+    return [*command, "--study", str(open_study(Path(study)).path)]
 
 
 def _submit_array(cluster_cfg, command: list[str], dry_run: bool) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from helpers import (
     LOGS,
     RAYHPC,
     ROOT,
+    SUBMITTED,
     TWO_NODES,
     assert_nothing_left,
     assert_speedup_and_efficiency,
@@ -30,6 +32,7 @@ from helpers import (
     wait_done,
     with_changes,
 )
+from rayhpc.study.folder import LEDGER_FILE, RESULTS_FILE
 from rayhpc.tune.results import read_results
 
 
@@ -258,3 +261,28 @@ def test_the_sbatch_script_works_directly(slurm, tmp_path):
     assert f"rayhpc: connection file {tmp_path}/rayhpc-logs/{job}/cluster.json" in log, log
     assert not (tmp_path / "rayhpc-logs" / job / "cluster.json").exists(), "the connection file outlived the job"
     assert_nothing_left(job)
+
+
+def test_two_slurm_jobs_run_one_tpe_study_together(slurm):
+    """`rayhpc submit --study DIR --slices 2`: two jobs, each its own Ray cluster on its own node, one sweep."""
+    study = Path(f"/tmp/rayhpc-study-{uuid.uuid4().hex[:8]}")  # every "node" sees /tmp
+    proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, "--nodes", "1", "--study", str(study), "--slices",
+                           "2", "--", "python", "-u", "jobs/tune_mlp.py", "--search", "optuna", "--num-samples", "32",
+                           "--epochs", "20"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    jobs = re.match(r"submitted job (\d+), (\d+): ", proc.stdout).groups()
+    SUBMITTED.extend(jobs)
+    infos = [wait_done(job) for job in jobs]
+    for job, info in zip(jobs, infos):
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job_log(job)
+        assert_nothing_left(job)
+    events = [json.loads(line) for line in (study / LEDGER_FILE).read_text().splitlines()]
+    finished = collections.Counter(e["pack"] for e in events if e["event"] == "finish")
+    slices = [e["slice"] for e in events if e["event"] == "slice"]
+    assert set(finished.values()) == {1} and len(slices) == 2, events
+    assert {e["slice"] for e in events if e["event"] == "finish"} == set(slices)  # both ran packs
+    assert max(i["StartTime"] for i in infos) < min(i["EndTime"] for i in infos), "the jobs did not overlap"
+    table = pd.read_parquet(study / RESULTS_FILE)
+    assert len(table) == 32 and table["trial_id"].is_unique and set(table["status"]) == {"finished"}, table
+    status = subprocess.run([RAYHPC, "status", "--study", str(study)], capture_output=True, text=True)
+    assert "slices: 0 running (none), 2 ended" in status.stdout and "32 finished" in status.stdout, status

@@ -322,7 +322,7 @@ def submit_main(argv: Sequence[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     cfg = load_cluster(args.cluster)
     if args.array:
-        return _submit_array(cfg, command, args.dry_run)
+        return _submit_array(cfg, command, args.dry_run, args.study, args.slices)
     if args.study is not None or args.slices != 1:
         command = _slice_command(parser, command, args.study, args.slices)
     out = [submit(cfg, command, nodes=args.nodes, dry_run=args.dry_run) for _ in range(args.slices)]
@@ -351,8 +351,9 @@ def _slice_command(parser: ArgParser, command: list[str], study: str | None, sli
     return [*command, "--study", str(open_study(Path(study)).path)]
 
 
-def _submit_array(cluster_cfg, command: list[str], dry_run: bool) -> int:
-    """`rayhpc submit --array`: the sweep flags (after an optional `python [-u] jobs/tune_mlp.py`)."""
+def _submit_array(cluster_cfg, command: list[str], dry_run: bool, study: str | None = None, slices: int = 1) -> int:
+    """`rayhpc submit --array`: the sweep flags (after an optional `python [-u] jobs/tune_mlp.py`); with `study`,
+    array tasks that are slices of it (`rayhpc.study.task`: Optuna and ASHA too)."""
     # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.tune.array import prepare_array, submit_array
     from rayhpc.tune.config import SweepConfig
@@ -360,6 +361,16 @@ def _submit_array(cluster_cfg, command: list[str], dry_run: bool) -> int:
     while command and (command[0].startswith("python") or command[0] == "-u" or command[0].endswith("tune_mlp.py")):
         command = command[1:]
     parser = ArgParser(prog="rayhpc submit --array -- ", description="The sweep to run as an array job.")
+    if study is not None:
+        from rayhpc.study.task import submit_study_array  # only arrays of slices
+
+        if slices < 1:
+            parser.error(f"slices (--slices) {slices}: must be at least 1")
+        sweep, explicit = parse_config(parser, SweepConfig, [*command, "--study", study])
+        out = submit_study_array(cluster_cfg, sweep, explicit, slices if slices > 1 else None, dry_run)
+        print(out if dry_run else f"submitted array job {out} of slices of study {Path(study).expanduser().resolve()}"
+                                  f": rayhpc status --study {Path(study).expanduser().resolve()}")
+        return 0
     sweep, task, configs, columns = prepare_array(*parse_config(parser, SweepConfig, command))
     out = submit_array(cluster_cfg, sweep, task, configs, columns, dry_run=dry_run)
     print(out if dry_run else f"submitted array job {out} ({len(configs)} tasks) and a job collecting their results "

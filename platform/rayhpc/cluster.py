@@ -161,7 +161,11 @@ def private_local_token() -> None:
 
 
 def local_cpus() -> int:
-    """CPUs this process may use: affinity mask, capped by a cgroup v2 quota if any."""
+    """CPUs a local Ray started here will offer: RAY_OVERRIDE_RESOURCES' (Ray's own override, which it honours
+    over what it is told), else those this process may use: affinity mask, capped by a cgroup v2 quota if any."""
+    override = json.loads(os.environ.get("RAY_OVERRIDE_RESOURCES") or "{}").get("CPU")
+    if override is not None:
+        return max(1, int(override))
     cpus = len(os.sched_getaffinity(0))
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()

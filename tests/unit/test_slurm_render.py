@@ -11,7 +11,7 @@ import pytest
 from helpers import ROOT
 from rayhpc.config import ConfigError, validate
 from rayhpc.slurm.config import ClusterConfig, load_cluster
-from rayhpc.slurm.render import render_array, render_collect, render_sbatch
+from rayhpc.slurm.render import render_array, render_collect, render_sbatch, render_study_array
 from rayhpc.tune.config import SweepConfig
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -53,6 +53,8 @@ def test_the_array_and_collect_scripts_match_their_golden_files(name):
     collect = render_collect(cfg, "12345", folder)
     assert_golden(f"{name}-array.sbatch", array, f"the array script rendered from cluster_configs/{name}.yaml")
     assert_golden(f"{name}-collect.sbatch", collect, f"the collect script rendered from cluster_configs/{name}.yaml")
+    study = render_study_array(cfg, sweep, 8, Path("/home/user/studies/s"), "/home/user/studies/s/task/model.py:Model")
+    assert_golden(f"{name}-study-array.sbatch", study, f"the study's array script from cluster_configs/{name}.yaml")
     s = cfg.slurm
     for key in ("partition", "account", "qos"):
         flag = f"#SBATCH --{key}={getattr(s, key)}\n"

@@ -93,3 +93,40 @@ def test_a_slice_agrees_with_its_study_or_is_refused_before_anything_starts(tmp_
     os.chmod(tmp_path / "s", 0o770)
     with pytest.raises(ConfigError, match=r"^study \(--study\) .*: .*mode 0770"):
         as_slice(SweepConfig(study=tmp_path / "s"), set())
+
+
+def test_array_tasks_are_slices_without_ray_that_run_optuna_and_asha(tmp_path):
+    """Two Ray-free slices (what `rayhpc submit --array --study` runs per task) share one Optuna + ASHA study."""
+    import subprocess
+    import sys
+
+    import optuna
+    import pandas as pd
+
+    from helpers import ROOT, job_env
+    from rayhpc.job import bind_task
+    from rayhpc.study.search import _journal
+    from rayhpc.study.task import prepare_tasks
+    from rayhpc.tune.config import bind_sweep
+
+    cfg = SweepConfig(study=tmp_path / "s", search="optuna", scheduler="asha", num_samples=12, epochs=4,
+                      data={"synthetic": {"num_samples": 2000}})
+    cfg, study, _ = as_slice(cfg, {"search", "scheduler", "num_samples", "epochs", "data"})
+    cfg, task, info, _ = bind_task(cfg, bind_sweep)
+    prepare_tasks(study, cfg, task, info)
+    tasks = [subprocess.Popen([sys.executable, "-m", "rayhpc.study.task", "--study", str(study.path)], cwd=ROOT,
+                              env=job_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [t.communicate(timeout=300)[0] for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outs
+    events = [json.loads(line) for line in (study.path / LEDGER_FILE).read_text().splitlines()]
+    finished = collections.Counter(e["pack"] for e in events if e["event"] == "finish")
+    assert sorted(finished) == list(range(12)) and set(finished.values()) == {1}
+    assert len({e["slice"] for e in events if e["event"] == "finish"}) == 2, outs  # both tasks trained trials
+    table = pd.read_parquet(study.path / "results.parquet")
+    assert set(table["status"]) == {"finished", "early-stopped"}, table  # ASHA stopped some
+    stopped = table[table["status"] == "early-stopped"]
+    assert (stopped["iterations"] < 4).all() and (table[table["status"] == "finished"]["iterations"] == 4).all()
+    trials = optuna.load_study(study_name="rayhpc", storage=_journal(study.path)).trials
+    assert len(trials) == 12 and {t.state.name for t in trials} == {"COMPLETE"}
+    assert sorted(t.value for t in trials) == sorted(table["val_loss"])

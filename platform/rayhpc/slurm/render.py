@@ -118,6 +118,15 @@ def render_array(cfg: ClusterConfig, sweep, n_trials: int, out_dir: Path, task_s
     return script(cfg, array_flags(cfg, sweep, n_trials), [command], by="rayhpc submit --array")
 
 
+def render_study_array(cfg: ClusterConfig, sweep, n_tasks: int, study: Path, task_spec: str | None = None) -> str:
+    """An array job of `n_tasks` slices of a study without Ray (`rayhpc.study.task`): each trains the study's
+    trials one at a time until none is left; no collecting job (each task writes the study's table)."""
+    q = shlex.quote
+    task = f" --task {q(task_spec)}" if task_spec else ""
+    command = f"exec python -m rayhpc.study.task --study {q(str(study))}{task}"
+    return script(cfg, array_flags(cfg, sweep, n_tasks), [command], by="rayhpc submit --array --study")
+
+
 def render_collect(cfg: ClusterConfig, array_id: str, sweep_dir: Path) -> str:
     """The script of the job that writes an array sweep's results.parquet once the array has ended."""
     body = [f"exec python -m rayhpc.tune.array {shlex.quote(str(sweep_dir))}"]

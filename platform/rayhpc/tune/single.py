@@ -39,7 +39,8 @@ def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfi
     `val_loss`, `val_<metric>`), the best of each, and its time.
 
     `data` is the sweep's `data:` section (the validation hold-out); `on_epoch(epoch, values,
-    model)` runs after each epoch (the plain Ray Tune baseline reports and checkpoints there).
+    model)` runs after each epoch (the plain Ray Tune baseline reports and checkpoints there; a study's
+    array task asks ASHA there), and training stops early where it returns True.
     """
     entered = time.perf_counter()
     set_matmul_precision(precision)
@@ -71,8 +72,9 @@ def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfi
             if name in values:
                 better = min if mode == "min" else max
                 best[f"best_{name}"] = better(best.get(f"best_{name}", values[name]), values[name])
-        if on_epoch is not None:
-            on_epoch(epoch + 1, values, model)
+        if on_epoch is not None and on_epoch(epoch + 1, values, model):
+            epochs = epoch + 1
+            break
     return {"model": model, **values, **best, "iterations": epochs, "train_seconds": time.perf_counter() - entered}
 
 

@@ -1,0 +1,93 @@
+"""Study benchmark: one TPE sweep run as K slices (K local Ray clusters of 1 CPU each, one study folder) against
+the same sweep in one driver, and against a packed random sweep of the same slices; side by side, one run.
+
+    python jobs/bench_study.py [--trials 1024] [--slices 4] [--epochs 10]
+
+Rows: the single-driver packed TPE sweep (one local Ray of K CPUs), the TPE study of K slices, the random study
+of K slices. Each: wall from the first command's start to the last one's end, the best validation loss, and the
+study's own costs (ledger and checkpoint bytes per trial, files per trial). Goals: the sliced TPE's best within
+2% of the single driver's, its wall at most 1.25x the sliced random sweep's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+JOBS = Path(__file__).resolve().parent
+
+
+def tune(args: list[str], cpus: int) -> subprocess.Popen:
+    env = {**os.environ, "RAY_OVERRIDE_RESOURCES": json.dumps({"CPU": cpus}), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)  # each command its own local Ray
+    return subprocess.Popen([sys.executable, str(JOBS / "tune_mlp.py"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(procs: list[subprocess.Popen], started: float) -> float:
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"a sweep failed (exit {proc.returncode}):\n{out[-3000:]}")
+    return time.perf_counter() - started
+
+
+def single(work: Path, sweep: list[str], cpus: int) -> dict:
+    started = time.perf_counter()
+    wall = finish([tune([*sweep, "--storage-path", str(work), "--name", "single"], cpus)], started)
+    table = pd.read_parquet(work / "single" / "results.parquet")
+    return {"wall_s": wall, "best": table["best_val_loss"].min(), "trials": len(table)}
+
+
+def sliced(work: Path, name: str, sweep: list[str], slices: int) -> dict:
+    study = work / name
+    started = time.perf_counter()
+    wall = finish([tune([*sweep, "--study", str(study)], 1) for _ in range(slices)], started)
+    table = pd.read_parquet(study / "results.parquet")
+    files = [p for p in study.rglob("*") if p.is_file()]
+    by_slice = pd.Series([json.loads(line)["slice"] for line in (study / "ledger.jsonl").read_text().splitlines()
+                          if json.loads(line)["event"] == "finish"]).value_counts()
+    return {"wall_s": wall, "best": table["best_val_loss"].min(), "trials": len(table),
+            "ledger_bytes_per_trial": (study / "ledger.jsonl").stat().st_size / len(table),
+            "bytes_per_trial": sum(p.stat().st_size for p in files) / len(table),
+            "files_per_trial": len(files) / len(table), "packs_per_slice": by_slice.tolist()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=1024)
+    parser.add_argument("--slices", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench_study_"))
+    base = ["--num-samples", str(args.trials), "--epochs", str(args.epochs), "--seed", "0"]
+    print(f"bench_study: {args.trials} trials of the default MLP sweep, {args.epochs} epochs, {args.slices} slices "
+          f"of 1 CPU (single driver: 1 cluster of {args.slices} CPUs), {os.cpu_count()} cores here", flush=True)
+    rows = {"single driver, TPE": single(work, [*base, "--search", "optuna"], args.slices),
+            f"{args.slices} slices, TPE": sliced(work, "tpe", [*base, "--search", "optuna"], args.slices),
+            f"{args.slices} slices, random": sliced(work, "random", [*base, "--search", "random"], args.slices)}
+    print(f"{'':22s} {'wall':>8s} {'best val_loss':>14s} {'trials':>7s} {'ledger B/trial':>15s} "
+          f"{'B/trial':>9s} {'files/trial':>12s}  packs per slice")
+    for name, r in rows.items():
+        extra = (f"{r['ledger_bytes_per_trial']:15.0f} {r['bytes_per_trial']:9.0f} {r['files_per_trial']:12.3f}  "
+                 f"{r['packs_per_slice']}" if "ledger_bytes_per_trial" in r else "")
+        print(f"{name:22s} {r['wall_s']:7.1f}s {r['best']:14.5f} {r['trials']:7d} {extra}")
+    tpe, single_tpe = rows[f"{args.slices} slices, TPE"], rows["single driver, TPE"]
+    random_ = rows[f"{args.slices} slices, random"]
+    print(f"sliced TPE best / single driver's: {tpe['best'] / single_tpe['best']:.4f} (goal <= 1.02); "
+          f"sliced TPE wall / sliced random's: {tpe['wall_s'] / random_['wall_s']:.2f}x (goal <= 1.25)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

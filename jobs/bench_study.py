@@ -2,6 +2,7 @@
 the same sweep in one driver, and against a packed random sweep of the same slices; side by side, one run.
 
     python jobs/bench_study.py [--trials 1024] [--slices 4] [--epochs 10]
+    python jobs/bench_study.py --ledger 100000 --slices 8 [--pack 64]   # the study folder's own costs, no training
 
 Rows: the single-driver packed TPE sweep (one local Ray of K CPUs), the TPE study of K slices, the random study
 of K slices. Each: wall from the first command's start to the last one's end, the best validation loss, and the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -61,13 +63,70 @@ def sliced(work: Path, name: str, sweep: list[str], slices: int) -> dict:
             "files_per_trial": len(files) / len(table), "packs_per_slice": by_slice.tolist()}
 
 
+def _claimer(folder: str, name: str, row: dict) -> None:
+    """A slice that trains nothing: claims packs and finishes each with rows the size of real ones."""
+    from rayhpc.study.folder import Study
+
+    study = Study(Path(folder))
+    study.join(name, ("val_loss", "min"))
+    while True:
+        with study.locked():
+            pack = study.claim(name, None, 0, 0)
+        if pack is None:
+            return
+        with study.locked():
+            study.finish(name, pack["pack"], [{**row, "trial_id": f"{pack['pack']}-{j}", "config.lr": m["lr"]}
+                                              for j, m in enumerate(pack["members"])])
+
+
+def ledger(trials: int, slices: int, pack: int) -> None:
+    """The study folder's own costs at `trials` trials: `slices` processes claim and finish packs of `pack`
+    (no training); then a late slice's first look (the whole ledger replayed) and the union table's write."""
+    import multiprocessing
+
+    from rayhpc.study.folder import LEDGER_FILE, Study
+
+    work = Path(tempfile.mkdtemp(prefix="bench_study_"))
+    study = Study(work)
+    with study.locked():
+        study.ensure_plan(lambda: [[{"lr": 1e-3 * (i * pack + j)} for j in range(pack)]
+                                   for i in range(math.ceil(trials / pack))])
+    row = {"status": "finished", "config.hidden": 64, "val_loss": 0.01, "best_val_loss": 0.01, "iterations": 10,
+           "train_seconds": 3.2, "node": "node1", "pack_size": pack, "error": None}
+    started = time.perf_counter()
+    procs = [multiprocessing.get_context("fork").Process(target=_claimer, args=(str(work), f"s{i}", row))
+             for i in range(slices)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    wall = time.perf_counter() - started
+    started = time.perf_counter()
+    late = Study(work)
+    with late.locked():
+        replay = time.perf_counter() - started
+        started = time.perf_counter()
+        late.write_results()
+        write = time.perf_counter() - started
+    packs = math.ceil(trials / pack)
+    print(f"ledger: {trials:,} trials in {packs:,} packs of {pack}, {slices} slices claiming and finishing: "
+          f"{wall:.1f} s, {1000 * wall / packs:.2f} ms per pack ({1e6 * wall / trials:.0f} us per trial); "
+          f"ledger {(work / LEDGER_FILE).stat().st_size / trials:.0f} bytes per trial; a late slice's first look "
+          f"(the whole ledger) {replay:.2f} s; the union table's write {write:.2f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=1024)
     parser.add_argument("--slices", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--ledger", type=int, metavar="N", help="instead: the study folder's own costs at N trials "
+                        "(--slices processes claiming and finishing packs of --pack, no training)")
+    parser.add_argument("--pack", type=int, default=64, help="with --ledger: trials per pack")
     args = parser.parse_args()
+    if args.ledger:
+        return ledger(args.ledger, args.slices, args.pack)
     work = Path(tempfile.mkdtemp(prefix="bench_study_"))
     base = ["--num-samples", str(args.trials), "--epochs", str(args.epochs), "--seed", "0"]
     print(f"bench_study: {args.trials} trials of the default MLP sweep, {args.epochs} epochs, {args.slices} slices "

@@ -2,7 +2,7 @@
 
     python jobs/bench_sweep.py [--trials 16] [--epochs 30] [--cpus 2]
     python jobs/bench_sweep.py --adaptive --trials 128     # random, ASHA, Optuna: packed and unpacked
-    python jobs/bench_sweep.py --scale [--sizes 16,128,1024,10000] [--kill-after 120]
+    python jobs/bench_sweep.py --scale [--sizes 16,128,1024,10000] [--kill-after 120] [--study]
         # the default sweep at each size, one fresh driver each: wall, driver CPU per trial, peak driver
         # memory, files and bytes per trial, the results table's write; --kill-after: a sweep of the
         # largest size whose driver is SIGKILLed that many seconds in, then resumed
@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="instead: the default sweep at --sizes trials "
                         "(--epochs, default 10 here), each from a fresh driver")
     parser.add_argument("--sizes", default="16,128,1024,10000", help="with --scale: comma-separated trial counts")
+    parser.add_argument("--study", action="store_true", help="with --scale: each sweep as the one slice of a study "
+                        "(its packs checkpoint in the study folder, not in Tune's)")
     parser.add_argument("--kill-after", type=float, help="with --scale: also kill the largest sweep's driver this "
                         "many seconds in and resume it")
     parser.add_argument("--distributed", action="store_true", help="instead: --trials trials of --workers workers "
@@ -227,9 +229,10 @@ def scale(args) -> None:
     epochs = args.epochs if "--epochs" in sys.argv else 10
     sizes = [int(n) for n in args.sizes.split(",")]
     ctx = start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
-    print(f"scale: the default sweep at {sizes} trials, {epochs} epochs each, {args.cpus} CPUs\n\n{HEADER}", flush=True)
+    how = " as the one slice of a study" if args.study else ""
+    print(f"scale: the default sweep{how} at {sizes} trials, {epochs} epochs each, {args.cpus} CPUs\n\n{HEADER}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as work:
-        scale_rows(sizes, epochs, ctx.address_info["gcs_address"], Path(work))
+        scale_rows(sizes, epochs, ctx.address_info["gcs_address"], Path(work), study=args.study)
         if args.kill_after:
             r = resumed_row(sizes[-1], epochs, ctx.address_info["gcs_address"], Path(work) / "killed", args.kill_after)
             print(f"\nkilled after {r['killed_after_s']:g} s with {r['finished_before_kill']:,} trials finished; resumed: "

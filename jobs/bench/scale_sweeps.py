@@ -22,24 +22,25 @@ from pathlib import Path
 SIZES = (16, 128, 1024, 10_000)
 
 
-def measure_one(trials: int, epochs: int, address: str, storage: Path, resume: bool) -> dict:
-    """Run the sweep in this process (the driver) and measure it."""
+def measure_one(trials: int, epochs: int, address: str, storage: Path, resume: bool, study: bool = False) -> dict:
+    """Run the sweep in this process (the driver) and measure it; `study`: as the one slice of a study."""
     from rayhpc.tune.config import SweepConfig
     from rayhpc.tune.results import RESULTS_FILE, write_results
     from rayhpc.tune.sweep import run_sweep
 
     cfg = SweepConfig(name=f"scale-{trials}", storage_path=storage, num_samples=trials, epochs=epochs,
-                      address=address, resume=resume)
+                      address=address, resume=resume, study=storage / f"study-{trials}" if study else None)
     start = time.perf_counter()
     table = run_sweep(cfg, explicit={"resume"} if resume else set())
     wall = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    kept = cfg.study if study else cfg.experiment_dir  # what the sweep leaves on the filesystem
     t = time.perf_counter()  # the final write of the whole table, once more, timed
-    write_results(table, cfg.experiment_dir, RESULTS_FILE + ".timed")
+    write_results(table, kept, RESULTS_FILE + ".timed")
     write_s = time.perf_counter() - t
-    (cfg.experiment_dir / (RESULTS_FILE + ".timed")).unlink()
+    (kept / (RESULTS_FILE + ".timed")).unlink()
     files, size = 0, 0
-    for folder, _, names in os.walk(cfg.experiment_dir):
+    for folder, _, names in os.walk(kept):
         files += len(names) + 1  # a folder is an inode too
         size += sum(os.path.getsize(os.path.join(folder, n)) for n in names)
     return {"trials": len(table), "finished": int((table["status"] == "finished").sum()), "wall_s": wall,
@@ -66,10 +67,10 @@ def run_driver(trials: int, epochs: int, address: str, storage: Path, *extra: st
     return json.loads(out.strip().splitlines()[-1])
 
 
-def scale_rows(sizes, epochs: int, address: str, storage: Path) -> list[dict]:
+def scale_rows(sizes, epochs: int, address: str, storage: Path, study: bool = False) -> list[dict]:
     rows = []
     for n in sizes:
-        row = run_driver(n, epochs, address, storage)
+        row = run_driver(n, epochs, address, storage, *(["--study"] if study else []))
         rows.append(row)
         print_row(row, epochs)
     return rows
@@ -107,11 +108,12 @@ def main() -> None:
     p.add_argument("--address", required=True)
     p.add_argument("--storage", type=Path, required=True)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--study", action="store_true", help="the sweep as the one slice of a study")
     a = p.parse_args()
     import logging
 
     logging.getLogger("rayhpc").setLevel(logging.WARNING)
-    print(json.dumps(measure_one(a.trials, a.epochs, a.address, a.storage, a.resume)), flush=True)
+    print(json.dumps(measure_one(a.trials, a.epochs, a.address, a.storage, a.resume, a.study)), flush=True)
 
 
 if __name__ == "__main__":

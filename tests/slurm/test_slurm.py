@@ -264,10 +264,10 @@ def test_the_sbatch_script_works_directly(slurm, tmp_path):
 
 
 def test_two_slurm_jobs_run_one_tpe_study_together(slurm):
-    """`rayhpc submit --study DIR --slices 2`: two jobs, each its own Ray cluster on its own node, one sweep."""
+    """`rayhpc submit --study DIR --slices 2`: two jobs at once, each its own Ray cluster, one 64-trial TPE sweep."""
     study = Path(f"/tmp/rayhpc-study-{uuid.uuid4().hex[:8]}")  # every "node" sees /tmp
     proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, "--nodes", "1", "--study", str(study), "--slices",
-                           "2", "--", "python", "-u", "jobs/tune_mlp.py", "--search", "optuna", "--num-samples", "32",
+                           "2", "--", "python", "-u", "jobs/tune_mlp.py", "--search", "optuna", "--num-samples", "64",
                            "--epochs", "20"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     jobs = re.match(r"submitted job (\d+), (\d+): ", proc.stdout).groups()
@@ -283,6 +283,24 @@ def test_two_slurm_jobs_run_one_tpe_study_together(slurm):
     assert {e["slice"] for e in events if e["event"] == "finish"} == set(slices)  # both ran packs
     assert max(i["StartTime"] for i in infos) < min(i["EndTime"] for i in infos), "the jobs did not overlap"
     table = pd.read_parquet(study / RESULTS_FILE)
-    assert len(table) == 32 and table["trial_id"].is_unique and set(table["status"]) == {"finished"}, table
+    assert len(table) == 64 and table["trial_id"].is_unique and set(table["status"]) == {"finished"}, table
     status = subprocess.run([RAYHPC, "status", "--study", str(study)], capture_output=True, text=True)
-    assert "slices: 0 running (none), 2 ended" in status.stdout and "32 finished" in status.stdout, status
+    assert "slices: 0 running (none), 2 ended" in status.stdout and "64 finished" in status.stdout, status
+
+
+def test_an_array_of_slices_runs_one_optuna_and_asha_study(slurm):
+    """`rayhpc submit --array --study DIR`: array tasks without Ray share Optuna's study and ASHA's rungs."""
+    study = Path(f"/tmp/rayhpc-study-{uuid.uuid4().hex[:8]}")
+    proc = subprocess.run([RAYHPC, "submit", "--array", "--cluster", CLUSTER, "--study", str(study), "--slices", "2",
+                           "--", "--search", "optuna", "--scheduler", "asha", "--num-samples", "12", "--epochs", "4"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    job = re.match(r"submitted array job (\d+) ", proc.stdout).group(1)
+    SUBMITTED.append(job)
+    wait_done(job)
+    events = [json.loads(line) for line in (study / LEDGER_FILE).read_text().splitlines()]
+    assert len([e for e in events if e["event"] == "slice"]) == 2, events  # two array tasks, two slices
+    finished = collections.Counter(e["pack"] for e in events if e["event"] == "finish")
+    assert sorted(finished) == list(range(12)) and set(finished.values()) == {1}, finished
+    table = pd.read_parquet(study / RESULTS_FILE)
+    assert set(table["status"]) == {"finished", "early-stopped"} and set(table["node"]) <= {"node1", "node2"}, table

@@ -21,7 +21,6 @@ from helpers import (
     RAYHPC,
     ROOT,
     SUBMITTED,
-    TWO_NODES,
     assert_nothing_left,
     assert_speedup_and_efficiency,
     job_log,
@@ -73,20 +72,6 @@ def test_the_command_exit_code_reaches_slurm(slurm):
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", job_log(job)
     assert "rayhpc: command exited with code 3" in job_log(job)
     assert_nothing_left(job)
-
-
-
-
-def test_two_jobs_on_the_same_nodes_at_once_both_succeed(slurm):
-    jobs = [submit("python", "-c", TWO_NODES) for _ in range(2)]
-    infos = [wait_done(job) for job in jobs]
-    for job, info in zip(jobs, infos):
-        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job_log(job)
-        assert_nothing_left(job)
-    assert max(i["StartTime"] for i in infos) < min(i["EndTime"] for i in infos), "the jobs did not overlap"
-    assert {i["NodeList"] for i in infos} == {"node[1-2]"}
-    blocks = [re.search(r"; ports (\d+-\d+)", job_log(job)).group(1) for job in jobs]
-    assert blocks[0] != blocks[1]
 
 
 
@@ -263,11 +248,11 @@ def test_the_sbatch_script_works_directly(slurm, tmp_path):
     assert_nothing_left(job)
 
 
-def test_two_slurm_jobs_run_one_tpe_study_together(slurm):
-    """`rayhpc submit --study DIR --slices 2`: two jobs at once, each its own Ray cluster, one 64-trial TPE sweep."""
+def test_two_jobs_on_the_same_nodes_at_once_run_one_tpe_study_together(slurm):
+    """`rayhpc submit --study DIR --slices 2`: two jobs at once on the same two nodes, each its own Ray cluster
+    on its own block of ports, running one 64-trial TPE sweep together."""
     study = Path(f"/tmp/rayhpc-study-{uuid.uuid4().hex[:8]}")  # every "node" sees /tmp
-    proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, "--nodes", "1", "--study", str(study), "--slices",
-                           "2", "--", "python", "-u", "jobs/tune_mlp.py", "--search", "optuna", "--num-samples", "64",
+    proc = subprocess.run([RAYHPC, "submit", "--cluster", CLUSTER, "--study", str(study), "--slices", "2", "--", "python", "-u", "jobs/tune_mlp.py", "--search", "optuna", "--num-samples", "64",
                            "--epochs", "20"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     jobs = re.match(r"submitted job (\d+), (\d+): ", proc.stdout).groups()
@@ -282,6 +267,9 @@ def test_two_slurm_jobs_run_one_tpe_study_together(slurm):
     assert set(finished.values()) == {1} and len(slices) == 2, events
     assert {e["slice"] for e in events if e["event"] == "finish"} == set(slices)  # both ran packs
     assert max(i["StartTime"] for i in infos) < min(i["EndTime"] for i in infos), "the jobs did not overlap"
+    assert {i["NodeList"] for i in infos} == {"node[1-2]"}
+    blocks = [re.search(r"; ports (\d+-\d+)", job_log(job)).group(1) for job in jobs]
+    assert blocks[0] != blocks[1]
     table = pd.read_parquet(study / RESULTS_FILE)
     assert len(table) == 64 and table["trial_id"].is_unique and set(table["status"]) == {"finished"}, table
     status = subprocess.run([RAYHPC, "status", "--study", str(study)], capture_output=True, text=True)

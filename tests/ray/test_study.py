@@ -17,7 +17,10 @@ from helpers import ROOT, job_env, run_job
 from rayhpc.study.folder import LEDGER_FILE, PACKS_DIR, RESULTS_FILE, SLICES_DIR
 from rayhpc.study.search import _journal
 
-SWEEP = "search: optuna\nnum_samples: 64\nepochs: 6\nseed: 3\ndata: {synthetic: {num_samples: 6000}}\n"
+# a small discrete space (8 configurations): 64 trials find its best in any order of proposals, so that the
+# best of two slices is comparable with one slice's (a trial's result depends on its configuration alone)
+SWEEP = ("search: optuna\nnum_samples: 64\nepochs: 4\nseed: 3\ndata: {synthetic: {num_samples: 4000}}\n"
+         "space: {hidden: {choice: [16, 64]}, lr: {choice: [0.003, 0.01, 0.03, 0.1]}}\n")
 
 
 def events(study: Path) -> list[dict]:
@@ -75,7 +78,7 @@ def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_a
     assert len(table) == 64 and table["trial_id"].is_unique and set(table["status"]) == {"finished"}
     # no pack was trained to its end twice: one checkpoint of the last epoch each; the orphan resumed from its own
     for pack in finished:
-        assert len(list((study / PACKS_DIR / str(pack)).glob("epoch-000006-*"))) == 1, pack
+        assert len(list((study / PACKS_DIR / str(pack)).glob("epoch-000004-*"))) == 1, pack
     resumed = [json.loads(r.read_text().splitlines()[0]) for r in (study / SLICES_DIR).glob("*/*/result.json")
                if json.loads((r.parent / "params.json").read_text())["pack"] == orphan]
     assert [r["resumed_from_epoch"] >= 1 for r in resumed] == [True], resumed
@@ -92,7 +95,8 @@ def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_a
     proc = run_job("tune_mlp.py", "--config", str(config_alone), "--address", ray_address)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     best_alone = pd.read_parquet(alone / RESULTS_FILE)["best_val_loss"].min()
-    assert table["best_val_loss"].min() <= best_alone, (table["best_val_loss"].min(), best_alone)
+    # equal (up to float rounding: the same configuration trained in packs of other members) or better
+    assert table["best_val_loss"].min() <= best_alone * (1 + 1e-5), (table["best_val_loss"].min(), best_alone)
     status = subprocess.run([sys.executable, "-m", "rayhpc", "status", "--study", str(study)], capture_output=True,
                             text=True, cwd=ROOT, env=job_env(None))
     assert status.returncode == 0 and "64 finished" in status.stdout and "0 running" in status.stdout, status

@@ -130,3 +130,24 @@ def test_array_tasks_are_slices_without_ray_that_run_optuna_and_asha(tmp_path):
     trials = optuna.load_study(study_name="rayhpc", storage=_journal(study.path)).trials
     assert len(trials) == 12 and {t.state.name for t in trials} == {"COMPLETE"}
     assert sorted(t.value for t in trials) == sorted(table["val_loss"])
+
+
+def test_a_pack_is_recorded_once_when_a_slice_thought_dead_finishes_it_too(tmp_path):
+    """A slice whose lock was lost (seen dead) and that finishes its pack after another took it over: the
+    second finish is refused, so the pack's rows are those of the first, once."""
+    lost, other = Study(tmp_path), Study(tmp_path)
+    with lost.locked():
+        lost.ensure_plan(lambda: [[{"lr": 0.1}]])
+    lost.join("lost", ("val_loss", "min"))
+    with lost.locked():
+        lost.claim("lost", None, 1, 0)
+    os.close(lost._alive_fd)  # its lock released, the process alive
+    other.join("other", ("val_loss", "min"))
+    with other.locked():
+        assert other.claim("other", None, 1, 0)["pack"] == 0  # taken over
+        assert other.finish("other", 0, [{"trial_id": "0-0", "by": "other"}])
+    with lost.locked():
+        assert not lost.finish("lost", 0, [{"trial_id": "0-0", "by": "lost"}])
+        assert lost.results()["by"].tolist() == ["other"]
+    finishes = [e for e in map(json.loads, (tmp_path / LEDGER_FILE).read_text().splitlines()) if e["event"] == "finish"]
+    assert [e["slice"] for e in finishes] == ["other"]

@@ -62,7 +62,9 @@ def user_cluster(ray_cluster):
 
 
 def snapshot(address: str) -> dict[str, set]:
-    """What lives on the cluster: actors (not its services), placement groups, objects."""
+    """What lives on the cluster: actors (not its services), placement groups, objects. `address` is the
+    dashboard's URL: given the GCS address, the state API would keep a GCS client in this process, and
+    once the cluster is down that client ends the whole test session 60 s later."""
     return {"actors": {a.actor_id for a in list_actors(address=address) if a.state != "DEAD"
                        and a.class_name not in CLUSTER_SERVICES},
             "groups": {g.placement_group_id for g in list_placement_groups(address=address) if g.state != "REMOVED"},
@@ -108,11 +110,11 @@ def assert_joined_in_the_starter(job: subprocess.Popen, marks: Path, address: st
 
 def test_a_training_job_joins_it_and_leaves_it_as_it_found_it(user_cluster, tmp_path):
     address = user_cluster["address"]
-    before = snapshot(address)
+    before = snapshot(user_cluster["dashboard"])
     job = start("train_mlp.py", ["--storage-path", str(tmp_path), "--num-workers", "2", "--epochs", "1"],
                 tmp_path / "marks")
     assert_joined_in_the_starter(job, tmp_path / "marks", address)
-    assert_as_found(address, before)
+    assert_as_found(user_cluster["dashboard"], before)
 
 
 def sweep_args(folder: Path, hidden: list[int], epochs: int = 40) -> list[str]:
@@ -138,7 +140,7 @@ def sweeps_shown() -> list[set[int]]:
 
 def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(user_cluster, tmp_path):
     address, grids = user_cluster["address"], {"a": [8, 16], "b": [32, 64]}
-    before = snapshot(address)
+    before = snapshot(user_cluster["dashboard"])
     jobs = {name: start("tune_mlp.py", sweep_args(tmp_path / name, grid), tmp_path / f"{name}.marks")
             for name, grid in grids.items()}
     # while both run, each has its own board (what `rayhpc status` shows) with its own trials
@@ -151,7 +153,7 @@ def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(use
     for name, grid in grids.items():
         table = read_results(tmp_path / name / "same")
         assert sorted(table["config.hidden"]) == grid and set(table["status"]) == {"finished"}
-    assert_as_found(address, before)
+    assert_as_found(user_cluster["dashboard"], before)
     assert not list(connection.jobs_dir().iterdir()), "a job that ended is still registered"
 
 

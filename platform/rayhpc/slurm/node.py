@@ -99,7 +99,8 @@ def reap(job: str, markers: list[str], subreaper: bool = False, timeout_s: float
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        _collect_zombies()
+        if subreaper:  # otherwise the dead are their parents' to wait for (a caller's own children included)
+            _collect_zombies()
         time.sleep(0.1)
     return pids
 

@@ -501,9 +501,45 @@ def doctor_main(argv: Sequence[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def export_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc export SWEEP_DIR --best K DEST`: the K best trials' weights, hyperparameters and metrics."""
+    from rayhpc.tune.export import export_best  # only this command's modules (see the module docstring)
+
+    parser = ArgParser(prog="rayhpc export", description="Write the best trials of a sweep, by its objective, to "
+                       "DEST: a folder per trial with model.pt (its model's state dict, for the task's model(hp)), "
+                       "hp.json and metrics.json (its row of the results table). Members of packs come out as "
+                       "their own models.")
+    parser.add_argument("sweep", metavar="SWEEP_DIR", help="the sweep's folder (STORAGE_PATH/NAME)")
+    parser.add_argument("dest", metavar="DEST", help="where the trials' folders go (made only yours)")
+    parser.add_argument("--best", type=int, default=1, metavar="K", help="how many trials (default 1)")
+    args = parser.parse_args(argv)
+    if args.best < 1:
+        parser.error(f"--best {args.best}: expected 1 or more")
+    for folder in export_best(Path(args.sweep), args.best, Path(args.dest)):
+        print(folder)
+    return 0
+
+
+def sync_main(argv: Sequence[str] | None = None) -> int:
+    """`rayhpc sync DIR`: upload a job's offline W&B runs (from a machine that reaches W&B)."""
+    from rayhpc.tracking.sync import sync  # only this command's modules (see the module docstring)
+
+    parser = ArgParser(prog="rayhpc sync", description="Upload the W&B runs that jobs wrote offline (--wandb, "
+                       "wandb_mode offline: the default on compute nodes) with `wandb sync`, from a machine that "
+                       "reaches W&B, such as a login node. Runs uploaded before are skipped.")
+    parser.add_argument("folder", metavar="DIR", help="a job's folder, or a storage path of jobs")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs; upload nothing")
+    args = parser.parse_args(argv)
+    runs, status = sync(Path(args.folder), args.dry_run)
+    print(f"{len(runs)} offline W&B run(s) in {Path(args.folder).resolve()}" + ("" if args.dry_run else
+                                                                                  f": wandb sync exit {status}"))
+    return status
+
+
 COMMANDS = {"tune": tune_main, "train": train_main, "parallel": parallel_main, "ps": ps_main,
             "collectives": collectives_main, "scaling": scaling_main, "up": up_main, "down": down_main,
-            "submit": submit_main, "status": status_main, "stop": stop_main, "doctor": doctor_main}
+            "submit": submit_main, "status": status_main, "stop": stop_main, "doctor": doctor_main,
+            "export": export_main, "sync": sync_main}
 
 
 def usage() -> str:

@@ -152,6 +152,14 @@ class Checkpoints(StrictModel):
                       json_schema_extra={"flag": "--keep-checkpoints"})
 
 
+class RankedCheckpoints(Checkpoints):
+    """A sweep's checkpoints, which may also be kept by score."""
+
+    keep_best: int | None = Field(None, ge=1, description="keep the K checkpoints with the best objective (a "
+                                  "pack's: its best member's at that epoch) and the latest (resume needs it), "
+                                  "instead of the latest `keep`", json_schema_extra={"flag": "--keep-best"})
+
+
 class StepCheckpoints(Checkpoints):
     """When a training run checkpoints and how many it keeps (the `checkpoint:` section)."""
 

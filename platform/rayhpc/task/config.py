@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from rayhpc.config import JobConfig
 from rayhpc.data import DataConfig
 from rayhpc.task.load import absolute_spec, spec_label
+from rayhpc.tracking.config import Tracking
 
 
 class TaskJobConfig(JobConfig):
@@ -18,6 +19,7 @@ class TaskJobConfig(JobConfig):
                       "package.module:NAME")
     seed: int = Field(0, description="seeds initialisation, dropout and the data order")
     data: DataConfig = DataConfig()
+    tracking: Tracking = Tracking()
 
     @model_validator(mode="before")
     @classmethod

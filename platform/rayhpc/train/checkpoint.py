@@ -146,3 +146,12 @@ def prune(run_dir: str | Path, keep: int) -> None:
     job's itself; a folder still being written has no progress file yet and stays)."""
     for folder in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def checkpoint_config(checkpoint, objective: tuple[str, str], make):
+    """Tune's or Ray Train's `CheckpointConfig` (`make`): the latest `keep`, or the `keep_best` best by the
+    objective and the latest (Ray always keeps the latest: resume needs it)."""
+    if getattr(checkpoint, "keep_best", None) is None:
+        return make(num_to_keep=checkpoint.keep)
+    return make(num_to_keep=checkpoint.keep_best, checkpoint_score_attribute=objective[0],
+                checkpoint_score_order=objective[1])

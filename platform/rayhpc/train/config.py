@@ -84,6 +84,22 @@ class DataParallelJob(ModelOptions, TaskJobConfig):
         return self.optim.lr
 
 
+class TrainCheckpoints(StepCheckpoints):
+    """A training run's checkpoints, which may also be kept by score."""
+
+    keep_best: int | None = Field(None, ge=1, description="keep the K epoch-end checkpoints with the best "
+                                  "objective and the latest (resume needs it), instead of the latest `keep`",
+                                  json_schema_extra={"flag": "--keep-best"})
+
+    @model_validator(mode="after")
+    def _ranked_epochs(self):
+        if self.keep_best is not None and self.every is not None:
+            raise ConfigError(f"checkpoint.keep_best (--keep-best) {self.keep_best} and checkpoint.every "
+                              f"(--checkpoint-every) {self.every}: checkpoints are ranked by validation, which "
+                              "runs at epoch ends only; give one")
+        return self
+
+
 class TrainConfig(DataParallelJob):
     """Data-parallel training of a task with Ray Train's TorchTrainer (DDP or FSDP2)."""
 
@@ -91,6 +107,7 @@ class TrainConfig(DataParallelJob):
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel, or FSDP2 fully_shard "
                                              "per layer")
     scale_lr: bool = Field(False, description="multiply lr by the number of workers (the Horovod convention)")
+    checkpoint: TrainCheckpoints = TrainCheckpoints()
     precision: Precision = Field("tf32", description=PRECISION_HELP)
     metrics_every_steps: int | None = Field(None, ge=1, description="also record a metrics row every K steps")
     init_from: str | None = Field(None, description="start from a sweep trial's weights: SWEEP_DIR (its best "

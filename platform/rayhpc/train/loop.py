@@ -52,6 +52,7 @@ class Worker:
     # where reports go: Ray Train's `report` (with a checkpoint) by default; a warm worker group's
     # trial collects them for its Tune trial process instead (`rayhpc.tune.warm`)
     sink: Callable[["Worker", dict, bool], None] | None = None
+    tracker: object = None  # rank 0's `rayhpc.tracking.runs.Tracker` where the job has `tracking:`
 
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
@@ -87,6 +88,9 @@ class Worker:
     def report(self, metrics: dict, with_checkpoint: bool) -> None:
         self.gauges.record(metrics["loss"], metrics["worker_samples_per_s"], metrics["step_ms"] / 1000, self.device,
                            {k: v for k, v in metrics.items() if k.startswith("val_") and k != "val_loss"})
+        if self.tracker is not None:  # queued: the tracker's thread writes it
+            self.tracker.log(self.cfg.name, self.progress.global_step, {k: v for k, v in metrics.items()
+                                                                         if k not in ("epoch", "kind")})
         (self.sink or _ray_train_report)(self, metrics, with_checkpoint)
 
 
@@ -135,8 +139,31 @@ def train_loop_per_worker(config: dict) -> None:
                          lambda model, optimizer: checkpoint.restore(
                              ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
                              device=device), config.get("init"))
-    for epoch in range(worker.progress.epoch, worker.epochs):
-        run_epoch(worker, epoch)
+    worker.tracker = _open_run(cfg, hp) if worker.rank == 0 else None
+    try:
+        for epoch in range(worker.progress.epoch, worker.epochs):
+            run_epoch(worker, epoch)
+    except BaseException:
+        _close_run(worker, "error")
+        raise
+    _close_run(worker, "finished")
+
+
+def _open_run(cfg: TrainConfig, hp: dict):
+    """Rank 0's tracked run (`tracking:`), None without one; a restarted group's rank 0 continues it."""
+    from rayhpc.tracking.runs import RunInfo, start_tracker, system_tags
+
+    tracker = start_tracker(cfg.tracking, cfg.name, cfg.storage_path, cfg.experiment_dir)
+    if tracker is not None:
+        params = {**hp, "strategy": cfg.strategy, "num_workers": cfg.compute.num_workers}
+        tracker.open(RunInfo(cfg.name, cfg.name, params, system_tags(cfg.task, "train")))
+    return tracker
+
+
+def _close_run(worker: Worker, status: str) -> None:
+    if worker.tracker is not None:
+        worker.tracker.close(worker.cfg.name, status)
+        worker.tracker.shutdown()
 
 
 def _quiet_report_logs() -> None:

@@ -12,6 +12,7 @@ import pandas as pd
 
 from rayhpc import interrupt
 from rayhpc.job import start_job
+from rayhpc.train.checkpoint import checkpoint_config
 from rayhpc.train.config import TrainConfig, bind_training, train_hparams
 from rayhpc.train.loop import train_loop_per_worker
 from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
@@ -78,14 +79,16 @@ def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), log_le
     resources = {"CPU": cfg.compute.cpus_per_worker, **({"GPU": 1.0} if gpu else {})}
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg, "task": task, "hp": hp, "init": init},
+        # storage_path absolute: the workers' working folder is Ray's, and rank 0's tracking writes there
+        train_loop_config={"cfg": cfg.model_copy(update={"storage_path": cfg.storage_path.resolve()}), "task": task,
+                           "hp": hp, "init": init},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.compute.num_workers, use_gpu=gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
             name=cfg.name, storage_path=str(cfg.storage_path.resolve()),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            checkpoint_config=checkpoint_config(cfg.checkpoint, task.objective, ray.train.CheckpointConfig),
             callbacks=[MetricsRecorder(cfg.experiment_dir, cfg.epochs, log_level), *callbacks],
             # Ray Train logs every report at INFO; the recorder logs one line per epoch instead
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rayhpc.config import PRECISION_HELP, Checkpoints, ConfigError, ModelOptions, Precision, StrictModel
+from rayhpc.config import PRECISION_HELP, ConfigError, ModelOptions, Precision, RankedCheckpoints, StrictModel
 from rayhpc.task.config import TaskJobConfig
 from rayhpc.task.hparams import PlatformHParams, full_hparams
 from rayhpc.tune.pbt import MUTABLE, mutable
@@ -71,7 +71,7 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="with workers_per_trial > 1: DDP, or FSDP2 "
                                              "(parameters sharded over the trial's workers)")
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")
-    checkpoint: Checkpoints = Checkpoints()
+    checkpoint: RankedCheckpoints = RankedCheckpoints()
     asha: AshaConfig = AshaConfig()
     pbt: PbtConfig = PbtConfig()
     space: dict[str, Any] | None = Field(None, description="search space; unset: the task's own, else lr")

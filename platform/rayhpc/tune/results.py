@@ -29,14 +29,16 @@ def value_columns(metric_names: tuple[str, ...], objective: tuple[str, str]) -> 
 
 
 def trial_rows(trial, packs: list[list[dict]] | None, epochs: int | None, searched: list[str],
-               columns: list[str], interrupted: frozenset[str] = frozenset()) -> list[dict]:
+               columns: list[str], interrupted: frozenset[str] = frozenset(), tune_status: str | None = None
+               ) -> list[dict]:
     """One row per member of a Tune trial (a pack of one is a plain trial); `interrupted`: the trials a
-    stop signal ended (Tune stops them as if they had finished; `--resume` runs them on)."""
+    stop signal ended (Tune stops them as if they had finished; `--resume` runs them on); `tune_status`:
+    the trial's Tune status where it is not set yet (Tune's callbacks hear of an end before it is)."""
     members = members_of(trial.config, packs)
     last = trial.last_result or {}
     per_member = last.get("members", {})
     iterations = int(last.get("epoch", 0))
-    status = _STATUS.get(trial.status, trial.status.lower())
+    status = _STATUS.get(tune_status or trial.status, trial.status.lower())
     if status == "finished" and (trial.trial_id in interrupted or (epochs is not None and iterations < epochs)):
         status = "interrupted" if trial.trial_id in interrupted else "early-stopped"
     error = _error_line(trial) if status == "error" else None

@@ -18,6 +18,7 @@ from rayhpc import cluster, interrupt
 from rayhpc.config import ConfigError, ModelOptions
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
+from rayhpc.tracking.sweep import sweep_tracking
 from rayhpc.train import checkpoint
 from rayhpc.tune.config import SweepConfig, bind_sweep
 from rayhpc.tune.optim import PACKED
@@ -190,9 +191,9 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
             failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
             # keeping few checkpoints makes Tune save the experiment state after every trial
             # checkpoint, so a killed driver's --resume never re-runs an epoch already done
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            checkpoint_config=checkpoint.checkpoint_config(cfg.checkpoint, job.info.objective, tune.CheckpointConfig),
             callbacks=[recorder, ProgressPrinter(recorder), SweepMonitor(recorder, cfg.name), WatchStopSignals(),
-                       *callbacks],
+                       *sweep_tracking(job, packs, recorder.columns), *callbacks],
         ),
     )
 

@@ -52,14 +52,17 @@ def trial_weights(spec: str, objective: tuple[str, str]) -> TrialWeights:
         if row["pack_size"] > 1 else (row["trial_id"], 0)
     trial_dir, last = _checkpoint(sweep, tune_id, row["trial_id"], spec)
     config = json.loads((trial_dir / "params.json").read_text()) if (trial_dir / "params.json").exists() else {}
-    hp = _members(sweep, config)[member]
+    hp, state = checkpoint_weights(last, member, _members(sweep, config)[member])
+    return TrialWeights(row["trial_id"], hp, state, last)
 
-    if (last / PACK_FILE).exists():
 
-        state = load_pack_state(last)
-        hp = {**hp, **(state["hp"][member] if state["hp"] else {})}
-        return TrialWeights(row["trial_id"], hp, member_state_dict(state, member), last)
-    return TrialWeights(row["trial_id"], hp, load_full_state_dict(last), last)
+def checkpoint_weights(folder: Path, member: int, hp: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(hyperparameters, state dict) of member `member` (0 unless packed) in one checkpoint of a trial;
+    `hp`: as planned (PBT's changes, kept in a pack's checkpoint, are applied)."""
+    if (folder / PACK_FILE).exists():
+        state = load_pack_state(folder)
+        return {**hp, **(state["hp"][member] if state["hp"] else {})}, member_state_dict(state, member)
+    return hp, load_full_state_dict(folder)
 
 
 def _trusted(path: Path, below: bool) -> None:

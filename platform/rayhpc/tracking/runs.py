@@ -1,0 +1,256 @@
+"""Runs in MLflow and W&B, written by one background thread per job (`Tracker`).
+
+The caller (a sweep's driver, a training job's rank 0) only queues what happened: a run opened, a step's
+values, a run ended. The thread takes everything queued at once and writes each run's steps as one batch
+(MLflow's `log_batch`), so tracking costs the training path a queue put, and a slow or unreachable server
+costs it nothing. A write that fails is logged and dropped: tracking never stops a job.
+
+A run is known by a key unique within its job (the trial id, or the job's name): a resumed job finds the
+run it started before (MLflow: by the `rayhpc.key` tag; W&B: by the run id made from the key) and goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import queue
+import re
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# a run's end, in the results table's words
+FINISHED, EARLY_STOPPED, ERROR, INTERRUPTED = "finished", "early-stopped", "error", "interrupted"
+MLFLOW_STATUS = {FINISHED: "FINISHED", EARLY_STOPPED: "KILLED", ERROR: "FAILED", INTERRUPTED: "KILLED"}
+KEY_TAG = "rayhpc.key"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    key: str  # unique within the job: the trial id, or the job's name
+    name: str
+    params: dict  # the trial's full hyperparameters
+    tags: dict = field(default_factory=dict)  # node, Slurm job, git commit, job kind
+
+
+class MlflowRuns:
+    """One MLflow experiment (the sweep or job's name); a run per key."""
+
+    def __init__(self, uri: str, experiment: str):
+        if uri.startswith("file:"):
+            # MLflow 3 keeps its file store in maintenance mode and refuses it unless told: it needs no
+            # server and no database, which is what a compute node without a network has
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient  # optional: rayhpc[mlflow]
+
+        self.client = MlflowClient(uri)
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment = found.experiment_id if found else self.client.create_experiment(experiment)
+        self.ids: dict[str, str] = {}
+
+    def open(self, run: RunInfo) -> None:
+        from mlflow.entities import Param
+
+        same = self.client.search_runs([self.experiment], filter_string=f"tags.`{KEY_TAG}` = '{run.key}'",
+                                       max_results=1)
+        if same:  # a resumed job: its run goes on
+            run_id = same[0].info.run_id
+            self.client.update_run(run_id, "RUNNING")
+        else:
+            run_id = self.client.create_run(self.experiment, run_name=run.name,
+                                            tags={**run.tags, KEY_TAG: run.key}).info.run_id
+            params = [Param(k, str(v)[:6000]) for k, v in run.params.items()]
+            for i in range(0, len(params), 100):
+                self.client.log_batch(run_id, params=params[i:i + 100])
+        self.ids[run.key] = run_id
+
+    def log(self, key: str, steps: list[tuple[int, dict]]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for step, values in steps for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
+            self.client.log_batch(self.ids[key], metrics=metrics[i:i + 1000])
+
+    def close(self, key: str, status: str, artifact: Path | None) -> None:
+        run_id = self.ids.pop(key)
+        if artifact is not None:
+            self.client.log_artifacts(run_id, str(artifact), "checkpoint")
+        self.client.set_tag(run_id, "rayhpc.status", status)
+        self.client.set_terminated(run_id, MLFLOW_STATUS[status])
+
+
+class WandbRuns:
+    """W&B runs of one project, grouped by the sweep or job's name; offline by default, under `folder`."""
+
+    def __init__(self, project: str, group: str, folder: Path, mode: str):
+        import wandb  # optional: rayhpc[wandb]
+
+        self.wandb, self.project, self.group, self.folder, self.mode = wandb, project, group, folder, mode
+        self.runs: dict[str, object] = {}
+
+    def run_id(self, key: str) -> str:
+        """W&B's id of a key's run: stable, so that a resumed job continues it (at most 64 of [A-Za-z0-9_-])."""
+        text = re.sub(r"[^A-Za-z0-9_-]", "_", f"{self.group}-{key}")
+        return text if len(text) <= 64 else f"{text[:47]}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+
+    def open(self, run: RunInfo) -> None:
+        settings = self.wandb.Settings(silent=True, console="off", x_disable_stats=True, x_disable_meta=True)
+        self.runs[run.key] = self.wandb.init(
+            project=self.project, group=self.group, name=run.name, id=self.run_id(run.key), resume="allow",
+            config={**run.params, "rayhpc": {**run.tags, "key": run.key}}, dir=str(self.folder), mode=self.mode,
+            reinit="create_new", settings=settings)
+
+    def log(self, key: str, steps: list[tuple[int, dict]]) -> None:
+        run = self.runs[key]
+        for step, values in steps:
+            run.log(values, step=step)
+
+    def close(self, key: str, status: str, artifact: Path | None) -> None:
+        run = self.runs.pop(key)
+        if artifact is not None:
+            run.log_artifact(str(artifact), name=f"checkpoint-{self.run_id(key)}", type="model")
+        run.summary["status"] = status
+        run.finish(exit_code=1 if status == ERROR else 0)
+
+
+class Tracker:
+    """Queues run events for one background thread that writes them to every backend, batched."""
+
+    def __init__(self, makers: list):
+        """`makers`: functions that make the backends, called on the thread (importing MLflow takes a second)."""
+        self.failures = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, args=(makers,), name="rayhpc-tracking", daemon=True)
+        self._thread.start()
+
+    def open(self, run: RunInfo) -> None:
+        self._queue.put(("open", run))
+
+    def log(self, key: str, step: int, values: dict) -> None:
+        self._queue.put(("log", key, step, values))
+
+    def close(self, key: str, status: str, artifact=None) -> None:
+        """`artifact`: None, or a function returning a folder to upload (called on the thread)."""
+        self._queue.put(("close", key, status, artifact))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is written; False if `timeout` seconds passed first."""
+        done = threading.Event()
+        self._queue.put(("flush", done))
+        return done.wait(timeout)
+
+    def shutdown(self, timeout: float = 120.0) -> None:
+        self.flush(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _work(self, makers: list) -> None:
+        backends = [b for b in (self._call("start", make) for make in makers) if b is not None]
+        while True:
+            items = [self._queue.get()]
+            while True:  # everything queued meanwhile, as one batch
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            pending: dict[str, list] = {}  # key -> its steps, in order
+            for item in items:
+                if item is None:
+                    self._write(backends, pending)
+                    return
+                kind = item[0]
+                if kind == "log":
+                    pending.setdefault(item[1], []).append((item[2], _numbers(item[3])))
+                    continue
+                self._write(backends, pending)  # a run's steps before its end; everything before a flush
+                if kind == "open":
+                    for b in backends:
+                        self._call(f"open {item[1].key}", b.open, item[1])
+                elif kind == "close":
+                    artifact = self._call("checkpoint", item[3]) if item[3] is not None else None
+                    for b in backends:
+                        self._call(f"close {item[1]}", b.close, item[1], item[2], artifact)
+                    if artifact is not None:  # a temporary folder, uploaded
+                        shutil.rmtree(artifact, ignore_errors=True)
+                elif kind == "flush":
+                    item[1].set()
+            self._write(backends, pending)
+
+    def _write(self, backends, pending: dict) -> None:
+        for key, steps in pending.items():
+            for b in backends:
+                self._call(f"log {key}", b.log, key, steps)
+        pending.clear()
+
+    def _call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - tracking never stops a job: the failure is logged
+            self.failures += 1
+            if self.failures <= 5:
+                log.warning(f"tracking: {what} failed: {type(exc).__name__}: {exc}")
+            return None
+
+
+def _numbers(values: dict) -> dict[str, float]:
+    """The finite numbers among reported values (MLflow and W&B plot those)."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if math.isfinite(v):
+            out[k] = float(v)
+    return out
+
+
+def system_tags(task_spec: str, kind: str) -> dict:
+    """What a run records about where it ran: the node, the Slurm job, the task file's git commit."""
+    tags = {"rayhpc.kind": kind, "rayhpc.node": os.uname().nodename, "rayhpc.task": task_spec}
+    if job := os.environ.get("SLURM_JOB_ID"):
+        tags["rayhpc.slurm_job_id"] = job
+    if (commit := git_commit(task_spec)) is not None:
+        tags["rayhpc.git_commit"] = commit
+    return tags
+
+
+def git_commit(task_spec: str) -> str | None:
+    """The commit of the git repository holding a file task (`/path/file.py:NAME`), if it is in one."""
+    path = task_spec.rpartition(":")[0]
+    if not path.endswith(".py"):
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(Path(path).parent), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def start_tracker(tracking, name: str, storage_path: Path, job_dir: Path) -> Tracker | None:
+    """The job's tracker (None without a `tracking:` backend): MLflow's experiment and W&B's group are `name`;
+    W&B's offline runs go under `job_dir`, MLflow's default file store (`--mlflow file`) under `storage_path`."""
+    if not tracking.enabled:
+        return None
+    makers = []
+    if tracking.mlflow is not None:
+        makers.append(lambda: MlflowRuns(mlflow_uri(tracking.mlflow, storage_path), name))
+    if tracking.wandb is not None:
+        makers.append(lambda: WandbRuns(tracking.wandb, name, job_dir, tracking.wandb_mode))
+    return Tracker(makers)
+
+
+def mlflow_uri(given: str, storage_path: Path) -> str:
+    """`file`: a file store in `storage_path`/mlruns, made only this user's (0700); anything else as given."""
+    if given != "file":
+        return given
+    from rayhpc.slurm.private import private_dir
+
+    return (private_dir(storage_path.resolve() / "mlruns")).as_uri()

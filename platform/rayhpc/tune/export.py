@@ -1,0 +1,105 @@
+"""A sweep's best trials as plain files: `rayhpc export SWEEP_DIR --best K DEST`.
+
+Each trial becomes `DEST/<trial_id>/` with `model.pt` (its model's state dict: `model = task.model(hp);
+model.load_state_dict(torch.load("model.pt"))`), `hp.json` (every hyperparameter it was trained with) and
+`metrics.json` (its row of the results table). Members of packs come out as their own models
+(`rayhpc.tune.weights`). The same folder is what `tracking.log_checkpoint` uploads as a run's artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rayhpc.config import ConfigError, load_yaml, validate
+from rayhpc.slurm.private import UnsafePath, private_dir
+from rayhpc.train.checkpoint import PROGRESS_FILE
+from rayhpc.tune.trainable import PACK_FILE
+from rayhpc.tune.weights import checkpoint_weights, trial_weights
+
+log = logging.getLogger(__name__)
+MODEL_FILE, HP_FILE, METRICS_FILE = "model.pt", "hp.json", "metrics.json"
+
+
+def export_best(sweep: Path, k: int, dest: Path) -> list[Path]:
+    """Write the `k` best trials of the sweep in `sweep` (by its objective) to `dest`; their folders."""
+    from rayhpc.tune.results import read_results
+
+    sweep = sweep.expanduser().resolve()
+    if not (sweep / "sweep.yaml").is_file():
+        raise ConfigError(f"SWEEP_DIR {sweep}: not a sweep's folder (it has no sweep.yaml)")
+    objective = sweep_objective(sweep)
+    table = read_results(sweep)
+    column = f"best_{objective[0]}"
+    if table.empty or column not in table:
+        raise ConfigError(f"SWEEP_DIR {sweep}: no trial reported {objective[0]} yet, so none is best")
+    best = table.dropna(subset=[column]).sort_values(column, ascending=objective[1] == "min").head(k)
+    try:
+        private_dir(dest.expanduser().resolve())
+    except UnsafePath as exc:
+        raise ConfigError(f"DEST: {exc}") from None
+    out = []
+    for _, row in best.iterrows():
+        weights = trial_weights(f"{sweep}:{row['trial_id']}", objective)
+        out.append(write_trial(dest.expanduser().resolve() / str(row["trial_id"]), weights.hp, weights.state,
+                               _plain(row.to_dict())))
+    return out
+
+
+def sweep_objective(sweep: Path) -> tuple[str, str]:
+    """The objective a finished sweep optimised, as its results recorded it (`columns.json`), else its task's."""
+    from rayhpc.task import task_for
+    from rayhpc.tune.config import SweepConfig
+
+    cfg = validate(SweepConfig, load_yaml(sweep / "sweep.yaml"))
+    return task_for(cfg.task, cfg.data).objective
+
+
+def write_trial(folder: Path, hp: dict, state: dict, metrics: dict) -> Path:
+    """`folder` (made 0700) with the trial's `model.pt`, `hp.json` and `metrics.json`."""
+    private_dir(folder)
+    torch.save(state, folder / MODEL_FILE)
+    (folder / HP_FILE).write_text(json.dumps(_plain(hp), indent=1, sort_keys=True))
+    (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
+    return folder
+
+
+def write_checkpoint_artifact(trial_dir: Path, member: int, hp: dict, which: str,
+                              objective: tuple[str, str]) -> Path | None:
+    """A run's artifact (`tracking.log_checkpoint`): member `member`'s weights (`hp`: its hyperparameters) from
+    the trial's last checkpoint, or (`best`) from the kept checkpoint where its objective was best, in a new
+    private temporary folder (the tracker removes it once uploaded)."""
+    kept = sorted(c for c in trial_dir.glob("checkpoint_*") if (c / PROGRESS_FILE).exists())
+    if not kept:
+        return None
+    chosen, metrics = kept[-1], {}
+    if which == "best":
+        scored = [(c, _member_metrics(c, member)) for c in kept]
+        scored = [(c, m) for c, m in scored if m and math.isfinite(m.get(objective[0], math.nan))]
+        if scored:
+            pick = min if objective[1] == "min" else max
+            chosen, metrics = pick(scored, key=lambda cm: cm[1][objective[0]])
+    hp, state = checkpoint_weights(chosen, member, hp)
+    folder = Path(tempfile.mkdtemp(prefix="rayhpc-artifact-"))  # 0700, an unpredictable name
+    return write_trial(folder, hp, state, {**metrics, "checkpoint": chosen.name})
+
+
+def _member_metrics(folder: Path, member: int) -> dict:
+    if not (folder / PACK_FILE).exists():
+        return {}
+    state = torch.load(folder / PACK_FILE, map_location="cpu", weights_only=True)
+    return (state.get("metrics") or {}).get("members", {}).get(str(member), {})
+
+
+def _plain(values: dict) -> dict:
+    """JSON-safe: numpy scalars as Python numbers, NaN as null."""
+    out = {}
+    for k, v in values.items():
+        v = v.item() if hasattr(v, "item") else v
+        out[k] = None if isinstance(v, float) and math.isnan(v) else v
+    return out

@@ -19,6 +19,7 @@ from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.task import task_for
 from rayhpc.task.batches import collate
+from rayhpc.tracking.runs import job_run
 from rayhpc.train.checkpoint import Progress, latest_checkpoint, load_progress, prune, write_progress
 from rayhpc.train.config import train_hparams
 from rayhpc.workers.group import WorkerGroup
@@ -89,22 +90,38 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), log_l
         start_seconds = time.perf_counter() - started
         say(describe_layout(cfg, params, start_seconds))
         step_seconds = []
-        for step in range(start, cfg.steps):
-            loss, seconds = step_loss(group.run(worker.train_step, step))
-            losses.append(loss)
-            step_seconds.append(seconds)
-            say(f"step {step + 1}/{cfg.steps}: loss {loss:.5f}  {seconds * 1e3:.1f} ms  "
-                f"{cfg.global_batch / seconds:,.0f} samples/s{recipe.tokens(cfg.global_batch / seconds)}")
-            every = cfg.checkpoint.every
-            if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
-                checkpoint = save(group, cfg, step + 1, losses)
-                prune(cfg.experiment_dir, cfg.checkpoint.keep)
-            if made["data"]["val"] is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0 \
-                    and step + 1 < cfg.steps:  # the last step's comes below
-                say(f"step {step + 1}: {describe_validation(validate(group))}")
-        validation = validate(group) if made["data"]["val"] is not None else None
+        tracked = job_run(cfg, {**recipe.hp, **cfg.parallelism.model_dump()}, "parallel")
+        with tracked:
+            validation, checkpoint = _train(cfg, group, recipe, made, start, losses, step_seconds, checkpoint,
+                                            tracked, say)
         weights = {k: v for part in group.run(worker.gather_weights) for k, v in part.items()}
     return ParallelResult(cfg, losses, step_seconds, weights, validation, start_seconds, checkpoint)
+
+
+def _train(cfg: ParallelConfig, group: WorkerGroup, recipe: Recipe, made: dict, start: int, losses: list[float],
+           step_seconds: list[float], checkpoint: Path | None, tracked, say) -> tuple[dict | None, Path | None]:
+    """The steps from `start` on (each step's loss and time appended, and queued for the tracked run),
+    checkpointed and validated as `cfg` asks; (the last validation, None without a split; the latest checkpoint)."""
+    for step in range(start, cfg.steps):
+        loss, seconds = step_loss(group.run(worker.train_step, step))
+        losses.append(loss)
+        step_seconds.append(seconds)
+        tracked.log(step + 1, {"loss": loss, "step_ms": seconds * 1e3})
+        say(f"step {step + 1}/{cfg.steps}: loss {loss:.5f}  {seconds * 1e3:.1f} ms  "
+            f"{cfg.global_batch / seconds:,.0f} samples/s{recipe.tokens(cfg.global_batch / seconds)}")
+        every = cfg.checkpoint.every
+        if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
+            checkpoint = save(group, cfg, step + 1, losses)
+            prune(cfg.experiment_dir, cfg.checkpoint.keep)
+        if made["data"]["val"] is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0 \
+                and step + 1 < cfg.steps:  # the last step's comes below
+            metrics = validate(group)
+            tracked.log(step + 1, metrics)
+            say(f"step {step + 1}: {describe_validation(metrics)}")
+    validation = validate(group) if made["data"]["val"] is not None else None
+    if validation is not None:
+        tracked.log(cfg.steps, validation)
+    return validation, checkpoint
 
 
 def validate(group: WorkerGroup) -> dict[str, float]:

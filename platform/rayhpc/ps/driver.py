@@ -38,6 +38,7 @@ from rayhpc.ps.progress import Progress, checkpoint_step, checkpoint_steps, late
 from rayhpc.ps.server import ParameterServer
 from rayhpc.ps.worker import PSEvaluator, PSWorker, weights
 from rayhpc.task.batches import epoch_indices
+from rayhpc.tracking.runs import job_run
 from rayhpc.train.config import bind_train
 from rayhpc.train.metrics import METRICS_FILE
 
@@ -89,9 +90,13 @@ def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
         say(f"resuming from {checkpoint}")
     fleet = start_fleet(cfg, task, made, run, checkpoint)
     say(describe(cfg, made))
+    params = {**made["hp"], "mode": cfg.mode, "num_workers": cfg.compute.num_workers,
+              "num_servers": cfg.compute.num_servers}
     try:
-        while fleet.calls or fleet.evals:
-            fleet = supervise(cfg, task, made, run, fleet, failures, on_epoch, say)
+        with job_run(cfg, params, "ps") as tracked:
+            run.track = tracked.log
+            while fleet.calls or fleet.evals:
+                fleet = supervise(cfg, task, made, run, fleet, failures, on_epoch, say)
         final = weights(made["layout"], fleet.servers)
     finally:
         stop_fleet(fleet)

@@ -61,6 +61,7 @@ class Progress:
         self.best = float("inf")
         self.restored = 0
         self.epoch_ended: float | None = None  # unix time; None: from the first step of this session
+        self.track: Callable[[int, dict], None] | None = None  # the job's tracked run's log (`tracking:`)
 
     def restart_at(self, step: int) -> None:
         """Forget what comes after `step` (restored from a checkpoint): it will be computed again. Epochs
@@ -140,6 +141,8 @@ class Progress:
                "global_batch_size": cfg.global_batch, "batch_size_per_worker": cfg.per_worker_batch,
                "lr": self.hp["lr"] * lr_factor(self.hp, self.end_of(epoch) - 1, self.total)}
         self.recorder.after_report(None, [row], None)
+        if self.track is not None:
+            self.track(row["global_step"], row)
         # whole or not at all: a job stopped while it writes (Ctrl-C, a preemption) must leave a table its
         # resume can read
         tmp = self.steps_path.with_suffix(".tmp")

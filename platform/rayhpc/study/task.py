@@ -25,6 +25,7 @@ from rayhpc.config import load_yaml, validate
 from rayhpc.study.folder import LOCK_FILE, Study, slice_id
 from rayhpc.study.slice import SPEC_FILE, open_study
 from rayhpc.task import task_for
+from rayhpc.tracking.runs import JobRun, start_tracker, system_tags
 from rayhpc.tune.config import SweepConfig, bind_sweep
 from rayhpc.tune.single import task_device, train_single
 
@@ -51,29 +52,37 @@ def run_task(study: Study, task_spec: str | None = None) -> int:
 
         keeper = RungKeeper(str(study.path / STATE_FILE), *objective, cfg.epochs, cfg.asha.grace_period,
                             cfg.asha.reduction_factor, lock=str(study.path / LOCK_FILE))
+    tracker = start_tracker(cfg.tracking, study.path.name, study.path, study.path)
+    tags = system_tags(cfg.task, "array trial") if tracker is not None else {}
     done = 0
     while True:
         with study.locked():
             pack = study.claim(me, propose, 1, cfg.num_samples)
         if pack is None:
             break
-        row, value = _train(task, cfg, pack, columns, keeper)
+        hp = {**cfg.defaults(task.hp_model), **pack["members"][0]}
+        key = f"{pack['pack']}-0"
+        with JobRun(tracker, key, hp, {**tags, "rayhpc.trial": key}, f"{study.path.name}/{key}") as run:
+            row, value = _train(task, cfg, hp, key, columns, keeper, run.log)
+            run.status = row["status"]
         with study.locked():
             if study.finish(me, pack["pack"], [row]) and propose is not None and pack["optuna"]:
                 propose.tell(pack["optuna"], [value])
         done += 1
     with study.locked():
         study.write_results()
+    if tracker is not None:
+        tracker.shutdown()
     return done
 
 
-def _train(task, cfg: SweepConfig, pack: dict, columns: dict, keeper) -> tuple[dict, float | None]:
-    """(the trial's row, as a Ray sweep writes it; its objective value for Optuna, None if it failed)."""
-    hp = {**cfg.defaults(task.hp_model), **pack["members"][0]}
+def _train(task, cfg: SweepConfig, hp: dict, member: str, columns: dict, keeper, track) -> tuple[dict, float | None]:
+    """(the trial's row, as a Ray sweep writes it; its objective value for Optuna, None if it failed);
+    `track(epoch, values)`: its tracked run's log."""
     metric = columns["objective"][0]
-    member = f"{pack['pack']}-0"
 
     def asha(epoch: int, values: dict, _model) -> bool:
+        track(epoch, values)
         return keeper is not None and keeper.decide(metric, [(member, epoch, values[metric])])[0] and \
             epoch < cfg.epochs
 

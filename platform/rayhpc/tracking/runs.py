@@ -247,6 +247,50 @@ def start_tracker(tracking, name: str, storage_path: Path, job_dir: Path) -> Tra
     return Tracker(makers)
 
 
+def tracking_home(cfg) -> tuple[str, Path, Path]:
+    """(MLflow experiment and W&B group, where `--mlflow file` keeps its store, where W&B's offline runs go) of a
+    job: its name, storage path and folder; a study's slices (`rayhpc.study`) share the study's."""
+    study = getattr(cfg, "study", None)
+    if study is not None:
+        return Path(study).name, Path(study), Path(study)
+    return cfg.name, cfg.storage_path, cfg.experiment_dir
+
+
+class JobRun:
+    """One tracked run around a block of plain training (a training job's rank 0, an array trial, a model-parallel
+    or parameter-server job's driver): `log(step, values)` queues a step; leaving the block ends the run,
+    finished, or error where the block raised (`status` may be set to another end before)."""
+
+    def __init__(self, tracker: Tracker | None, key: str, params: dict, tags: dict, name: str | None = None,
+                 owns: bool = False):
+        """`owns`: the tracker is this run's alone; it is shut down (its writes waited for) when the run ends."""
+        self.tracker, self.key, self.status, self.owns = tracker, key, FINISHED, owns
+        if tracker is not None:
+            tracker.open(RunInfo(key, name or key, params, tags))
+
+    def log(self, step: int, values: dict) -> None:
+        if self.tracker is not None:
+            self.tracker.log(self.key, step, values)
+
+    def __enter__(self) -> "JobRun":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if self.tracker is not None:
+            self.tracker.close(self.key, ERROR if kind is not None else self.status)
+            if self.owns:
+                self.tracker.shutdown()
+
+
+def job_run(cfg, params: dict, kind: str, key: str | None = None) -> JobRun:
+    """The tracked run of a whole job, or of one trial `key` of it (`cfg.tracking`; nothing is tracked without a
+    backend); it waits for its writes when it ends."""
+    name, storage, folder = tracking_home(cfg)
+    tracker = start_tracker(cfg.tracking, name, storage, folder)
+    tags = {**system_tags(cfg.task, kind), **({"rayhpc.trial": key} if key else {})} if tracker else {}
+    return JobRun(tracker, key or cfg.name, params, tags, f"{name}/{key}" if key else name, owns=True)
+
+
 def mlflow_uri(given: str, storage_path: Path) -> str:
     """`file`: a file store in `storage_path`/mlruns, made only this user's (0700); anything else as given."""
     if given != "file":

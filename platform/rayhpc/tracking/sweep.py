@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ray.tune import Callback
 
-from rayhpc.tracking.runs import INTERRUPTED, RunInfo, start_tracker
+from rayhpc.tracking.runs import INTERRUPTED, RunInfo, start_tracker, tracking_home
 from rayhpc.tune.results import trial_rows
 from rayhpc.tune.trainable import members_of
 
@@ -23,8 +23,8 @@ class SweepTracking(Callback):
     """Tune callback: every trial of the sweep as a tracked run (see the module)."""
 
     def __init__(self, cfg, packs, defaults: dict, tags: dict, columns: list[str], objective: tuple[str, str]):
-        self.tracking, self.name, self.packs, self.defaults = cfg.tracking, cfg.name, packs, defaults
-        self.storage, self.exp_dir, self.epochs = cfg.storage_path, cfg.experiment_dir, cfg.epochs
+        self.tracking, self.packs, self.defaults, self.epochs = cfg.tracking, packs, defaults, cfg.epochs
+        self.name, self.storage, self.exp_dir = tracking_home(cfg)
         self.tags, self.columns, self.objective = tags, columns, objective
         self._reset()
 

@@ -52,7 +52,7 @@ class Worker:
     # where reports go: Ray Train's `report` (with a checkpoint) by default; a warm worker group's
     # trial collects them for its Tune trial process instead (`rayhpc.tune.warm`)
     sink: Callable[["Worker", dict, bool], None] | None = None
-    tracker: object = None  # rank 0's `rayhpc.tracking.runs.Tracker` where the job has `tracking:`
+    tracker: object = None  # a `rayhpc.tracking.runs.JobRun`: rank 0's tracked run where the job has `tracking:`
 
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
@@ -89,8 +89,7 @@ class Worker:
         self.gauges.record(metrics["loss"], metrics["worker_samples_per_s"], metrics["step_ms"] / 1000, self.device,
                            {k: v for k, v in metrics.items() if k.startswith("val_") and k != "val_loss"})
         if self.tracker is not None:  # queued: the tracker's thread writes it
-            self.tracker.log(self.cfg.name, self.progress.global_step, {k: v for k, v in metrics.items()
-                                                                         if k not in ("epoch", "kind")})
+            self.tracker.log(self.progress.global_step, {k: v for k, v in metrics.items() if k not in ("epoch", "kind")})
         (self.sink or _ray_train_report)(self, metrics, with_checkpoint)
 
 
@@ -139,31 +138,19 @@ def train_loop_per_worker(config: dict) -> None:
                          lambda model, optimizer: checkpoint.restore(
                              ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
                              device=device), config.get("init"))
-    worker.tracker = _open_run(cfg, hp) if worker.rank == 0 else None
-    try:
+    with _tracked(worker) as run:
+        worker.tracker = run
         for epoch in range(worker.progress.epoch, worker.epochs):
             run_epoch(worker, epoch)
-    except BaseException:
-        _close_run(worker, "error")
-        raise
-    _close_run(worker, "finished")
 
 
-def _open_run(cfg: TrainConfig, hp: dict):
-    """Rank 0's tracked run (`tracking:`), None without one; a restarted group's rank 0 continues it."""
-    from rayhpc.tracking.runs import RunInfo, start_tracker, system_tags
+def _tracked(w: Worker):
+    """Rank 0's tracked run (`tracking:`; a restarted group's rank 0 continues it); other ranks track nothing."""
+    from rayhpc.tracking.runs import JobRun, job_run
 
-    tracker = start_tracker(cfg.tracking, cfg.name, cfg.storage_path, cfg.experiment_dir)
-    if tracker is not None:
-        params = {**hp, "strategy": cfg.strategy, "num_workers": cfg.compute.num_workers}
-        tracker.open(RunInfo(cfg.name, cfg.name, params, system_tags(cfg.task, "train")))
-    return tracker
-
-
-def _close_run(worker: Worker, status: str) -> None:
-    if worker.tracker is not None:
-        worker.tracker.close(worker.cfg.name, status)
-        worker.tracker.shutdown()
+    if w.rank != 0 or not w.cfg.tracking.enabled:
+        return JobRun(None, w.cfg.name, {}, {})
+    return job_run(w.cfg, {**w.hp, "strategy": w.cfg.strategy, "num_workers": w.world}, "train")
 
 
 def _quiet_report_logs() -> None:

@@ -26,6 +26,7 @@ from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task import task_for
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
+from rayhpc.tracking.runs import job_run
 from rayhpc.train.parallelize import apply_options
 from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.plan import load_plan
@@ -106,8 +107,11 @@ def main(argv=None) -> int:
     cfg = validate(SweepConfig, load_yaml(args.config))
     task = task_for(args.task or cfg.task, cfg.data)
     (hp,) = load_plan(Path(args.config).parent)[args.index]  # the trials the submission drew
-    result = train_single(task, hp, cfg.epochs, cfg.data, device=task_device(cfg.gpus_per_trial),
-                          precision=cfg.precision, steps=cfg.steps, options=cfg)
+    cfg = cfg.model_copy(update={"storage_path": Path(args.config).parent.parent})  # the sweep's, wherever run
+    with job_run(cfg, {**cfg.defaults(task.hp_model), **hp}, "array trial", key=f"{args.index:05d}") as run:
+        result = train_single(task, hp, cfg.epochs, cfg.data, on_epoch=lambda e, values, _m: run.log(e, values),
+                              device=task_device(cfg.gpus_per_trial), precision=cfg.precision, steps=cfg.steps,
+                              options=cfg)
     row = {"index": args.index, "config": hp, "node": socket.gethostname(),
            **{k: v for k, v in result.items() if k != "model"}}
     out = Path(args.out)

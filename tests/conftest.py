@@ -15,7 +15,7 @@ import pytest
 
 from helpers import ATTACKER, ROOT, SUBMITTED, require
 
-KINDS = ("unit", "ray", "slurm", "browser", "gpu")
+KINDS = ("unit", "ray", "slurm", "browser", "gpu", "tracking")
 # the suite's own rayhpc folder: its jobs never join a cluster the developer started with `rayhpc up`, and
 # the tests of `rayhpc up` start theirs here (a new 0700 folder, removed at the end)
 os.environ["RAYHPC_HOME"] = tempfile.mkdtemp(prefix="rayhpc-home-")

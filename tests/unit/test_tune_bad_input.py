@@ -121,4 +121,4 @@ def test_the_rayhpc_command_runs_sweeps_and_rejects_unknown_commands(tmp_path):
     bad = subprocess.run([str(rayhpc), "tune", "--num-samples", "0"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and bad.stderr.startswith("error: num_samples (--num-samples): "), bad.stderr
     unknown = subprocess.run([str(rayhpc), "sweep"], capture_output=True, text=True, env=env)
-    assert unknown.returncode == 2 and unknown.stderr.strip() == "error: command 'sweep': expected one of tune, train, parallel, ps, collectives, scaling, up, down, submit, status, stop, doctor (see rayhpc --help)"
+    assert unknown.returncode == 2 and unknown.stderr.strip() == "error: command 'sweep': expected one of tune, train, parallel, ps, collectives, scaling, up, down, submit, status, stop, doctor, export, sync (see rayhpc --help)"

@@ -28,10 +28,17 @@ class Tracking(StrictModel):
     @field_validator("mlflow", "wandb")
     @classmethod
     def _installed(cls, value: str | None, info) -> str | None:
-        if value is not None and importlib.util.find_spec(info.field_name) is None:
+        if value is not None and not installed(info.field_name):
             raise ConfigError(f"needs {info.field_name}, which is not installed: {INSTALL[info.field_name]}")
         return value
 
     @property
     def enabled(self) -> bool:
         return self.mlflow is not None or self.wandb is not None
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # imported as absent (sys.modules[module] = None)
+        return False

@@ -5,13 +5,12 @@ storage path of several jobs); `wandb sync` uploads them and skips the ones it u
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 from rayhpc.config import ConfigError
-from rayhpc.tracking.config import INSTALL
+from rayhpc.tracking.config import INSTALL, installed
 
 
 def offline_runs(folder: Path) -> list[Path]:
@@ -29,7 +28,7 @@ def sync(folder: Path, dry_run: bool = False) -> tuple[list[Path], int]:
     if not runs:
         raise ConfigError(f"DIR {folder}: no offline W&B runs in it (looked for wandb/offline-run-* in it and in "
                           "its job folders)")
-    if importlib.util.find_spec("wandb") is None:
+    if not installed("wandb"):
         raise ConfigError(f"wandb is not installed: {INSTALL['wandb']}")
     flags = ["--dry-run"] if dry_run else []
     return runs, subprocess.run([sys.executable, "-m", "wandb", "sync", "--yes", *flags, *map(str, runs)]).returncode

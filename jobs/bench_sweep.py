@@ -6,6 +6,9 @@
         # the default sweep at each size, one fresh driver each: wall, driver CPU per trial, peak driver
         # memory, files and bytes per trial, the results table's write; --kill-after: a sweep of the
         # largest size whose driver is SIGKILLed that many seconds in, then resumed
+    python jobs/bench_sweep.py --tracking [--trials 128] [--epochs 10] [--repeats 2] [--samples 2048]
+        # the default sweep untracked, to an MLflow file store and to W&B offline, each in a fresh driver,
+        # alternated: wall, driver CPU, and the driver CPU tracking adds per trial-epoch (its writing thread's)
     python jobs/bench_sweep.py --distributed [--trials 16] [--workers 2] [--epochs 5]
     python jobs/bench_sweep.py --first-result [--repeats 2]
         # the default sweep (`python jobs/tune_mlp.py`) and the 16-trial reference sweep below (30 epochs), each
@@ -125,8 +128,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="with --distributed: workers per trial")
     parser.add_argument("--first-result", action="store_true", help="instead: time to first result, cold and "
                         "with the user's cluster up, of the default sweep and of the --trials reference sweep")
-    parser.add_argument("--repeats", type=int, default=2, help="with --first-result: runs of each (medians)")
+    parser.add_argument("--repeats", type=int, default=2, help="with --first-result or --tracking: runs of each "
+                        "(medians)")
+    parser.add_argument("--tracking", action="store_true", help="instead: the default sweep untracked, to MLflow "
+                        "(file store) and to W&B (offline), side by side")
+    parser.add_argument("--samples", type=int, default=2048, help="with --tracking: rows of the synthetic data "
+                        "(longer epochs)")
     args = parser.parse_args()
+    if args.tracking:
+        return tracking(args)
     if args.first_result:
         return first_result(args)
     if args.scale:
@@ -239,6 +249,43 @@ def scale(args) -> None:
                   f"{r['kept']:,} of them kept (same train_seconds), {r['finished']:,} of {r['trials']:,} finished; "
                   f"the resumed driver:\n{HEADER}")
             print_row(r, epochs)
+
+
+TRACKED = {"untracked": {}, "MLflow (file store)": {"mlflow": "file"}, "W&B (offline)": {"wandb": "bench"}}
+
+
+def tracking(args) -> None:
+    """The default sweep (`--trials`, default 128; `--epochs`, default 10) untracked and tracked, each way
+    `--repeats` times in turn, each in a fresh driver process on one local Ray: medians side by side."""
+    from statistics import median
+
+    from bench.scale_sweeps import run_driver
+
+    trials = args.trials if "--trials" in sys.argv else 128
+    epochs = args.epochs if "--epochs" in sys.argv else 10
+    ctx = start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+    print(f"tracking: the default sweep, {trials} trials x {epochs} epochs of {args.samples} samples, {args.cpus} "
+          f"CPUs, {args.repeats} runs of each, alternated (medians)", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in TRACKED}
+    with tempfile.TemporaryDirectory(prefix="bench_tracking_") as work:
+        for i in range(args.repeats):
+            for name, section in TRACKED.items():
+                sweep_name = f"{name.split()[0].lower().replace('&', '')}-{i}"
+                runs[name].append(run_driver(trials, epochs, ctx.address_info["gcs_address"], Path(work),
+                                             "--tracking", json.dumps(section), "--name", sweep_name,
+                                             "--samples", str(args.samples)))
+    disconnect()
+    base = {k: median(r[k] for r in runs["untracked"]) for k in ("wall_s", "driver_cpu_s", "children_cpu_s")}
+    n = trials * epochs
+    print(f"\n{'':20s} {'wall':>7s} {'vs untracked':>12s} {'driver CPU':>10s} {'added/trial-epoch':>17s} "
+          f"{'writer CPU':>10s} {'per trial-epoch':>15s}")
+    for name, rows in runs.items():
+        wall, cpu = median(r["wall_s"] for r in rows), median(r["driver_cpu_s"] for r in rows)
+        writer = median(r["children_cpu_s"] for r in rows) - base["children_cpu_s"]
+        print(f"{name:20s} {wall:6.1f}s {wall / base['wall_s']:11.3f}x {cpu:9.1f}s "
+              f"{1000 * (cpu - base['driver_cpu_s']) / n:14.3f} ms {writer:9.1f}s {1000 * writer / n:12.3f} ms")
+    print("\ngoal: added driver CPU <= 2 ms per trial-epoch, wall within 5% of untracked (1.050x); the writer "
+          "process's CPU is beside it")
 
 
 if __name__ == "__main__":

@@ -22,18 +22,22 @@ from pathlib import Path
 SIZES = (16, 128, 1024, 10_000)
 
 
-def measure_one(trials: int, epochs: int, address: str, storage: Path, resume: bool, study: bool = False) -> dict:
-    """Run the sweep in this process (the driver) and measure it; `study`: as the one slice of a study."""
+def measure_one(trials: int, epochs: int, address: str, storage: Path, resume: bool, study: bool = False,
+                tracking: dict | None = None, name: str | None = None, samples: int | None = None) -> dict:
+    """Run the sweep in this process (the driver) and measure it; `study`: as the one slice of a study;
+    `tracking`: its `tracking:` section (the runs' writes are waited for before the sweep returns)."""
     from rayhpc.tune.config import SweepConfig
     from rayhpc.tune.results import RESULTS_FILE, write_results
     from rayhpc.tune.sweep import run_sweep
 
-    cfg = SweepConfig(name=f"scale-{trials}", storage_path=storage, num_samples=trials, epochs=epochs,
-                      address=address, resume=resume, study=storage / f"study-{trials}" if study else None)
+    cfg = SweepConfig(name=name or f"scale-{trials}", storage_path=storage, num_samples=trials, epochs=epochs,
+                      address=address, resume=resume, study=storage / f"study-{trials}" if study else None,
+                      tracking=tracking or {}, data={"synthetic": {"num_samples": samples}} if samples else {})
     start = time.perf_counter()
     table = run_sweep(cfg, explicit={"resume"} if resume else set())
     wall = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # a tracked sweep's writer process, ended
     kept = cfg.study if study else cfg.experiment_dir  # what the sweep leaves on the filesystem
     t = time.perf_counter()  # the final write of the whole table, once more, timed
     write_results(table, kept, RESULTS_FILE + ".timed")
@@ -44,7 +48,8 @@ def measure_one(trials: int, epochs: int, address: str, storage: Path, resume: b
         files += len(names) + 1  # a folder is an inode too
         size += sum(os.path.getsize(os.path.join(folder, n)) for n in names)
     return {"trials": len(table), "finished": int((table["status"] == "finished").sum()), "wall_s": wall,
-            "driver_cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "driver_cpu_s": usage.ru_utime + usage.ru_stime, "children_cpu_s": children.ru_utime + children.ru_stime,
+            "peak_rss_mb": usage.ru_maxrss / 1024,
             "write_s": write_s, "files": files, "bytes": size, "best_val_loss": float(table["best_val_loss"].min())}
 
 
@@ -109,11 +114,15 @@ def main() -> None:
     p.add_argument("--storage", type=Path, required=True)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--study", action="store_true", help="the sweep as the one slice of a study")
+    p.add_argument("--tracking", default="{}", help="the sweep's tracking: section, as JSON")
+    p.add_argument("--name", help="the sweep's name (default scale-TRIALS)")
+    p.add_argument("--samples", type=int, help="rows of the synthetic data (default 2048)")
     a = p.parse_args()
     import logging
 
     logging.getLogger("rayhpc").setLevel(logging.WARNING)
-    print(json.dumps(measure_one(a.trials, a.epochs, a.address, a.storage, a.resume, a.study)), flush=True)
+    print(json.dumps(measure_one(a.trials, a.epochs, a.address, a.storage, a.resume, a.study, json.loads(a.tracking),
+                                 a.name, a.samples)), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from helpers import (
     CLUSTER,
@@ -215,7 +216,7 @@ def test_array_mode_runs_a_task_shipped_with_the_job_and_writes_the_ray_sweeps_t
     space.write_text("space: {width: {choice: [4, 8]}, lr: {loguniform: [0.01, 0.1]}}\n")
     proc = subprocess.run([RAYHPC, "submit", "--array", "--cluster", CLUSTER, "--", "--task", f"{private}/line.py:Line",
                            "--config", str(space), "--num-samples", "4", "--epochs", "3", "--max-concurrent", "2",
-                           "--storage-path", str(storage)], capture_output=True, text=True, cwd=ROOT)
+                           "--storage-path", str(storage), "--mlflow", "file"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     shutil.rmtree(private)  # the tasks run the copy in the sweep folder
     array = proc.stdout.split()[3]  # "submitted array job N (4 tasks) ..."
@@ -232,6 +233,11 @@ def test_array_mode_runs_a_task_shipped_with_the_job_and_writes_the_ray_sweeps_t
     assert len(table) == 4 and set(table["status"]) == {"finished"} and set(table["node"]) <= {"node1", "node2"}, table
     assert set(table["config.width"]) <= {4, 8} and (table["val_abs_error"] > 0).all()
     assert all((LOGS / f"rayhpc-local-slurm-array-{array}_{i}.log").is_file() for i in range(4))
+    # each array task tracked its trial in the sweep's MLflow file store: one run each, every epoch
+    runs = mlflow_runs(storage / "mlruns", "line-sweep")
+    assert sorted(r.data.tags["rayhpc.key"] for r in runs) == ["00000", "00001", "00002", "00003"]
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    assert sorted(r.data.metrics["val_loss"] for r in runs) == pytest.approx(sorted(table["val_loss"]), rel=1e-6)
 
 
 def test_the_sbatch_script_works_directly(slurm, tmp_path):
@@ -277,11 +283,12 @@ def test_two_jobs_on_the_same_nodes_at_once_run_one_tpe_study_together(slurm):
 
 
 def test_an_array_of_slices_runs_one_optuna_and_asha_study(slurm):
-    """`rayhpc submit --array --study DIR`: array tasks without Ray share Optuna's study and ASHA's rungs."""
+    """`rayhpc submit --array --study DIR`: array tasks without Ray share Optuna's study and ASHA's rungs, and
+    track each trial in the study's MLflow file store."""
     study = Path(f"/tmp/rayhpc-study-{uuid.uuid4().hex[:8]}")
     proc = subprocess.run([RAYHPC, "submit", "--array", "--cluster", CLUSTER, "--study", str(study), "--slices", "2",
-                           "--", "--search", "optuna", "--scheduler", "asha", "--num-samples", "12", "--epochs", "4"],
-                          capture_output=True, text=True, cwd=ROOT)
+                           "--", "--search", "optuna", "--scheduler", "asha", "--num-samples", "12", "--epochs", "4",
+                           "--mlflow", "file"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     job = re.match(r"submitted array job (\d+) ", proc.stdout).group(1)
     SUBMITTED.append(job)
@@ -292,3 +299,17 @@ def test_an_array_of_slices_runs_one_optuna_and_asha_study(slurm):
     assert sorted(finished) == list(range(12)) and set(finished.values()) == {1}, finished
     table = pd.read_parquet(study / RESULTS_FILE)
     assert set(table["status"]) == {"finished", "early-stopped"} and set(table["node"]) <= {"node1", "node2"}, table
+    runs = {r.data.tags["rayhpc.key"]: r for r in mlflow_runs(study / "mlruns", study.name)}
+    assert sorted(runs) == sorted(table["trial_id"])
+    for row in table.itertuples():
+        assert runs[row.trial_id].data.tags["rayhpc.status"] == row.status
+        assert runs[row.trial_id].data.metrics["val_loss"] == pytest.approx(row.val_loss, rel=1e-6)
+
+
+def mlflow_runs(store: Path, experiment: str) -> list:
+    """The runs of an experiment in an MLflow file store (read with MLflow's own client)."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store.as_uri())
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id], max_results=1000)

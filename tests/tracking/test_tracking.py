@@ -16,12 +16,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from wandb_files import offline_run
 
 from helpers import ROOT, job_env, mlp_split, require, run_job, sweep
 from rayhpc.cluster import free_port
+from rayhpc.config import validate
 from rayhpc.task import task_for
+from rayhpc.train.config import TrainConfig
 from rayhpc.tune.sweep import run_sweep
-from wandb_files import offline_run
 
 MLFLOW_STATUS = {"finished": "FINISHED", "early-stopped": "KILLED"}
 
@@ -33,9 +35,9 @@ def mlflow_server(tmp_path_factory):
     port = free_port()
     log = open(folder / "server.log", "w")
     proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
-                             str(port), "--backend-store-uri", f"sqlite:///{folder}/mlflow.db", "--artifacts-destination",
-                             str(folder / "artifacts"), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=folder, start_new_session=True)
+                             str(port), "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",
+                             "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=folder, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -79,7 +81,8 @@ def test_a_packed_sweep_is_one_mlflow_run_per_trial_on_a_tracking_server(ray_add
     assert sorted(runs) == sorted(table.index)  # 16 runs, one per trial, pack members included
     for trial_id, row in table.iterrows():
         run = runs[trial_id]
-        assert float(run.data.params["lr"]) == row["config.lr"] and int(run.data.params["hidden"]) == row["config.hidden"]
+        params = run.data.params
+        assert float(params["lr"]) == row["config.lr"] and int(params["hidden"]) == row["config.hidden"]
         history = client.get_metric_history(run.info.run_id, "val_loss")
         assert [m.step for m in history] == list(range(1, row["iterations"] + 1)), trial_id
         assert history[-1].value == pytest.approx(row["val_loss"], rel=1e-6)
@@ -129,7 +132,8 @@ def test_a_ddp_job_is_one_mlflow_run_in_a_file_store_and_keeps_its_best_checkpoi
 
     store = f"file:{tmp_path}/mlruns"
     proc = run_job("train_mlp.py", "--num-workers", "2", "--epochs", "3", "--storage-path", str(tmp_path), "--name",
-                   "ddp", "--mlflow", store, "--keep-best", "1", env={"RAY_ADDRESS": ray_address})
+                   "ddp", "--mlflow", store, "--keep-best", "1", "--log-checkpoint", "best",
+                   env={"RAY_ADDRESS": ray_address})
     assert proc.returncode == 0, proc.stderr[-3000:]
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(store)
@@ -145,6 +149,10 @@ def test_a_ddp_job_is_one_mlflow_run_in_a_file_store_and_keeps_its_best_checkpoi
     steps = {json.loads((c / "progress.json").read_text())["global_step"] for c in kept}
     best = int(epochs.loc[epochs["val_loss"].idxmin(), "global_step"])
     assert steps == {best, int(epochs["global_step"].iloc[-1])}
+    # its best weights as the run's artifact: they evaluate to the best epoch's val_loss
+    got = Path(client.download_artifacts(runs[0].info.run_id, "checkpoint", str(tmp_path)))
+    task = task_for("mlp", validate(TrainConfig, {}).data)
+    assert plain_val_loss(load_trial(got, task), task) == pytest.approx(epochs["val_loss"].min(), rel=1e-4)
 
 
 def test_wandb_offline_runs_are_written_with_no_network_one_per_trial(tmp_path):

@@ -58,6 +58,7 @@ class ParallelConfig(ModelOptions, TaskJobConfig):
     the same `optim:`, `schedule:` and task sections as every job, and a `parallelism:` section."""
 
     kind: ClassVar[str] = "parallel"
+    uploads_weights: ClassVar[bool] = False  # sharded: tracking.log_checkpoint is refused
     hparams: dict[str, Any] = Field({}, description="the task's own hyperparameters, e.g. dim=128,layers=4",
                                     json_schema_extra={"flag": "--hp"})
     parallelism: Parallelism = Parallelism()

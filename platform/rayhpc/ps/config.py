@@ -23,6 +23,7 @@ class PSConfig(DataParallelJob):
     """Training with a sharded parameter server: workers pull parameters and push gradients."""
 
     kind: ClassVar[str] = "ps"
+    uploads_weights: ClassVar[bool] = False  # sharded: tracking.log_checkpoint is refused
     mode: Literal["sync", "async"] = Field("sync", description="sync: servers average the workers' gradients of a "
                                            "step, then step the optimizer once (= DDP); async: Downpour, each "
                                            "gradient applied as it arrives")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from rayhpc.config import JobConfig
+from rayhpc.config import ConfigError, JobConfig
 from rayhpc.data import DataConfig
 from rayhpc.task.load import absolute_spec, spec_label
 from rayhpc.tracking.config import Tracking
@@ -20,6 +20,15 @@ class TaskJobConfig(JobConfig):
     seed: int = Field(0, description="seeds initialisation, dropout and the data order")
     data: DataConfig = DataConfig()
     tracking: Tracking = Tracking()
+    uploads_weights: ClassVar[bool] = True  # tracking.log_checkpoint: this job can upload its model's weights
+
+    @model_validator(mode="after")
+    def _weights_to_upload(self):
+        if self.tracking.log_checkpoint != "none" and not self.uploads_weights:
+            raise ConfigError(f"tracking.log_checkpoint (--log-checkpoint) {self.tracking.log_checkpoint}: a "
+                              f"{self.kind} job's weights are sharded over its ranks or servers; sweeps and "
+                              "training runs upload weights; use none")
+        return self
 
     @model_validator(mode="before")
     @classmethod

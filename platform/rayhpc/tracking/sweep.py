@@ -5,6 +5,7 @@ results table (finished, early-stopped, error; interrupted when a stop signal en
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from ray.tune import Callback
@@ -41,7 +42,8 @@ class SweepTracking(Callback):
         self._reset()
 
     def setup(self, **info):
-        self._tracker = start_tracker(self.tracking, self.name, self.storage, self.exp_dir)
+        # its writer in a process of its own: the driver's event loop, which schedules every trial, only queues
+        self._tracker = start_tracker(self.tracking, self.name, self.storage, self.exp_dir, process=True)
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         members = members_of(trial.config, self.packs)
@@ -82,7 +84,7 @@ class SweepTracking(Callback):
 
         folder, which, objective = Path(trial.path), self.tracking.log_checkpoint, self.objective
         hp = {**self.defaults, **members_of(trial.config, self.packs)[member]}
-        return lambda: write_checkpoint_artifact(folder, member, hp, which, objective)
+        return functools.partial(write_checkpoint_artifact, folder, member, hp, which, objective)
 
     def on_experiment_end(self, trials, **info):
         for trial in trials:  # trials a stop signal ended: a resumed sweep opens their runs again

@@ -62,6 +62,8 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     finally:
         interrupt.install()  # Ray Train's handler stays installed after fit()
     fit_seconds = time.perf_counter() - started
+    if cfg.tracking.enabled and cfg.tracking.log_checkpoint != "none" and result.checkpoint is not None:
+        upload_weights(cfg, result, job.task, train_hparams(cfg, job.task.hp_model))
     metrics = pd.read_parquet(cfg.experiment_dir / METRICS_FILE)
     checkpoint = Path(result.checkpoint.path) if result.checkpoint is not None else None
     return TrainResult(cfg, metrics, checkpoint, job.ray_seconds, fit_started, fit_seconds)
@@ -131,3 +133,25 @@ def format_summary(result: TrainResult) -> str:
             + (f"({epochs['tokens_per_s'].median():,.0f} tokens/s) " if "tokens_per_s" in epochs else "") +
             f"(median epoch), {epochs['step_ms'].median():.2f} ms/step{_utilisation(epochs)}\n"
             f"checkpoint: {result.checkpoint_dir}\nmetrics: {cfg.experiment_dir / METRICS_FILE}")
+
+
+def upload_weights(cfg: TrainConfig, result, task, hp: dict) -> None:
+    """The run's weights as its tracked run's artifact (`tracking.log_checkpoint`): the last checkpoint's, or
+    the kept one's with the best objective, whole (FSDP's shards gathered), as `rayhpc export` writes a trial."""
+    import functools
+    import tempfile
+
+    from rayhpc.tracking.runs import job_run
+    from rayhpc.train.checkpoint import load_full_state_dict
+    from rayhpc.tune.export import write_trial
+
+    pick, metrics = result.checkpoint, result.metrics or {}
+    name, mode = task.objective
+    scored = [(c, m) for c, m in (result.best_checkpoints or []) if name in m]
+    if cfg.tracking.log_checkpoint == "best" and scored:
+        pick, metrics = (min if mode == "min" else max)(scored, key=lambda cm: cm[1][name])
+    folder = Path(tempfile.mkdtemp(prefix="rayhpc-artifact-"))  # 0700, an unpredictable name
+    write_trial(folder, hp, load_full_state_dict(pick.path), {k: v for k, v in metrics.items()
+                                                              if isinstance(v, (int, float, str))})
+    with job_run(cfg, hp, "train") as run:  # the run rank 0 wrote, continued for its weights
+        run.artifact = functools.partial(Path, folder)

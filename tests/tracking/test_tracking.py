@@ -131,8 +131,9 @@ def test_a_ddp_job_is_one_mlflow_run_in_a_file_store_and_keeps_its_best_checkpoi
     from mlflow.tracking import MlflowClient
 
     store = f"file:{tmp_path}/mlruns"
-    proc = run_job("train_mlp.py", "--num-workers", "2", "--epochs", "3", "--storage-path", str(tmp_path), "--name",
-                   "ddp", "--mlflow", store, "--keep-best", "1", "--log-checkpoint", "best",
+    # lr 1.0: a validation loss that goes up and down, so the best epoch is not the last
+    proc = run_job("train_mlp.py", "--num-workers", "2", "--epochs", "4", "--lr", "1.0", "--storage-path", str(tmp_path),
+                   "--name", "ddp", "--mlflow", store, "--keep-best", "1", "--log-checkpoint", "best",
                    env={"RAY_ADDRESS": ray_address})
     assert proc.returncode == 0, proc.stderr[-3000:]
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -147,8 +148,8 @@ def test_a_ddp_job_is_one_mlflow_run_in_a_file_store_and_keeps_its_best_checkpoi
     # Ray Train kept the best epoch's checkpoint by val_loss, and the latest
     kept = [c for c in (tmp_path / "ddp").glob("checkpoint_*") if c.is_dir()]
     steps = {json.loads((c / "progress.json").read_text())["global_step"] for c in kept}
-    best = int(epochs.loc[epochs["val_loss"].idxmin(), "global_step"])
-    assert steps == {best, int(epochs["global_step"].iloc[-1])}
+    best, last = int(epochs.loc[epochs["val_loss"].idxmin(), "global_step"]), int(epochs["global_step"].iloc[-1])
+    assert best != last and steps == {best, last}
     # its best weights as the run's artifact: they evaluate to the best epoch's val_loss
     got = Path(client.download_artifacts(runs[0].info.run_id, "checkpoint", str(tmp_path)))
     task = task_for("mlp", validate(TrainConfig, {}).data)

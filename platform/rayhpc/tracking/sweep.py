@@ -34,7 +34,7 @@ class SweepTracking(Callback):
         self._open: set[str] = set()  # runs started and not ended
         self._stopped: set[str] = set()  # members ASHA stopped: their values stay as they were
 
-    def __getstate__(self):  # pickled with the tuner for --resume: the thread and runs start again
+    def __getstate__(self):  # pickled with the tuner for --resume: the writer and runs start again
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def __setstate__(self, state):
@@ -79,7 +79,7 @@ class SweepTracking(Callback):
                                     self._artifact(trial, j) if self.tracking.log_checkpoint != "none" else None)
 
     def _artifact(self, trial, member: int):
-        """The member's weights (last, or its best kept checkpoint), written to a folder when the thread asks."""
+        """The member's weights (last, or its best kept checkpoint), written to a folder when the writer asks."""
         from rayhpc.tune.export import write_checkpoint_artifact  # torch: only when checkpoints are logged
 
         folder, which, objective = Path(trial.path), self.tracking.log_checkpoint, self.objective

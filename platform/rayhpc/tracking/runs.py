@@ -1,7 +1,8 @@
-"""Runs in MLflow and W&B, written by one background thread per job (`Tracker`).
+"""Runs in MLflow and W&B, written by one writer per job (`Tracker`): a thread, or for a sweep's driver a
+process of its own.
 
 The caller (a sweep's driver, a training job's rank 0) only queues what happened: a run opened, a step's
-values, a run ended. The thread takes everything queued at once and writes each run's steps as one batch
+values, a run ended. The writer takes everything queued at once and writes each run's steps as one batch
 (MLflow's `log_batch`), so tracking costs the training path a queue put, and a slow or unreachable server
 costs it nothing. A write that fails is logged and dropped: tracking never stops a job.
 

@@ -150,8 +150,10 @@ class KillRankOnce(Callback):
     """In the sweep's driver: after the first trial's epoch-1 result, SIGKILL one rank of the warm
     group a little later (while it trains epoch 2); logs the killed PID."""
 
-    def __init__(self, log: str, delay_s: float = 0.2):
-        self.log, self.delay_s, self.done = log, delay_s, False
+    def __init__(self, log: str, dashboard: str, delay_s: float = 0.2):
+        """`dashboard`: the session cluster's dashboard URL, which the state API is asked through (left to
+        find a cluster by itself, it fails wherever a second Ray runs on the machine)."""
+        self.log, self.dashboard, self.delay_s, self.done = log, dashboard, delay_s, False
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if self.done or result.get("epoch") != 1:
@@ -162,18 +164,19 @@ class KillRankOnce(Callback):
     def _kill(self):
         from ray.util.state import list_actors
 
-        ranks = list_actors(filters=[("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")])
+        alive = [("class_name", "=", "RankWorker"), ("state", "=", "ALIVE")]
+        ranks = list_actors(address=self.dashboard, filters=alive)
         pid = max(r.pid for r in ranks)
         os.kill(pid, signal.SIGKILL)
         Path(self.log).write_text(json.dumps({"pid": pid, "ranks": len(ranks)}))
 
 
-def test_a_killed_rank_restarts_the_group_and_the_trial_ends_equal(ray_address, runs, tmp_path):
+def test_a_killed_rank_restarts_the_group_and_the_trial_ends_equal(ray_cluster, runs, tmp_path):
     log = tmp_path / "killed.json"
     lrs = LRS[:2]
     table = run_sweep(sweep(tmp_path, name="killed", task=TASK, search="grid", epochs=EPOCHS, workers_per_trial=2,
                             max_concurrent=1, space={"lr": {"grid": lrs}, **FIXED}, trial_runner="warm"),
-                      callbacks=(KillRankOnce(str(log)),))
+                      callbacks=(KillRankOnce(str(log), f"http://{ray_cluster['webui_url']}"),))
     killed = json.loads(log.read_text())
     assert killed["ranks"] == 2
     with pytest.raises(ProcessLookupError):

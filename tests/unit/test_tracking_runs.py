@@ -76,3 +76,18 @@ def test_a_tracking_flag_without_its_package_says_how_to_install_it():
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == ("error: tracking.mlflow (--mlflow): needs mlflow, which is not installed: "
                                    "pip install 'rayhpc[mlflow]'")
+
+
+def test_export_loads_nothing_from_a_sweep_folder_others_can_write(tmp_path):
+    """`rayhpc export` reads the sweep's definition, which names a task file to import: from a folder another user
+    could have written, it refuses with one line and imports nothing."""
+    sweep, marker = tmp_path / "sweep", tmp_path / "imported"
+    sweep.mkdir()
+    planted = tmp_path / "planted.py"
+    planted.write_text(f"open({str(marker)!r}, 'w').close()\nclass Task: pass\n")
+    (sweep / "sweep.yaml").write_text(f"name: sweep\ntask: {planted}:Task\n")
+    sweep.chmod(0o777)
+    proc = subprocess.run([sys.executable, "-m", "rayhpc", "export", str(sweep), str(tmp_path / "out")],
+                          capture_output=True, text=True, env=job_env(None), timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: SWEEP_DIR:"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not marker.exists()

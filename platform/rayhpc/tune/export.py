@@ -9,7 +9,6 @@ model.load_state_dict(torch.load("model.pt"))`), `hp.json` (every hyperparameter
 from __future__ import annotations
 
 import json
-import logging
 import math
 import tempfile
 from pathlib import Path
@@ -17,12 +16,11 @@ from pathlib import Path
 import torch
 
 from rayhpc.config import ConfigError, load_yaml, validate
-from rayhpc.slurm.private import UnsafePath, private_dir
+from rayhpc.slurm.private import UnsafePath, check_trusted, private_dir
 from rayhpc.train.checkpoint import PROGRESS_FILE
 from rayhpc.tune.trainable import PACK_FILE
 from rayhpc.tune.weights import checkpoint_weights, trial_weights
 
-log = logging.getLogger(__name__)
 MODEL_FILE, HP_FILE, METRICS_FILE = "model.pt", "hp.json", "metrics.json"
 
 
@@ -33,6 +31,10 @@ def export_best(sweep: Path, k: int, dest: Path) -> list[Path]:
     sweep = sweep.expanduser().resolve()
     if not (sweep / "sweep.yaml").is_file():
         raise ConfigError(f"SWEEP_DIR {sweep}: not a sweep's folder (it has no sweep.yaml)")
+    try:  # before its definition names a task file to load: the folder and all in it are this user's alone
+        check_trusted(sweep, below=True)
+    except UnsafePath as exc:
+        raise ConfigError(f"SWEEP_DIR: {exc}") from None
     objective = sweep_objective(sweep)
     table = read_results(sweep)
     column = f"best_{objective[0]}"
@@ -52,7 +54,7 @@ def export_best(sweep: Path, k: int, dest: Path) -> list[Path]:
 
 
 def sweep_objective(sweep: Path) -> tuple[str, str]:
-    """The objective a finished sweep optimised, as its results recorded it (`columns.json`), else its task's."""
+    """The objective the sweep optimised: its task's (the task its `sweep.yaml` names)."""
     from rayhpc.task import task_for
     from rayhpc.tune.config import SweepConfig
 

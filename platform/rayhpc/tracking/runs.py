@@ -161,12 +161,7 @@ class Writer:
     def run(self) -> None:
         backends = [b for b in (self._call("start", make) for make in self.makers) if b is not None]
         while True:
-            batch = [self.items.get()]
-            while True:  # everything queued meanwhile, as one batch
-                try:
-                    batch.append(self.items.get_nowait())
-                except queue.Empty:
-                    break
+            batch = _drain(self.items)
             pending: dict[str, list] = {}  # key -> its steps, in order
             for item in batch:
                 if item is None:
@@ -263,12 +258,7 @@ class Tracker:
         stays here, the writer gets its number)."""
         alive = True
         while True:
-            batch = [self._queue.get()]
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            batch = _drain(self._queue)
             for i, item in enumerate(batch):
                 if item is not None and item[0] == "flush":
                     self._waiting[id(item[1])] = item[1]
@@ -300,6 +290,16 @@ class Tracker:
             event = self._waiting.pop(token, None)
             if event is not None:
                 event.set()
+
+
+def _drain(items) -> list:
+    """The next event (waiting for it) and everything queued meanwhile: one batch."""
+    batch = [items.get()]
+    while True:
+        try:
+            batch.append(items.get_nowait())
+        except queue.Empty:
+            return batch
 
 
 def _start_writer(makers: list) -> subprocess.Popen:

@@ -50,7 +50,8 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     cfg, weights = job.cfg, init["weights"]
     if weights is not None:
         log.info("init: the weights of trial %s (%s)", weights.trial_id, weights.checkpoint)
-    trainer = make_trainer(cfg, job.task, train_hparams(cfg, job.task.hp_model), callbacks,
+    hp = train_hparams(cfg, job.task.hp_model)
+    trainer = make_trainer(cfg, job.task, hp, callbacks,
                            init=weights.state if weights is not None else None)
     fit_started, started = time.time(), time.perf_counter()
     try:
@@ -63,7 +64,7 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
         interrupt.install()  # Ray Train's handler stays installed after fit()
     fit_seconds = time.perf_counter() - started
     if cfg.tracking.enabled and cfg.tracking.log_checkpoint != "none" and result.checkpoint is not None:
-        upload_weights(cfg, result, job.task, train_hparams(cfg, job.task.hp_model))
+        upload_weights(cfg, result, job.task, hp)
     metrics = pd.read_parquet(cfg.experiment_dir / METRICS_FILE)
     checkpoint = Path(result.checkpoint.path) if result.checkpoint is not None else None
     return TrainResult(cfg, metrics, checkpoint, job.ray_seconds, fit_started, fit_seconds)

@@ -102,6 +102,7 @@ def test_bad_input_names_the_key_before_ray_starts(tmp_path):
     assert proc.returncode == 2 and "workers" in proc.stderr and "at least 1" in proc.stderr, proc.stderr
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 def test_a_short_scaling_study_runs_end_to_end(ray_address, tmp_path):
     """Weak scaling here; strong scaling runs across the two Slurm nodes (test_slurm)."""
     proc = run_job("scaling_study.py", "--address", ray_address, "--modes", "weak", "--workers", "1,2", "--epochs",

@@ -38,6 +38,8 @@ LRS = [0.03, 0.01, 0.1]
 FIXED = {"batch_size": 32, "optimizer": "adamw", "weight_decay": 0.05, "beta1": 0.8, "warmup_steps": 10,
          "decay": "cosine", "min_lr_ratio": 0.1, "clip_grad_norm": 0.5, "accumulate": 2, "step_ms": 30.0}
 
+pytestmark = pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
+
 
 def dist_sweep(tmp_path, name: str, runner: str, lrs=LRS, **kw):
     # one slot (max_concurrent 1): every trial of the warm sweep runs on the same group, one after another

@@ -83,6 +83,7 @@ def test_ddp_equals_one_process_with_the_global_batch(ddp_run):
 
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 def test_resume_after_the_driver_is_killed_continues_from_the_checkpoint(ray_address, ddp_run, tmp_path):
     args = [sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--storage-path", str(tmp_path), "--name", "r",
             "--epochs", str(EPOCHS), "--num-workers", "2", "--batch-size-per-worker", "32", "--hp", "hidden=16",

@@ -148,6 +148,7 @@ def test_fsdp2_with_every_option_on_two_ranks_equals_one_plain_process(ray_addre
     assert_reference_run(run, reference)
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 def test_ddp_with_every_option_killed_mid_warm_up_and_mid_decay_equals_one_plain_process(ray_address, tmp_path,
                                                                                          reference):
     """The same options under DDP with selective activation checkpointing; a worker killed after step 30

@@ -9,6 +9,9 @@
     python jobs/bench_sweep.py --tracking [--trials 128] [--epochs 10] [--repeats 2] [--samples 2048]
         # the default sweep untracked, to an MLflow file store and to W&B offline, each in a fresh driver,
         # alternated: wall, driver CPU, and the driver CPU tracking adds per trial-epoch (its writing thread's)
+    python jobs/bench_sweep.py --seeds 5 [--trials 128] [--epochs 10] [--repeats 2]
+        # the default sweep with one seed per configuration and with --seeds seeds (repeats), each in a fresh
+        # driver, alternated: wall and its ratio (goal: 5 seeds x 128 configurations in <= 1.3x one seed's)
     python jobs/bench_sweep.py --distributed [--trials 16] [--workers 2] [--epochs 5]
     python jobs/bench_sweep.py --first-result [--repeats 2]
         # the default sweep (`python jobs/tune_mlp.py`) and the 16-trial reference sweep below (30 epochs), each
@@ -132,11 +135,15 @@ def main() -> None:
                         "(medians)")
     parser.add_argument("--tracking", action="store_true", help="instead: the default sweep untracked, to MLflow "
                         "(file store) and to W&B (offline), side by side")
+    parser.add_argument("--seeds", type=int, help="instead: the default sweep with one seed per configuration and "
+                        "with this many (repeats), alternated")
     parser.add_argument("--samples", type=int, default=2048, help="with --tracking: rows of the synthetic data "
                         "(longer epochs)")
     args = parser.parse_args()
     if args.tracking:
         return tracking(args)
+    if args.seeds:
+        return seeds(args)
     if args.first_result:
         return first_result(args)
     if args.scale:
@@ -286,6 +293,33 @@ def tracking(args) -> None:
               f"{1000 * (cpu - base['driver_cpu_s']) / n:14.3f} ms {writer:9.1f}s {1000 * writer / n:12.3f} ms")
     print("\ngoal: added driver CPU <= 2 ms per trial-epoch, wall within 5% of untracked (1.050x); the writer "
           "process's CPU is beside it")
+
+
+def seeds(args) -> None:
+    """The default sweep (`--trials` configurations, default 128; `--epochs`, default 10) with one seed and with
+    `--seeds` seeds per configuration, each `--repeats` times in turn in a fresh driver: medians side by side."""
+    from statistics import median
+
+    from bench.scale_sweeps import run_driver
+
+    trials = args.trials if "--trials" in sys.argv else 128
+    epochs = args.epochs if "--epochs" in sys.argv else 10
+    ctx = start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+    print(f"seeds: the default sweep, {trials} configurations x {epochs} epochs, {args.cpus} CPUs, 1 and "
+          f"{args.seeds} seeds each, {args.repeats} runs of each, alternated (medians)", flush=True)
+    runs: dict[int, list[dict]] = {1: [], args.seeds: []}
+    with tempfile.TemporaryDirectory(prefix="bench_seeds_") as work:
+        for i in range(args.repeats):
+            for n in runs:
+                runs[n].append(run_driver(trials, epochs, ctx.address_info["gcs_address"], Path(work),
+                                          "--seeds", str(n), "--name", f"seeds{n}-{i}"))
+    disconnect()
+    base = median(r["wall_s"] for r in runs[1])
+    print(f"\n{'seeds':>5s} {'runs':>6s} {'wall':>7s} {'vs 1 seed':>9s} {'per run':>9s}")
+    for n, rows in runs.items():
+        wall = median(r["wall_s"] for r in rows)
+        print(f"{n:5d} {rows[0]['trials']:6d} {wall:6.1f}s {wall / base:8.3f}x {1000 * wall / rows[0]['trials']:6.1f} ms")
+    print(f"\ngoal: {args.seeds} seeds in <= 1.3x the wall of one seed")
 
 
 if __name__ == "__main__":

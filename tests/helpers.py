@@ -390,3 +390,27 @@ def require(what: str, present: bool) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{what} is missing", pytrace=False)
     pytest.skip(f"needs {what}")
+
+
+def tune_stops(reports: list[dict], scheduler, epochs: int, members: int = 8) -> dict[int, int]:
+    """Member -> the epoch at which Ray Tune's own `scheduler` (ASHA, the median rule) stops it, fed each
+    member's reported val_loss in the order a pack reported them (`reports`: its result.json lines)."""
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    controller = SimpleNamespace(get_live_trials=lambda: [])  # the median rule asks it; nothing to pause
+    trial = namedtuple("Trial", "trial_id")  # hashable: the median rule keys its records by trial
+    trials = [trial(f"member-{j}") for j in range(members)]
+    for trial in trials:
+        scheduler.on_trial_add(controller, trial)
+    stops: dict[int, int] = {}
+    for report in reports:
+        for j, trial in enumerate(trials):
+            if j in stops:
+                continue
+            result = {"epoch": report["epoch"], "val_loss": report["members"][str(j)]["val_loss"]}
+            if scheduler.on_trial_result(controller, trial, result) == TrialScheduler.STOP and report["epoch"] < epochs:
+                stops[j] = report["epoch"]
+    return stops

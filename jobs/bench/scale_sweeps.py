@@ -23,16 +23,19 @@ SIZES = (16, 128, 1024, 10_000)
 
 
 def measure_one(trials: int, epochs: int, address: str, storage: Path, resume: bool, study: bool = False,
-                tracking: dict | None = None, name: str | None = None, samples: int | None = None) -> dict:
+                tracking: dict | None = None, name: str | None = None, samples: int | None = None,
+                seeds: int = 1) -> dict:
     """Run the sweep in this process (the driver) and measure it; `study`: as the one slice of a study;
-    `tracking`: its `tracking:` section (the runs' writes are waited for before the sweep returns)."""
+    `tracking`: its `tracking:` section (the runs' writes are waited for before the sweep returns); `seeds`:
+    runs of each configuration (`repeats`)."""
     from rayhpc.tune.config import SweepConfig
     from rayhpc.tune.results import RESULTS_FILE, write_results
     from rayhpc.tune.sweep import run_sweep
 
     cfg = SweepConfig(name=name or f"scale-{trials}", storage_path=storage, num_samples=trials, epochs=epochs,
                       address=address, resume=resume, study=storage / f"study-{trials}" if study else None,
-                      tracking=tracking or {}, data={"synthetic": {"num_samples": samples}} if samples else {})
+                      tracking=tracking or {}, data={"synthetic": {"num_samples": samples}} if samples else {},
+                      repeats=seeds)
     start = time.perf_counter()
     table = run_sweep(cfg, explicit={"resume"} if resume else set())
     wall = time.perf_counter() - start
@@ -117,12 +120,13 @@ def main() -> None:
     p.add_argument("--tracking", default="{}", help="the sweep's tracking: section, as JSON")
     p.add_argument("--name", help="the sweep's name (default scale-TRIALS)")
     p.add_argument("--samples", type=int, help="rows of the synthetic data (default 2048)")
+    p.add_argument("--seeds", type=int, default=1, help="runs of each configuration (the sweep's repeats)")
     a = p.parse_args()
     import logging
 
     logging.getLogger("rayhpc").setLevel(logging.WARNING)
     print(json.dumps(measure_one(a.trials, a.epochs, a.address, a.storage, a.resume, a.study, json.loads(a.tracking),
-                                 a.name, a.samples)), flush=True)
+                                 a.name, a.samples, a.seeds)), flush=True)
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ def tune_main(argv: Sequence[str] | None = None) -> int:
     """`rayhpc tune` / `python jobs/tune_mlp.py`: a hyperparameter sweep of a task on Ray Tune."""
     # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.tune.config import SweepConfig
-    from rayhpc.tune.results import format_best
+    from rayhpc.tune.results import SUMMARY_FILE, format_best, format_summary
     from rayhpc.tune.sweep import run_sweep
 
     parser = ArgParser(prog="tune_mlp.py", description="Hyperparameter sweep of a task (the built-in MLP by "
@@ -200,6 +200,9 @@ def tune_main(argv: Sequence[str] | None = None) -> int:
         table = run_sweep(cfg, explicit=explicit)
     print(format_best(table, table.attrs["objective"]))
     where = cfg.study.expanduser().resolve() if cfg.study else cfg.experiment_dir  # a slice: the study's union
+    if "summary" in table.attrs:  # repeats
+        print(format_summary(table.attrs["summary"]))
+        print(f"summary: {where / SUMMARY_FILE} ({len(table.attrs['summary'])} configurations)")
     print(f"results: {where / 'results.parquet'} ({len(table)} trials)")
     errored = int((table["status"] == "error").sum())
     return 1 if errored == len(table) else 0

@@ -51,9 +51,13 @@ class JobConfig(StrictModel):
     def saved_file(self) -> Path:
         return self.experiment_dir / f"{self.kind}.yaml"
 
+    # how this run goes, not what the job computes: not saved, and a resume may give them anew
+    run_keys: ClassVar[frozenset[str]] = frozenset()
+
     def saved(self) -> dict:
         """The fields that define the job, as written next to its results for `--resume`."""
-        return self.model_dump(mode="json", exclude={"resume", "address", "storage_path"}, exclude_none=True)
+        return self.model_dump(mode="json", exclude={"resume", "address", "storage_path", *self.run_keys},
+                               exclude_none=True)
 
     def make_dir(self) -> Path:
         """The job's folder, only this user's (0700): other users can neither read its results and
@@ -200,7 +204,8 @@ def reconcile_resume(cfg: J, explicit: set[str]) -> J:
     saved = validate(type(cfg), load_yaml(cfg.saved_file))
     check_agrees(cfg.saved(), saved.saved(), explicit, f"the resumed {cfg.kind}'s", "drop it to resume, or start "
                  "a new --name")
-    return saved.model_copy(update={"resume": True, "address": cfg.address, "storage_path": cfg.storage_path})
+    run = {k: getattr(cfg, k) for k in cfg.run_keys}  # this run's own (a resumed sweep's new time budget)
+    return saved.model_copy(update={"resume": True, "address": cfg.address, "storage_path": cfg.storage_path, **run})
 
 
 def check_agrees(now: dict, before: dict, explicit: set[str], whose: str, fix: str) -> None:

@@ -42,6 +42,8 @@ GRACE_VARIABLE = "RAYHPC_STOP_GRACE_S"
 _received: list[int] = []  # the first stop signal this process got
 _job: list = []  # the config of the job this process runs, once known (its line names it)
 _causes: list[Callable[[], str | None]] = []  # what may have sent the signal, asked when the line is made
+_grace: list[threading.Timer] = []  # the clock to a forced end, once a stop signal came
+_planned: list[str] = []  # why this process stopped itself (a time budget), once it did
 
 
 def install() -> None:
@@ -97,7 +99,39 @@ def _note(signum: int) -> bool:
     timer = threading.Timer(grace_s(), _force_exit)
     timer.daemon = True  # a job that ends in time does not wait for it
     timer.start()
+    _grace.append(timer)
     return True
+
+
+def stop_after(seconds: float, why: str) -> threading.Timer:
+    """Stop the job as SIGUSR1 would (a sweep saves its state; its running trials can be resumed) once
+    `seconds` have passed, unless the returned timer is cancelled first: a time budget, `why` its words."""
+    def stop():
+        if not _received:
+            _planned.append(why)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    timer = threading.Timer(max(0.0, seconds), stop)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def planned() -> str | None:
+    """Why the job stopped itself (`stop_after`), if the stop was its own; None for a signal from outside."""
+    return _planned[0] if _planned and received() == signal.SIGUSR1 else None
+
+
+def settle() -> None:
+    """The job's own stop (`stop_after`) was its planned end: no forced exit, no stop line; the signals are
+    ours again, for a real stop while the job finishes."""
+    for timer in _grace:
+        timer.cancel()
+    _grace.clear()
+    _received.clear()
+    _planned.clear()
+    logging.getLogger("ray").setLevel(logging.WARNING)
+    install()
 
 
 def quiet_workers() -> None:

@@ -45,16 +45,19 @@ def start_job(cfg: J, explicit: set[str] = frozenset(), *,
               bind: Callable[[J, Any], tuple[J, dict]] | None = None,
               workers: Callable[[J], int] | None = None,
               check: Callable[[J, cluster.Resources], None] | None = None,
-              gpus: Callable[[J, cluster.Resources], float] | None = None) -> Started[J]:
+              gpus: Callable[[J, cluster.Resources], float] | None = None,
+              objectives: Callable[[J, Any], Any] | None = None) -> Started[J]:
     """Steps 1-6 above. `bind(cfg, task) -> (cfg, hp)`: the job's hyperparameters for the task check
     (jobs that train a task); `workers(cfg)`: how many workers of `cfg.compute` it places;
     `check(cfg, resources)`: the job's own resource checks; `gpus(cfg, resources)`: GPUs per process
-    (default: one where `cfg.compute.gpu`)."""
+    (default: one where `cfg.compute.gpu`); `objectives(cfg, info) -> info`: the job's own objectives checked
+    against what the task reports (sweeps)."""
     mark("imports and config")
     cfg = reconcile_resume(cfg, set(explicit))
     task = info = batch = None
     if bind is not None:
         cfg, task, info, batch = bind_task(cfg, bind)
+        info = info if objectives is None else objectives(cfg, info)
         mark("task check")
     address = cluster.resolve_address(cfg.address)
     res = cluster.probe(address)

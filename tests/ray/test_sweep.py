@@ -16,7 +16,7 @@ import torch
 import yaml
 from ray.tune import Callback
 
-from helpers import ROOT, kill_driver_after, mlp_split, plain_trial, run_job, sweep, tensorboard_scalars
+from helpers import ROOT, kill_driver_after, mlp_split, plain_trial, run_job, sweep, tensorboard_scalars, tune_stops
 from rayhpc.config import validate
 from rayhpc.data import mlp_tensors
 from rayhpc.models import MLP, PackedMLP
@@ -96,24 +96,11 @@ def test_asha_stops_members_of_a_pack_where_tunes_asha_stops_the_same_trials(ray
 
 def tune_asha_stops(reports: list[dict], cfg: SweepConfig) -> dict[int, int]:
     """Member -> the epoch at which Ray Tune's ASHAScheduler stops it, given each member's reported val_loss."""
-    from types import SimpleNamespace
-
-    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+    from ray.tune.schedulers import ASHAScheduler
 
     asha = ASHAScheduler(time_attr="epoch", metric="val_loss", mode="min", max_t=cfg.epochs,
                          grace_period=cfg.asha.grace_period, reduction_factor=cfg.asha.reduction_factor)
-    trials = [SimpleNamespace(trial_id=f"member-{j}") for j in range(8)]
-    for trial in trials:
-        asha.on_trial_add(None, trial)
-    stops: dict[int, int] = {}
-    for report in reports:
-        for j, trial in enumerate(trials):
-            if j in stops:
-                continue
-            result = {"epoch": report["epoch"], "val_loss": report["members"][str(j)]["val_loss"]}
-            if asha.on_trial_result(None, trial, result) == TrialScheduler.STOP and report["epoch"] < cfg.epochs:
-                stops[j] = report["epoch"]
-    return stops
+    return tune_stops(reports, asha, cfg.epochs)
 
 
 def stopped_member_weights(cfg: SweepConfig, member: int, epochs: int) -> dict:

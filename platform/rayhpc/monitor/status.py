@@ -39,7 +39,7 @@ def format_sweep(board: dict) -> str:
     if len(table) < total:
         head += f"; shown: the {len(table)} running or best"
     cols = ["trial_id", "status", *[c for c in table.columns if c.startswith("config.")],
-            "iterations", "best_val_loss", "node"]
+            "iterations", "best_val_loss", *[c for c in ("pareto", "feasible") if c in table.columns], "node"]
     shown = table[cols].rename(columns=lambda c: c.removeprefix("config."))
     return head + "\n" + shown.to_string(index=False, float_format=lambda v: f"{v:.4g}")
 

@@ -39,13 +39,21 @@ def prepare_array(cfg: SweepConfig, explicit: set[str]):
     is refused, and the task is checked in this process, before anything is submitted."""
     if cfg.search == "optuna":
         raise ConfigError("search (--search) optuna: an array job draws every config up front; use random or grid")
-    if cfg.scheduler == "asha":
-        raise ConfigError("scheduler (--scheduler) asha: array tasks cannot be stopped early; use fifo")
+    if cfg.scheduler in ("asha", "median", "hyperband"):
+        raise ConfigError(f"scheduler (--scheduler) {cfg.scheduler}: array tasks cannot be stopped early; use fifo")
     if cfg.scheduler == "pbt":
         raise ConfigError("scheduler (--scheduler) pbt: array tasks train one trial each, apart; use fifo")
     if cfg.workers_per_trial > 1:
         raise ConfigError(f"workers_per_trial (--workers-per-trial) {cfg.workers_per_trial}: array tasks "
                           "train on one process; use the Ray sweep for distributed trials")
+    ray_only = {"repeats (--repeats)": cfg.repeats if cfg.repeats > 1 else None,
+                "objective (--objective)": ",".join(cfg.objective) if len(cfg.objective or []) > 1 else None,
+                "constraints (--constraints)": ",".join(cfg.constraints or []) or None,
+                "time_budget (--time-budget)": cfg.time_budget}
+    for key, value in ray_only.items():
+        if value is not None:
+            raise ConfigError(f"{key} {value}: a feature of the Ray sweep (packs, its driver's clock, its table); "
+                              "array tasks train one trial each, apart: leave it out, or drop --array")
     cfg, task, info, _ = bind_task(reconcile_resume(cfg, explicit), bind_sweep)
     columns = {"searched": searched(cfg.space), "values": value_columns(info.metric_names, info.objective)}
     return cfg, task, cfg.configs(task.hp_model), columns

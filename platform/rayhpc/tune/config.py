@@ -3,20 +3,24 @@ hyperparameters). Command-line flags are derived from the fields (`rayhpc.cli`).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import yaml
 from pydantic import Field, field_validator, model_validator
 
 from rayhpc.config import PRECISION_HELP, ConfigError, ModelOptions, Precision, RankedCheckpoints, StrictModel
 from rayhpc.task.config import TaskJobConfig
-from rayhpc.task.hparams import PlatformHParams, full_hparams
+from rayhpc.task.hparams import PlatformHParams, check_value, full_hparams
+from rayhpc.tune.objectives import Constraint, check_names, parse_constraint, parse_objective
 from rayhpc.tune.pbt import MUTABLE, mutable
 from rayhpc.tune.space import (
     ParamSpec,
     Space,
     check_space_form,
     check_space_values,
+    conditional,
     parse_space,
     sample_configs,
     searched,
@@ -33,6 +37,25 @@ class AshaConfig(StrictModel):
     reduction_factor: float = Field(2.0, gt=1, description="at each rung keep the best 1/reduction_factor")
 
 
+class MedianConfig(StrictModel):
+    """Median stopping (`scheduler: median`, Tune's MedianStoppingRule on pack members): a trial whose best
+    so far is worse than the median of the other trials' running means at the same epoch stops."""
+
+    grace_period: int = Field(1, ge=1, description="epochs every trial runs before it may be stopped",
+                              json_schema_extra={"flag": "--median-grace-period"})
+    min_samples: int = Field(3, ge=1, description="other trials that must have reached the epoch first",
+                             json_schema_extra={"flag": "--median-min-samples"})
+
+
+class HyperbandConfig(StrictModel):
+    """Synchronous HyperBand (`scheduler: hyperband`, Tune's HyperBandScheduler): brackets of successive
+    halving. It pauses whole trials and resumes them later, which a pack's members cannot do apart: its
+    trials run unpacked."""
+
+    reduction_factor: float = Field(3.0, gt=1, description="each round keeps the best 1/reduction_factor",
+                                    json_schema_extra={"flag": "--hyperband-reduction-factor"})
+
+
 class PbtConfig(StrictModel):
     """Population-based training of each pack's members (`scheduler: pbt`, `rayhpc.tune.pbt`)."""
 
@@ -45,6 +68,7 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     """A hyperparameter sweep of a task (the built-in MLP by default)."""
 
     kind: ClassVar[str] = "sweep"
+    run_keys: ClassVar[frozenset[str]] = frozenset({"time_budget"})
     num_samples: int = Field(16, ge=1, description="trials (per grid point when the space has grid values); "
                              "unset: 16, or 1 with search=grid")
     max_concurrent: int | None = Field(None, ge=1, description="most trial processes at once: the array job's %K")
@@ -59,8 +83,32 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     steps: int | None = Field(None, ge=1, description="optimizer steps per trial, instead of epochs: the epochs "
                               "they take (by the trial's batch size), the last one cut short")
     search: Literal["random", "grid", "optuna"] = Field("random", description="how configs are drawn")
-    scheduler: Literal["fifo", "asha", "pbt"] = Field("fifo", description="run trials to the end, stop bad ones "
-                                                      "early (asha), or evolve each pack's members (pbt)")
+    objective: list[str] | None = Field(None, description="what the sweep optimises, NAME:MODE (MODE min or max): "
+                                        "a reported value (val_loss, val_<metric>) or a measured one (params, flops, "
+                                        "step_ms, peak_mem_mb); several: a multi-objective search (the table marks "
+                                        "the Pareto front); the first is the best for checkpoints and --init-from; "
+                                        "unset: the task's objective")
+    constraints: list[str] | None = Field(None, description="NAME<=BOUND or NAME>=BOUND (e.g. params<=5e6) every "
+                                          "trial should meet: Optuna samples under them, the table marks feasible")
+    sampler: Literal["tpe", "nsga2"] = Field("tpe", description="Optuna's sampler (search optuna): TPE, or "
+                                             "NSGA-II for several objectives")
+    repeats: int = Field(1, ge=1, le=16, description="runs of each configuration, with seeds seed, seed+1, ...: "
+                         "members of one pack (each its own data order and initialisation); the table gets a "
+                         "row per run and summary.parquet the mean, std and 95% interval of each configuration; "
+                         "searchers and ASHA see the mean")
+    time_budget: float | None = Field(None, gt=0, description="seconds (or 90m, 3h) the sweep may run: then it "
+                                      "starts no trial and stops the running ones, resumable (--resume), and "
+                                      "ends; give a Slurm job's time limit less its start-up")
+    max_trials: int | None = Field(None, ge=1, description="search optuna: the most trials it proposes (instead of "
+                                   "num_samples); with time_budget, whichever comes first ends the sweep")
+    points_to_evaluate: list[dict[str, Any]] | None = Field(None, description="configurations tried first, each "
+                                                            "KEY=VALUE;KEY=VALUE (YAML: a list of mappings); the "
+                                                            "keys they leave out are drawn (or defaults)")
+    warm_start: Path | None = Field(None, description="an earlier sweep's folder: Optuna learns from its "
+                                    "finished trials before it proposes any (search optuna)")
+    scheduler: Literal["fifo", "asha", "median", "hyperband", "pbt"] = Field(
+        "fifo", description="run trials to the end, stop bad ones early (asha, median: on pack members; "
+        "hyperband: Tune's synchronous HyperBand, unpacked trials), or evolve each pack's members (pbt)")
     pack: int | None = Field(None, ge=1, description="trials trained together as one batched model; "
                              "unset: enough to fill the cluster once (optuna: 2 batches per slot)")
     workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is "
@@ -73,6 +121,8 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")
     checkpoint: RankedCheckpoints = RankedCheckpoints()
     asha: AshaConfig = AshaConfig()
+    median: MedianConfig = MedianConfig()
+    hyperband: HyperbandConfig = HyperbandConfig()
     pbt: PbtConfig = PbtConfig()
     space: dict[str, Any] | None = Field(None, description="search space; unset: the task's own, else lr")
     study: Path | None = Field(None, description="a study folder (on a filesystem every slice sees): this run "
@@ -84,6 +134,11 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     def _defaults(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        if data.get("max_trials") is not None:
+            if data.get("search") != "optuna":
+                raise ConfigError(f"max_trials (--max-trials) {data['max_trials']}: the cap of an adaptive search; "
+                                  f"use search optuna, or num_samples (got search {data.get('search', 'random')})")
+            data = {**data, "num_samples": data["max_trials"]}
         if data.get("search") == "grid" and data.get("num_samples") is None:
             data = {**data, "num_samples": 1}  # a grid search runs each grid point once
         if data.get("steps") is not None and data.get("epochs") is not None:
@@ -96,8 +151,48 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     def _parse_space(cls, raw: Any) -> Space | None:
         return None if raw is None else parse_space(raw)
 
+    @field_validator("time_budget", mode="before")
+    @classmethod
+    def _parse_budget(cls, raw: Any) -> Any:
+        """90, "90s", "15m", "3h" as seconds."""
+        if isinstance(raw, str) and raw.strip()[-1:] in ("s", "m", "h"):
+            number, unit = raw.strip()[:-1], raw.strip()[-1]
+            try:
+                return float(number) * {"s": 1, "m": 60, "h": 3600}[unit]
+            except ValueError:
+                raise ValueError(f"{raw!r}: expected seconds, or a number with s, m or h (90m, 3h)") from None
+        return raw
+
+    @field_validator("points_to_evaluate", mode="before")
+    @classmethod
+    def _parse_points(cls, raw: Any) -> Any:
+        """A flag's points are `KEY=VALUE;KEY=VALUE` strings (values read as YAML)."""
+        if not isinstance(raw, list):
+            return raw
+        return [_point(item) if isinstance(item, str) else item for item in raw]
+
+    @field_validator("objective", mode="after")
+    @classmethod
+    def _parse_objective(cls, raw: list[str] | None) -> list[str] | None:
+        return None if not raw else [":".join(parse_objective(t)) for t in raw]
+
+    @field_validator("constraints", mode="after")
+    @classmethod
+    def _parse_constraints(cls, raw: list[str] | None) -> list[str] | None:
+        return None if not raw else [str(parse_constraint(t)) for t in raw]
+
+    @property
+    def objectives(self) -> list[tuple[str, str]] | None:
+        """The objectives given, as (name, mode); None: the task's."""
+        return None if self.objective is None else [parse_objective(t) for t in self.objective]
+
+    @property
+    def constraint_list(self) -> list[Constraint]:
+        return [parse_constraint(t) for t in self.constraints or []]
+
     @model_validator(mode="after")
     def _check(self) -> "SweepConfig":
+        self._check_objectives()
         if self.space is not None:
             check_space_form(self.space, self.search)
         if self.gpus_per_trial and self.workers_per_trial > 1 and self.gpus_per_trial != 1:
@@ -108,6 +203,10 @@ class SweepConfig(ModelOptions, TaskJobConfig):
                               "epoch; give epochs")
         if self.scheduler == "pbt":
             self._check_pbt()
+        if self.scheduler == "hyperband" and ((self.pack or 1) > 1 or self.repeats > 1):
+            what = f"pack (--pack) {self.pack}" if (self.pack or 1) > 1 else f"repeats (--repeats) {self.repeats}"
+            raise ConfigError(f"{what}: scheduler hyperband pauses and resumes whole trials, so its trials run "
+                              "unpacked; use pack 1 and repeats 1 (or asha/median, which stop pack members)")
         if self.pack is not None and self.pack > 1 and self.model_options_set:
             key, value = next((k, v) for k, v in self.model_options_set.items())
             raise ConfigError(f"{key} (--{key.replace('_', '-')}) {value}: packed trials run as one batched model "
@@ -116,6 +215,42 @@ class SweepConfig(ModelOptions, TaskJobConfig):
             raise ConfigError(f"pack: trials with workers_per_trial={self.workers_per_trial} cannot be packed; "
                               "use pack 1 or unset")
         return self
+
+    def _check_objectives(self) -> None:
+        """Several objectives go to Optuna's samplers and the table's front; a scheduler ranks by one value."""
+        several = len(self.objective or []) > 1
+        if several and self.scheduler != "fifo":
+            raise ConfigError(f"scheduler (--scheduler) {self.scheduler}: it ranks trials by one value and "
+                              f"objective has {len(self.objective)} ({', '.join(self.objective)}); use fifo, or "
+                              "give one objective")
+        if self.study is not None and self.search == "optuna" and self.space and conditional(self.space):
+            raise ConfigError(f"space.{next(iter(conditional(self.space)))}.when: a study's Optuna slices "
+                              "propose every parameter; leave out --study, or the condition")
+        if (several or self.constraints) and self.study is not None:
+            raise ConfigError("study (--study): a study's slices search one objective without constraints; "
+                              "leave out --study or give one objective and no constraints")
+        if self.repeats > 1:
+            self._check_repeats()
+        if self.warm_start is not None and self.search != "optuna":
+            raise ConfigError(f"warm_start (--warm-start) {self.warm_start}: it feeds Optuna's sampler; use search "
+                              f"optuna (got {self.search})")
+        if self.study is not None and (self.warm_start is not None or self.points_to_evaluate):
+            raise ConfigError("study (--study): a study's slices start from its own folder; leave out "
+                              "points_to_evaluate and warm_start, or --study")
+        if self.sampler == "nsga2" and self.search != "optuna":
+            raise ConfigError(f"sampler (--sampler) nsga2: Optuna's sampler; use it with search optuna "
+                              f"(got {self.search})")
+
+    def _check_repeats(self) -> None:
+        """Repeats are members of packs that differ in their seed: single-process trials, no PBT (which would
+        copy one seed's weights into another's), no study (its packs are claimed whole by one slice)."""
+        what = ("scheduler (--scheduler) pbt" if self.scheduler == "pbt"
+                else f"workers_per_trial (--workers-per-trial) {self.workers_per_trial}" if self.workers_per_trial > 1
+                else "study (--study)" if self.study is not None
+                else "space.seed" if self.space and "seed" in self.space else None)
+        if what is not None:
+            raise ConfigError(f"repeats (--repeats) {self.repeats}: repeated seeds are members of one pack, "
+                              f"which {what} does not allow; use repeats 1 or leave it out")
 
     def _check_pbt(self) -> None:
         """PBT evolves the members of a pack: it needs packs of several random or grid trials."""
@@ -137,8 +272,10 @@ class SweepConfig(ModelOptions, TaskJobConfig):
         return full_hparams(hp_model, {"seed": self.seed})
 
     def configs(self, hp_model) -> list[dict]:
-        """Every trial's hyperparameters, for a random or grid search."""
-        return sample_configs(self.space, self.num_samples, self.search, self.seed, hp_model, self.defaults(hp_model))
+        """Every trial's hyperparameters, for a random or grid search: the points to evaluate first."""
+        defaults = self.defaults(hp_model)
+        points = [hp_model.model_validate({**defaults, **p}).model_dump() for p in self.points_to_evaluate or []]
+        return points + sample_configs(self.space, self.num_samples, self.search, self.seed, hp_model, defaults)
 
 
 def bind_sweep(cfg: SweepConfig, task) -> tuple[SweepConfig, dict]:
@@ -152,7 +289,36 @@ def bind_sweep(cfg: SweepConfig, task) -> tuple[SweepConfig, dict]:
         raise ConfigError(f"space: scheduler pbt perturbs {', '.join(MUTABLE)} inside a pack, and the space "
                           f"varies none of them ({', '.join(searched(space))})")
     check_batches(cfg)
+    if cfg.repeats > 1 and _values(cfg, "accumulate") != [1]:
+        raise ConfigError(f"repeats (--repeats) {cfg.repeats}: each run of a pack takes its own batches, which are "
+                          "not split into micro-batches; leave space.accumulate out (or 1)")
+    for i, point in enumerate(cfg.points_to_evaluate or []):
+        for name, value in point.items():
+            check_value(task.hp_model, f"points_to_evaluate[{i}].{name}", name, value)
+    if cfg.warm_start is not None:
+        from rayhpc.tune.warm_start import check_warm_start  # only warm-started sweeps
+
+        check_warm_start(cfg.warm_start)
     return cfg, sample_configs(space, 1, "random", cfg.seed, task.hp_model, cfg.defaults(task.hp_model))[0]
+
+
+def _point(text: str) -> dict:
+    out = {}
+    for item in text.split(";"):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{text!r}: expected KEY=VALUE;KEY=VALUE, e.g. lr=0.01;hidden=16")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def bind_objectives(cfg: SweepConfig, info):
+    """The task check's `info` with the sweep's first objective as its objective (the one every
+    single-valued ranking uses); every objective and constraint checked against what the task reports."""
+    reported = ["train_loss"] + (["val_loss", *(f"val_{m}" for m in info.metric_names)] if info.has_val else [])
+    objectives = cfg.objectives or [info.objective]
+    check_names(objectives, cfg.constraint_list, reported)
+    return dataclasses.replace(info, objective=objectives[0])
 
 
 def check_batches(cfg: SweepConfig) -> None:
@@ -176,5 +342,5 @@ def _values(cfg: SweepConfig, key: str) -> list | None:
     """Every value the space may give `key` (its default where it gives none); None for a randint."""
     spec = cfg.space.get(key, PlatformHParams.model_fields[key].default)
     if isinstance(spec, ParamSpec):
-        return None if spec.kind == "randint" else list(spec.args)
+        return None if spec.kind in ("randint", "lograndint") else list(spec.args)
     return [spec]

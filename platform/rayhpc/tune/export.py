@@ -54,12 +54,13 @@ def export_best(sweep: Path, k: int, dest: Path) -> list[Path]:
 
 
 def sweep_objective(sweep: Path) -> tuple[str, str]:
-    """The objective the sweep optimised: its task's (the task its `sweep.yaml` names)."""
+    """The objective the sweep optimised: its first `objective`, else its task's (the task its `sweep.yaml`
+    names)."""
     from rayhpc.task import task_for
     from rayhpc.tune.config import SweepConfig
 
     cfg = validate(SweepConfig, load_yaml(sweep / "sweep.yaml"))
-    return task_for(cfg.task, cfg.data).objective
+    return cfg.objectives[0] if cfg.objectives else task_for(cfg.task, cfg.data).objective
 
 
 def write_trial(folder: Path, hp: dict, state: dict, metrics: dict) -> Path:

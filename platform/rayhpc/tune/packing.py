@@ -121,6 +121,7 @@ class FuncPack:
         self.loss_fn, self.metrics_fn = _Apply(base, task.loss), _Apply(base, task.metrics)
         self.has_metrics = task.has_metrics
         self._losses = vmap(self._member_loss, in_dims=(0, 0, None), randomness="same")
+        self._own_losses = vmap(self._member_loss, in_dims=(0, 0, 0), randomness="same")  # a batch per member
         self._evals = vmap(self._member_eval, in_dims=(0, 0, None), randomness="same")
 
     def _state(self, params: dict, buffers: dict) -> dict:
@@ -144,9 +145,10 @@ class FuncPack:
     def train(self, mode: bool = True) -> None:
         self.loss_fn.train(mode)
 
-    def losses(self, batch) -> torch.Tensor:
-        """Each member's loss on `batch`: [members]. Summed, their backward gives each its own gradient."""
-        return self._losses(self.params, self.buffers, batch)
+    def losses(self, batch, stacked: bool = False) -> torch.Tensor:
+        """Each member's loss on `batch` (`stacked`: on its own batch, `batch` member first): [members].
+        Summed, their backward gives each its own gradient."""
+        return (self._own_losses if stacked else self._losses)(self.params, self.buffers, batch)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable) -> dict[str, torch.Tensor]:
@@ -207,8 +209,8 @@ class PaddedMLPPack:
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 
-    def losses(self, batch) -> torch.Tensor:
-        x, y = batch
+    def losses(self, batch, stacked: bool = False) -> torch.Tensor:
+        x, y = batch  # x: [batch, in], or [members, batch, in] stacked (matmul batches over the members either way)
         # mean over batch and outputs = F.mse_loss of each member
         return ((self.model(x) - y) ** 2).mean(dim=(1, 2))
 

@@ -35,7 +35,8 @@ def can_pack(cfg: SweepConfig) -> bool:
     """Whether this sweep packs at all (a TorchTrainer trains one model; a compiled or activation-checkpointed
     one is the task's own model, not a batch of them; ASHA stops members of packs and Optuna proposes packs:
     `rayhpc.tune.adaptive`)."""
-    return cfg.workers_per_trial == 1 and cfg.pack != 1 and not cfg.model_options_set
+    return (cfg.workers_per_trial == 1 and cfg.pack != 1 and not cfg.model_options_set
+            and cfg.scheduler != "hyperband")  # HyperBand pauses and resumes whole trials
 
 
 def pack_size(cfg: SweepConfig, n_trials: int, n_slots: int) -> int:
@@ -57,6 +58,17 @@ def make_plan(configs: list[dict], size: int, key: Callable[[dict], tuple] | Non
         bounds = [round(i * len(members) / n) for i in range(n + 1)]  # n packs of near-equal size
         packs += [members[a:b] for a, b in zip(bounds, bounds[1:])]
     return packs
+
+
+def repeated(packs: list[list[dict]], repeats: int, packed: bool) -> list[list[dict]]:
+    """Each configuration as `repeats` runs with seeds seed, seed+1, ...: consecutive members of its pack
+    (a sweep that does not pack: a pack each)."""
+    if repeats == 1:
+        return packs
+    runs = [[[{**c, "seed": c["seed"] + r} for r in range(repeats)] for c in pack] for pack in packs]
+    if not packed:
+        return [[run] for pack in runs for config in pack for run in config]
+    return [[run for config in pack for run in config] for pack in runs]
 
 
 def save_plan(packs: list[list[dict]] | None, exp_dir: Path) -> None:

@@ -15,17 +15,25 @@ from ray.tune import Callback
 
 from rayhpc import interrupt
 from rayhpc.monitor.startup import mark
+from rayhpc.tune.objectives import MEASURED, mark_front
 from rayhpc.tune.trainable import members_of
 
 RESULTS_FILE = "results.parquet"
+SUMMARY_FILE = "summary.parquet"  # repeats: one row per configuration
+# Student's t, 97.5% quantile, by degrees of freedom (1-30): the 95% interval of a mean of n runs is
+# mean +- t(n-1) * std / sqrt(n); beyond 30 the normal's 1.96 is within 2%
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 PARTS_DIR = "results.parts"
 _STATUS = {"TERMINATED": "finished", "ERROR": "error", "RUNNING": "running", "PENDING": "pending", "PAUSED": "pending"}
 
 
-def value_columns(metric_names: tuple[str, ...], objective: tuple[str, str]) -> list[str]:
-    """The reported values that become columns: losses, the task's metrics, the best objective."""
+def value_columns(metric_names: tuple[str, ...], objective: tuple[str, str], named: tuple[str, ...] = ()) -> list[str]:
+    """The reported values that become columns: losses, the task's metrics, the best objective, and the
+    other values the objectives and constraints name (`named`: train_loss, measured ones)."""
     columns = ["val_loss", "best_val_loss", *(f"val_{m}" for m in metric_names)]
-    return columns + ([f"best_{objective[0]}"] if f"best_{objective[0]}" not in columns else [])
+    columns += [f"best_{objective[0]}"] if f"best_{objective[0]}" not in columns else []
+    return columns + [n for n in dict.fromkeys(named) if n not in columns]
 
 
 def trial_rows(trial, packs: list[list[dict]] | None, epochs: int | None, searched: list[str],
@@ -50,7 +58,8 @@ def trial_rows(trial, packs: list[list[dict]] | None, epochs: int | None, search
         rows.append({
             "trial_id": trial.trial_id if len(members) == 1 else f"{trial.trial_id}-{j}",
             "status": "early-stopped" if stopped else status,
-            **{f"config.{p}": m.get(f"config.{p}", hp[p]) for p in searched},  # PBT reports changed ones
+            # PBT reports changed ones; a conditional parameter whose condition did not hold has none
+            **{f"config.{p}": m.get(f"config.{p}", hp.get(p)) for p in searched},
             **{c: m.get(c, math.nan) for c in columns},
             "iterations": stopped or iterations,
             "train_seconds": last.get("train_seconds", math.nan),
@@ -106,11 +115,18 @@ class ResultsRecorder(Callback):
     The rows of a trial that ended are made once and kept: building the table, which the progress
     line and the monitor do every second or two, costs the running trials, not every trial."""
 
-    def __init__(self, exp_dir: Path, packs, epochs: int, searched: list[str], info, min_interval_s: float = 5.0):
-        """`info`: the task's `TaskInfo` (its metric names and objective make columns)."""
+    def __init__(self, exp_dir: Path, packs, epochs: int, searched: list[str], info, objectives=None,
+                 constraints=(), repeats: int = 1, min_interval_s: float = 5.0):
+        """`info`: the task's `TaskInfo` (its metric names and objective make columns); `objectives`: every
+        objective, (name, mode) (default: the task's), and `constraints` (`rayhpc.tune.objectives`): the
+        table marks the Pareto front and the feasible trials; `repeats`: runs per configuration (a summary
+        table of each configuration's mean is written beside)."""
         self.exp_dir, self.packs, self.epochs, self.searched = exp_dir, packs, epochs, searched
         self.objective = info.objective
-        self.columns = value_columns(info.metric_names, info.objective)
+        self.objectives, self.constraints = list(objectives or [info.objective]), list(constraints)
+        self.repeats = repeats
+        named = tuple(n for n, _ in self.objectives) + tuple(c.name for c in self.constraints)
+        self.columns = value_columns(info.metric_names, info.objective, named)
         self.min_interval_s = min_interval_s
         self.trials: list = []
         self.interrupted: frozenset[str] = frozenset()  # the trials a stop signal ended
@@ -134,7 +150,11 @@ class ResultsRecorder(Callback):
         return trial_rows(trial, self.packs, self.epochs, self.searched, self.columns, self.interrupted)
 
     def table(self) -> pd.DataFrame:
-        """Every trial's rows: those of trials that ended as kept, the others made now."""
+        """Every trial's rows: those of trials that ended as kept, the others made now; the Pareto front and
+        the feasible trials marked (several objectives, constraints)."""
+        return mark_front(self._table(), self.objectives, self.constraints)
+
+    def _table(self) -> pd.DataFrame:
         live = []
         for trial in self.trials:
             if trial.trial_id in self._ended:
@@ -157,7 +177,7 @@ class ResultsRecorder(Callback):
 
     def write_part(self) -> Path | None:
         """The rows of the trials that ended since the last part, as a new part (written once)."""
-        self.table()
+        self._table()
         if not self._unwritten:
             return None
         self._last_write = time.monotonic()  # the first trial to end is written at once, then in batches
@@ -169,8 +189,10 @@ class ResultsRecorder(Callback):
 
     def write(self) -> Path:
         """The whole table, in the trials' order, once; the parts it replaces are removed."""
-        path = write_results(results_table(self.trials, self.packs, self.epochs, self.searched, self.columns,
-                                           self.interrupted), self.exp_dir)
+        table = results_table(self.trials, self.packs, self.epochs, self.searched, self.columns, self.interrupted)
+        path = write_results(mark_front(table, self.objectives, self.constraints), self.exp_dir)
+        if self.repeats > 1:
+            write_results(summarize(table, self.objective), self.exp_dir, SUMMARY_FILE)
         shutil.rmtree(self.exp_dir / PARTS_DIR, ignore_errors=True)
         return path
 
@@ -189,15 +211,46 @@ class ResultsRecorder(Callback):
         self.write()
 
 
+def summarize(table: pd.DataFrame, objective: tuple[str, str]) -> pd.DataFrame:
+    """One row per configuration of a sweep with repeats (its runs: the rows that differ only in
+    `config.seed`): its runs, and the mean, standard deviation (n-1) and 95% interval (Student's t) of
+    the objective's last value over its finished runs; best first."""
+    name = objective[0]
+    keys = [c for c in table.columns if c.startswith("config.") and c != "config.seed"]
+    rows = []
+    for values, group in table.groupby(keys, dropna=False, sort=False):
+        done = group.loc[group["status"].isin(["finished", "early-stopped"]), name].dropna()
+        n, mean = len(done), done.mean() if len(done) else math.nan
+        std = done.std(ddof=1) if n > 1 else math.nan
+        t = T975[n - 2] if 1 < n <= len(T975) + 1 else 1.96
+        half = t * std / math.sqrt(n) if n > 1 else math.nan
+        rows.append({**dict(zip(keys, values if isinstance(values, tuple) else (values,))), "runs": len(group),
+                     "finished": n, f"{name}_mean": mean, f"{name}_std": std, f"{name}_ci95_low": mean - half,
+                     f"{name}_ci95_high": mean + half})
+    summary = pd.DataFrame(rows)
+    return summary.sort_values(f"{name}_mean", ascending=objective[1] == "min").reset_index(drop=True)
+
+
+def format_summary(summary: pd.DataFrame, k: int = 5) -> str:
+    """The `k` best configurations of a summary table, as a printable table."""
+    shown = summary.head(k).rename(columns=lambda c: c.removeprefix("config."))
+    return (f"best {len(shown)} of {len(summary)} configurations by their mean:\n"
+            + shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+
+
 def format_best(table: pd.DataFrame, objective: tuple[str, str] = ("val_loss", "min"), k: int = 5) -> str:
-    """The `k` best trials by their objective (name, "min" or "max"), as a printable table."""
+    """The `k` best trials by their objective (name, "min" or "max"), as a printable table; for several
+    objectives, the trials on the Pareto front (the `pareto` column), best first by the first."""
     column = f"best_{objective[0]}"
-    done = table.dropna(subset=[column]).sort_values(column, ascending=objective[1] == "min").head(k)
+    done = table.dropna(subset=[column]).sort_values(column, ascending=objective[1] == "min")
     if done.empty:
         return f"no trial reported {column.removeprefix('best_')}"
-    values = [c for c in table.columns if c.startswith(("val_", "best_"))]
+    front = "pareto" in table.columns
+    done = done[done["pareto"].astype(bool)] if front else done.head(k)
+    values = [c for c in table.columns if c.startswith(("val_", "best_")) or c in MEASURED]
     cols = ["trial_id", "status", *[c for c in table.columns if c.startswith("config.")], *values,
-            "iterations", "train_seconds", "node"]
+            *[c for c in ("feasible",) if c in table.columns], "iterations", "train_seconds", "node"]
     shown = done[cols].rename(columns=lambda c: c.removeprefix("config."))
-    return f"best {len(done)} of {len(table)} trials by {column}:\n" + shown.to_string(
-        index=False, float_format=lambda v: f"{v:.4g}")
+    title = (f"Pareto front: {len(done)} of {len(table)} trials" if front
+             else f"best {len(done)} of {len(table)} trials by {column}")
+    return f"{title}:\n" + shown.to_string(index=False, float_format=lambda v: f"{v:.4g}")

@@ -9,6 +9,18 @@ In YAML each parameter is either a fixed value or a one-key mapping:
       momentum: {uniform: [0.0, 0.9]}
       optimizer: sgd          # fixed
 
+More kinds: `quniform: [low, high, q]` and `qloguniform: [low, high, q]` (floats rounded to a
+multiple of q), `lograndint: [low, high)` (integers, log scale). A parameter may exist only for some
+values of another (a conditional space; conditions may chain, a nested choice):
+
+      optimizer: {choice: [sgd, adamw]}
+      momentum: {uniform: [0.0, 0.9], when: {optimizer: sgd}}
+      weight_decay: {loguniform: [1.0e-4, 0.1], when: {optimizer: adamw}}
+      beta1: {choice: [0.8, 0.9], when: {optimizer: adamw, weight_decay_kind: [decoupled]}}
+
+A trial whose condition does not hold has no value for it: the task sees the default, and the
+results table's `config.<name>` is empty.
+
 `random` and `grid` searches are sampled here, up front and reproducibly from
 the sweep seed, so the same sweep always means the same trials whether or not
 they are packed; `optuna` hands the space to Ray Tune's OptunaSearch. Parameters
@@ -17,7 +29,6 @@ are the platform's hyperparameters and the task's own (`rayhpc.task.hparams`).
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import typing
@@ -31,7 +42,9 @@ from rayhpc.task.hparams import check_value
 Scalar = Union[bool, int, float, str]
 
 
-KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
+KINDS = ("grid", "choice", "uniform", "loguniform", "randint", "quniform", "qloguniform", "lograndint")
+RANGES = ("uniform", "loguniform", "randint", "quniform", "qloguniform", "lograndint")  # [low, high, ...]
+FLOATS = ("uniform", "loguniform", "quniform", "qloguniform")
 
 
 class ParamSpec(StrictModel):
@@ -42,6 +55,12 @@ class ParamSpec(StrictModel):
     uniform: tuple[float, float] | None = Field(None, description="[low, high] float")
     loguniform: tuple[float, float] | None = Field(None, description="[low, high] float, log scale, low > 0")
     randint: tuple[int, int] | None = Field(None, description="[low, high) integer")
+    quniform: tuple[float, float, float] | None = Field(None, description="[low, high, q] float, a multiple of q")
+    qloguniform: tuple[float, float, float] | None = Field(None, description="[low, high, q] float, log scale, "
+                                                           "a multiple of q")
+    lograndint: tuple[int, int] | None = Field(None, description="[low, high) integer, log scale, low > 0")
+    when: dict[str, Union[Scalar, list[Scalar]]] | None = Field(None, description="drawn only where every named "
+                                                                 "parameter has this value (or one of these)")
 
     @model_validator(mode="after")
     def _one_kind(self) -> "ParamSpec":
@@ -52,15 +71,26 @@ class ParamSpec(StrictModel):
         value = getattr(self, kind)
         if kind in ("grid", "choice") and not value:
             raise ValueError(f"{kind}: empty list; give at least one value")
-        if kind in ("uniform", "loguniform", "randint") and not value[0] < value[1]:
+        if kind in RANGES and not value[0] < value[1]:
             raise ValueError(f"{kind}: low {value[0]} must be < high {value[1]}")
-        if kind == "loguniform" and value[0] <= 0:
-            raise ValueError(f"loguniform: low {value[0]} must be > 0")
+        if kind in ("loguniform", "qloguniform", "lograndint") and value[0] <= 0:
+            raise ValueError(f"{kind}: low {value[0]} must be > 0")
+        if kind in ("quniform", "qloguniform") and value[2] <= 0:
+            raise ValueError(f"{kind}: q {value[2]} must be > 0")
+        if self.when is not None and not self.when:
+            raise ValueError("when: empty; name at least one parameter and its value")
         return self
+
+    def holds(self, values: dict) -> bool:
+        """Whether the condition (`when`) holds for a trial's values so far (no condition: always)."""
+        return all(name in values and values[name] in (want if isinstance(want, list) else [want])
+                   for name, want in (self.when or {}).items())
 
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) is not None)
+
+
 
     @property
     def args(self) -> Any:
@@ -95,14 +125,74 @@ def parse_space(raw: Any) -> Space:
 
 
 def check_space_form(space: Space, search: str) -> None:
-    """Reject draws the search cannot make, and spaces that search nothing."""
+    """Reject draws the search cannot make, conditions that cannot hold, and spaces that search nothing."""
     for name, spec in space.items():
         if search == "grid" and isinstance(spec, ParamSpec) and spec.kind not in ("grid", "choice"):
             raise ConfigError(f"space.{name}: search=grid needs grid or choice values, got {spec.kind}")
         if search == "optuna" and isinstance(spec, ParamSpec) and spec.kind == "grid":
             raise ConfigError(f"space.{name}: search=optuna samples values; use choice instead of grid")
+        if isinstance(spec, ParamSpec) and spec.when:
+            _check_condition(space, name, spec, search)
+    ordered(space)  # no cycle of conditions
     if not searched(space):
         raise ConfigError(f"space: empty search space; give at least one parameter as {', '.join(KINDS)}")
+
+
+def _check_condition(space: Space, name: str, spec: ParamSpec, search: str) -> None:
+    """Each parameter `when` names is in the space, takes the values named, and is known when `name` is
+    drawn: a listed value (choice, grid) or a fixed one; a grid parameter's condition names grid values."""
+    as_grid = {"grid"} | ({"choice"} if search == "grid" else set())
+    for parent, want in spec.when.items():
+        if parent == name or parent not in space:
+            raise ConfigError(f"space.{name}.when: {parent} is not another parameter of the space "
+                              f"({', '.join(n for n in space if n != name) or 'none'})")
+        other = space[parent]
+        values = list(other.args) if isinstance(other, ParamSpec) and other.kind in ("grid", "choice") else None
+        if isinstance(other, ParamSpec) and values is None:
+            raise ConfigError(f"space.{name}.when: {parent} is drawn from a range ({other.kind}); a condition "
+                              "names a choice, grid or fixed parameter")
+        values = values if values is not None else [other]
+        for value in want if isinstance(want, list) else [want]:
+            if value not in values:
+                raise ConfigError(f"space.{name}.when: {parent}={value!r} is not a value {parent} takes "
+                                  f"({', '.join(map(str, values))})")
+        if spec.kind in as_grid and isinstance(other, ParamSpec) and other.kind not in as_grid:
+            raise ConfigError(f"space.{name}.when: {name} is a grid parameter (every value its own trial) and "
+                              f"{parent} is drawn per trial; make {parent} grid too, or {name} a choice")
+
+
+def ordered(space: Space) -> list[str]:
+    """The parameters in the space's order, each after those its condition names (a cycle is refused)."""
+    placed: list[str] = []
+    remaining = list(space)
+    while remaining:
+        ready = next((n for n in remaining if all(p in placed for p in _parents(space[n]))), None)
+        if ready is None:
+            raise ConfigError(f"space.{remaining[0]}.when: the conditions of {', '.join(remaining)} name each "
+                              "other in a cycle")
+        placed.append(ready)
+        remaining.remove(ready)
+    return placed
+
+
+def _parents(spec) -> list[str]:
+    return list(spec.when) if isinstance(spec, ParamSpec) and spec.when else []
+
+
+def log_quanta(space: Space) -> dict[str, float]:
+    """q of each qloguniform parameter: Optuna samples log-scale floats without a step (Tune's conversion
+    drops it), so its proposals are rounded to q after (`quantize`)."""
+    return {n: s.args[2] for n, s in space.items() if isinstance(s, ParamSpec) and s.kind == "qloguniform"}
+
+
+def quantize(value: float, q: float) -> float:
+    """`value` as a multiple of `q`, as Tune's quantized draws (float noise rounded off)."""
+    return round(round(value / q) * q, 12)
+
+
+def conditional(space: Space) -> dict[str, ParamSpec]:
+    """The parameters that exist only where their condition holds."""
+    return {n: s for n, s in space.items() if isinstance(s, ParamSpec) and s.when}
 
 
 def check_space_values(space: Space, hp_model: type[BaseModel]) -> None:
@@ -112,8 +202,9 @@ def check_space_values(space: Space, hp_model: type[BaseModel]) -> None:
         for value in _values_to_check(spec):
             check_value(hp_model, f"space.{name}", name, value)
         annotation = hp_model.model_fields[name].annotation
-        if isinstance(spec, ParamSpec) and spec.kind in ("uniform", "loguniform") and int in _types(annotation):
-            raise ConfigError(f"space.{name}: {spec.kind} draws floats but {name} is an integer; use randint, choice or grid")
+        if isinstance(spec, ParamSpec) and spec.kind in FLOATS and int in _types(annotation):
+            raise ConfigError(f"space.{name}: {spec.kind} draws floats but {name} is an integer; use randint, "
+                              "lograndint, choice or grid")
 
 
 def _types(annotation) -> set:
@@ -128,7 +219,8 @@ def _values_to_check(spec: ParamSpec | Scalar) -> list[Any]:
         return [spec]
     if spec.kind in ("grid", "choice"):
         return list(spec.args)
-    return [spec.args[0], spec.args[1] - 1 if spec.kind == "randint" else spec.args[1]]
+    low, high = spec.args[:2]
+    return [low, high - 1 if spec.kind in ("randint", "lograndint") else high]
 
 
 def searched(space: Space) -> list[str]:
@@ -138,7 +230,8 @@ def searched(space: Space) -> list[str]:
 
 def sample_configs(space: Space, num_samples: int, search: str, seed: int, hp_model: type[BaseModel],
                    defaults: dict) -> list[dict]:
-    """Every trial's full hyperparameters (`defaults` where the space sets nothing), in trial order.
+    """Every trial's full hyperparameters (`defaults` where the space sets nothing), in trial order; a
+    conditional parameter whose condition does not hold is left out (the task gets its default).
 
     As in Ray Tune, grid values form a cross product and `num_samples` draws of
     the other parameters are made for each grid point. With `search=grid`,
@@ -146,16 +239,23 @@ def sample_configs(space: Space, num_samples: int, search: str, seed: int, hp_mo
     """
     rng = random.Random(seed)
     as_grid = {"grid"} | ({"choice"} if search == "grid" else set())
-    grid_names = [n for n, s in space.items() if isinstance(s, ParamSpec) and s.kind in as_grid]
-    grid_points = list(itertools.product(*(space[n].args for n in grid_names)))
+    order = ordered(space)
+    grid = [n for n in order if isinstance(space[n], ParamSpec) and space[n].kind in as_grid]
+    points = [{}]
+    for name in grid:  # the cross product, each grid parameter only where its condition holds
+        spec = space[name]
+        points = [q for p in points for q in ([{**p, name: v} for v in spec.args] if spec.holds(p) else [p])]
     configs = []
     for _ in range(num_samples):
-        for point in grid_points:
-            values = dict(zip(grid_names, point))
-            for name, spec in space.items():
-                if name not in values:
+        for point in points:
+            values = dict(point)
+            for name in order:
+                spec = space[name]
+                if name not in values and name not in grid and (not isinstance(spec, ParamSpec) or spec.holds(values)):
                     values[name] = draw(spec, rng)
-            configs.append(hp_model.model_validate({**defaults, **values}).model_dump())
+            left_out = set(conditional(space)) - set(values)
+            full = hp_model.model_validate({**defaults, **values}).model_dump()
+            configs.append({k: v for k, v in full.items() if k not in left_out})
     return configs
 
 
@@ -165,19 +265,29 @@ def draw(spec: ParamSpec | Scalar, rng: random.Random) -> Any:
     kind, args = spec.kind, spec.args
     if kind == "choice":
         return rng.choice(args)
-    if kind == "uniform":
-        return rng.uniform(*args)
-    if kind == "loguniform":
-        return math.exp(rng.uniform(math.log(args[0]), math.log(args[1])))
-    if kind == "randint":
+    if kind in ("uniform", "quniform"):
+        value = rng.uniform(args[0], args[1])
+    elif kind in ("loguniform", "qloguniform", "lograndint"):
+        value = math.exp(rng.uniform(math.log(args[0]), math.log(args[1])))
+    elif kind == "randint":
         return rng.randrange(args[0], args[1])
-    raise AssertionError(f"unhandled kind {kind}")  # grid values are placed by sample_configs
+    else:
+        raise AssertionError(f"unhandled kind {kind}")  # grid values are placed by sample_configs
+    if kind == "lograndint":  # [low, high), as Tune's
+        return min(args[1] - 1, max(args[0], int(value)))
+    if kind in ("quniform", "qloguniform"):
+        return quantize(value, args[2])
+    return value
 
 
 def tune_domains(space: Space) -> dict[str, Any]:
-    """The space as Ray Tune sampling domains (for searchers such as OptunaSearch)."""
+    """The space as Ray Tune sampling domains (for searchers such as OptunaSearch), parents before the
+    parameters whose conditions name them."""
     from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     make = {"choice": tune.choice, "uniform": lambda a: tune.uniform(*a),
-            "loguniform": lambda a: tune.loguniform(*a), "randint": lambda a: tune.randint(*a)}
-    return {n: make[s.kind](s.args) if isinstance(s, ParamSpec) else s for n, s in space.items()}
+            "loguniform": lambda a: tune.loguniform(*a), "randint": lambda a: tune.randint(*a),
+            "quniform": lambda a: tune.quniform(*a), "qloguniform": lambda a: tune.qloguniform(*a),
+            "lograndint": lambda a: tune.lograndint(*a)}
+    return {n: make[space[n].kind](space[n].args) if isinstance(space[n], ParamSpec) else space[n]
+            for n in ordered(space)}

@@ -7,12 +7,13 @@ import logging
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pandas as pd
 from ray import tune
 from ray.tune import Callback
-from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, HyperBandScheduler, MedianStoppingRule
 
 from rayhpc import cluster, interrupt
 from rayhpc.config import ConfigError, ModelOptions
@@ -20,14 +21,25 @@ from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
 from rayhpc.tracking.sweep import sweep_tracking
 from rayhpc.train import checkpoint
-from rayhpc.tune.config import SweepConfig, bind_sweep
+from rayhpc.tune.config import SweepConfig, bind_objectives, bind_sweep
+from rayhpc.tune.objectives import measured_names
 from rayhpc.tune.optim import PACKED
 from rayhpc.tune.packing import pack_key, packing_problem, shared_keys
 from rayhpc.tune.pbt import PbtRules, mutable
-from rayhpc.tune.plan import MAX_PACK, PLAN_FILE, can_pack, load_plan, make_plan, pack_size, save_plan, slots
+from rayhpc.tune.plan import (
+    MAX_PACK,
+    PLAN_FILE,
+    can_pack,
+    load_plan,
+    make_plan,
+    pack_size,
+    repeated,
+    save_plan,
+    slots,
+)
 from rayhpc.tune.progress import ProgressPrinter
-from rayhpc.tune.results import ResultsRecorder, read_results
-from rayhpc.tune.space import searched, tune_domains
+from rayhpc.tune.results import ResultsRecorder, read_results, summarize
+from rayhpc.tune.space import conditional, log_quanta, searched, tune_domains
 from rayhpc.tune.trainable import TrialSettings, train_pack
 
 log = logging.getLogger(__name__)
@@ -41,12 +53,13 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     Everything that can be wrong with the input is checked before Ray starts (`rayhpc.job`).
     `callbacks` are extra Ray Tune callbacks (tests use one to kill a trial).
     """
-    study = None
+    entered, study = time.monotonic(), None
     if cfg.study is not None:  # a slice of a study: the study's sweep, this slice's own Tune experiment
         from rayhpc.study.slice import as_slice
 
         cfg, study, me = as_slice(cfg, set(explicit))
-    job = start_job(cfg, explicit, bind=bind_sweep, check=check_resources, gpus=trial_gpus)
+    job = start_job(cfg, explicit, bind=bind_sweep, check=check_resources, gpus=trial_gpus,
+                    objectives=bind_objectives)
     cfg = job.cfg
     gpus = trial_gpus(cfg, job.resources)
     if cfg.model_options_set and cfg.workers_per_trial == 1:
@@ -56,12 +69,7 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
         study.join(me, job.info.objective)
     packs = _plan(job, study)
     _describe(cfg, packs, gpus, study)
-    try:
-        _tuner(job, packs, gpus, callbacks, study).fit()
-    finally:
-        interrupt.install()  # Tune's handlers stay installed after fit()
-    if interrupt.received():  # Tune stopped the sweep early, its state and the results so far saved
-        raise KeyboardInterrupt
+    _fit(_tuner(job, packs, gpus, callbacks, study), cfg, entered)
     if study is not None:
         with study.locked():  # the union of every slice's trials so far
             study.write_results()
@@ -69,7 +77,32 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     else:
         table = read_results(cfg.experiment_dir)
     table.attrs["objective"] = job.info.objective  # (reported name, "min" or "max"): what "best" means
+    if cfg.repeats > 1:
+        table.attrs["summary"] = summarize(table, job.info.objective)
     return table
+
+
+def _fit(tuner, cfg: SweepConfig, entered: float) -> None:
+    """Run the tuner; a stop signal stops the sweep (its state and results so far saved: KeyboardInterrupt).
+    A time budget (from `entered`, the job's start) stops it the same way, as the end of this run: the
+    trials it stopped can be resumed (`--resume`; a requeued Slurm job does so)."""
+    budget = None
+    if cfg.time_budget is not None:
+        budget = interrupt.stop_after(cfg.time_budget - (time.monotonic() - entered),
+                                      f"time budget {cfg.time_budget:g} s reached")
+    try:
+        tuner.fit()
+    finally:
+        interrupt.install()  # Tune's handlers stay installed after fit()
+        if budget is not None:
+            budget.cancel()
+    if interrupt.planned():
+        why = interrupt.planned()
+        interrupt.settle()
+        log.warning(f"{why}: sweep {cfg.name} stopped; trials not finished continue with: "
+                    f"{interrupt.resume_command(cfg)}")
+    elif interrupt.received():  # Tune stopped the sweep early, its state and the results so far saved
+        raise KeyboardInterrupt
 
 
 def _plan(job: Started[SweepConfig], study=None) -> list[list[dict]] | None:
@@ -96,6 +129,7 @@ def _new_plan(job: Started[SweepConfig], rounds: int = 1) -> list[list[dict]]:
     """Every trial of a random or grid search, in packs that fill the cluster's slots `rounds` times."""
     cfg, task = job.cfg, job.task
     configs = cfg.configs(task.hp_model)
+    first = len(cfg.points_to_evaluate or [])  # the points to evaluate: packs of their own, run first
     key = functools.partial(pack_key, task, job.info) if can_pack(cfg) else None
     if key is not None and len(set(map(key, configs))) < len(configs):  # some trials would share a pack
         problem = packing_problem(task, configs[0], job.sample_batch)
@@ -103,7 +137,9 @@ def _new_plan(job: Started[SweepConfig], rounds: int = 1) -> list[list[dict]]:
             log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
             key = None
     n_slots = slots(cfg, job.resources, trial_gpus(cfg, job.resources))
-    return make_plan(configs, pack_size(cfg, len(configs), n_slots * rounds), key)
+    size = pack_size(cfg, len(configs), n_slots * rounds)
+    packs = make_plan(configs[:first], size, key) + make_plan(configs[first:], size, key)
+    return repeated(packs, cfg.repeats, key is not None)
 
 
 MAX_CONTEXTS_PER_GPU = 8  # trial processes sharing a GPU: each holds a CUDA context (~0.5 GiB) and its own memory
@@ -148,7 +184,8 @@ def _settings(job: Started[SweepConfig], study=None) -> TrialSettings:
                          defaults=cfg.defaults(task.hp_model), data_keys=tuple(sorted(job.info.data_reads)),
                          data=cfg.data, objective=job.info.objective, precision=cfg.precision, pbt=pbt,
                          model_options=ModelOptions(**cfg.model_dump(include=set(ModelOptions.model_fields))),
-                         study=None if study is None else str(study.path))
+                         study=None if study is None else str(study.path),
+                         measure=measured_names(objectives(job), cfg.constraint_list))
 
 
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, study=None):
@@ -164,7 +201,8 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
     proposed = optuna_pack(job, gpus, STUDY_ROUNDS if study else 2) if optuna else 0  # per Optuna trial
     keeper = _keeper(job, packs is not None or proposed > 1 or study is not None, study)
     trainable, max_concurrent = _trainable(job, packs, gpus, keeper, study)
-    recorder = ResultsRecorder(cfg.experiment_dir, packs, cfg.epochs, searched(cfg.space), job.info)
+    recorder = ResultsRecorder(cfg.experiment_dir, packs, cfg.epochs, columns(cfg), job.info, objectives(job),
+                               cfg.constraint_list, cfg.repeats)
     if cfg.resume and tune.Tuner.can_restore(str(cfg.experiment_dir)):
         relink_pruned_checkpoints(cfg.experiment_dir)
         # the callbacks, schedulers and searcher come back from the saved tuner state
@@ -196,6 +234,17 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
                        *sweep_tracking(job, packs, recorder.columns), *callbacks],
         ),
     )
+
+
+def columns(cfg: SweepConfig) -> list[str]:
+    """The hyperparameters the table shows (`config.<name>`): those the space searches, and the seed of
+    each run where the sweep repeats its configurations."""
+    return searched(cfg.space) + (["seed"] if cfg.repeats > 1 and "seed" not in cfg.space else [])
+
+
+def objectives(job: Started[SweepConfig]) -> list[tuple[str, str]]:
+    """Every objective of the sweep, (name, mode), the first the one it ranks by."""
+    return job.cfg.objectives or [job.info.objective]
 
 
 class WatchStopSignals(Callback):
@@ -231,17 +280,19 @@ def _keeper(job: Started[SweepConfig], packed: bool, study=None):
     unpacked trials of a searcher, or distributed ones, are Tune trials that Tune's own ASHA stops. A
     study's slices share one keeper's state, in the study folder."""
     cfg = job.cfg
-    if cfg.scheduler != "asha" or not packed or cfg.workers_per_trial > 1:
+    if cfg.scheduler not in ("asha", "median") or not packed or cfg.workers_per_trial > 1:
         return None
-    from rayhpc.tune.adaptive import start_keeper  # only ASHA sweeps of packs
+    from rayhpc.tune.adaptive import start_keeper  # only ASHA and median-stopping sweeps of packs
+
+    grace = cfg.median.grace_period if cfg.scheduler == "median" else cfg.asha.grace_period
+    rule = dict(kind=cfg.scheduler, min_samples=cfg.median.min_samples)
 
     if study is not None:
         from rayhpc.study.folder import LOCK_FILE
 
-        return start_keeper(study.path, job.info.objective, cfg.epochs, cfg.asha.grace_period,
-                            cfg.asha.reduction_factor, lock=study.path / LOCK_FILE)
-    return start_keeper(cfg.experiment_dir, job.info.objective, cfg.epochs, cfg.asha.grace_period,
-                        cfg.asha.reduction_factor)
+        return start_keeper(study.path, job.info.objective, cfg.epochs, grace, cfg.asha.reduction_factor,
+                            lock=study.path / LOCK_FILE, **rule)
+    return start_keeper(cfg.experiment_dir, job.info.objective, cfg.epochs, grace, cfg.asha.reduction_factor, **rule)
 
 
 def _study_searcher(job: Started[SweepConfig], study, size: int):
@@ -282,8 +333,9 @@ def optuna_pack(job: Started[SweepConfig], gpus: float, per_slot: int = 2) -> in
 
 
 def _optuna(job: Started[SweepConfig], pack: int):
-    """(param_space, search_alg, Tune trials) of an Optuna search: Tune's OptunaSearch for trials of
-    one, else packs proposed in batches (`rayhpc.tune.adaptive.PackedOptunaSearch`)."""
+    """(param_space, search_alg, Tune trials) of an Optuna search: Tune's OptunaSearch for trials of one
+    under one objective, TPE, no constraints, conditions, points or warm start; else packs (of one or more)
+    proposed in batches (`rayhpc.tune.adaptive.PackedOptunaSearch`, which also does all of those)."""
     import optuna  # optional: only Optuna searches
     from ray.tune.search.optuna import OptunaSearch
 
@@ -291,12 +343,20 @@ def _optuna(job: Started[SweepConfig], pack: int):
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     cfg, (metric, mode) = job.cfg, job.info.objective
-    if pack == 1:
+    plain = (len(objectives(job)) == 1 and not cfg.constraints and cfg.sampler == "tpe" and not conditional(cfg.space)
+             and not cfg.points_to_evaluate and cfg.warm_start is None and cfg.repeats == 1
+             and not log_quanta(cfg.space))
+    if pack == 1 and plain:
         return tune_domains(cfg.space), OptunaSearch(seed=cfg.seed), cfg.num_samples
     shared = shared_keys(job.task, job.info, cfg.defaults(job.task.hp_model))
-    searcher = PackedOptunaSearch(tune_domains(cfg.space), pack, cfg.num_samples, sorted(shared), metric, mode,
-                                  cfg.seed, str(cfg.experiment_dir))
-    return {}, searcher, math.ceil(cfg.num_samples / pack)
+    points = cfg.points_to_evaluate or []
+    searcher = PackedOptunaSearch(tune_domains(cfg.space), pack, cfg.num_samples + len(points), sorted(shared),
+                                  metric, mode, cfg.seed, str(cfg.experiment_dir), objectives(job),
+                                  cfg.constraint_list, cfg.sampler, conditional(cfg.space), points,
+                                  None if cfg.warm_start is None else str(cfg.warm_start), cfg.repeats,
+                                  log_quanta(cfg.space))
+    # the points may take packs of their own (a pack's members share its batch size, optimizer, ...)
+    return {}, searcher, math.ceil(cfg.num_samples / pack) + len(points)
 
 
 def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None, study=None):
@@ -323,9 +383,16 @@ def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None, study
 
 
 def _scheduler(cfg: SweepConfig):
+    """Tune's own scheduler of unpacked (or distributed) trials."""
     if cfg.scheduler == "asha":
         return ASHAScheduler(time_attr="epoch", max_t=cfg.epochs, grace_period=cfg.asha.grace_period,
                              reduction_factor=cfg.asha.reduction_factor)
+    if cfg.scheduler == "median":
+        return MedianStoppingRule(time_attr="epoch", grace_period=cfg.median.grace_period,
+                                  min_samples_required=cfg.median.min_samples, hard_stop=True)
+    if cfg.scheduler == "hyperband":
+        return HyperBandScheduler(time_attr="epoch", max_t=cfg.epochs,
+                                  reduction_factor=cfg.hyperband.reduction_factor)
     return FIFOScheduler()
 
 

@@ -27,6 +27,7 @@ from rayhpc.study.folder import PACKS_DIR, latest_pack_checkpoint, save_pack_che
 from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
 from rayhpc.train import checkpoint
+from rayhpc.tune.objectives import PER_MEMBER, measure_member, peak_memory_mb
 from rayhpc.tune.packing import SinglePack, make_pack, member_slice
 from rayhpc.tune.pbt import MUTABLE, PbtRules, exploit_explore
 
@@ -48,6 +49,7 @@ class TrialSettings:
     model_options: ModelOptions = ModelOptions()  # compile and activation checkpointing (unpacked trials only)
     pbt: PbtRules | None = None  # population-based training of each pack's members
     study: str | None = None  # a study's folder (`rayhpc.study`): packs checkpoint there, for any slice to resume
+    measure: tuple[str, ...] = ()  # what the objectives and constraints need measured (`rayhpc.tune.objectives`)
 
 
 def members_of(config: dict, packs: list[list[dict]] | None) -> list[dict]:
@@ -99,20 +101,27 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
         tune.report(state["metrics"])
         return
     pack, opt, state = _build(task, members, device, state, settings)
+    if settings.measure and not state.get("measured"):
+        with torch.random.fork_rng(devices=[]):  # the training's random draws stay as without measuring
+            state["measured"] = [measure_member(task, m, train, settings.measure) for m in members]
     train_batches, val_batches = Batches(train, device), (Batches(val, device) if val is not None else None)
     resumed_from = state["epoch"]
     for epoch in range(state["epoch"], epochs):
         with autocast(settings.precision, device):
             current = [members[j] for j in state["slots"]]
+            started = time.perf_counter()
             values = {"train_loss": train_epoch(pack, opt, train_batches, current, epoch, total)}
+            steps = min(total, (epoch + 1) * per_epoch) - epoch * per_epoch
+            step_ms = 1000 * (time.perf_counter() - started) / steps
         if val_batches is not None:
             with autocast(settings.precision, device):
                 values.update(pack.evaluate(val_batches.all(eval_batch(hp["batch_size"]))))
         values = _scatter(state["values"], values, state["slots"], len(members))  # stopped members' frozen
+        values.update(_measured(settings.measure, state, step_ms, device))
         _update_best(state["best"], values, settings.objective)
         state["epoch"] = epoch + 1
         if keeper is not None:
-            _asha(keeper, pack_id, pack, opt, state, values, settings)
+            _asha(keeper, pack_id, pack, opt, state, values, settings, members)
         if settings.pbt is not None and state["epoch"] < epochs:
             exploit_explore(pack, opt, state, values, settings.pbt, state["epoch"], pack_id)
         seconds = state["seconds"] + time.perf_counter() - entered
@@ -128,6 +137,18 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
         if not state["slots"]:
             return  # every member stopped
+
+
+def _measured(names: tuple[str, ...], state: dict, step_ms: float, device: torch.device) -> dict:
+    """Each member's measured values (`rayhpc.tune.objectives`): its own parameters and FLOPs, and the pack's
+    step time and the process's peak memory, which its members share."""
+    members = len(state.get("measured") or [])
+    out = {n: torch.tensor([m[n] for m in state["measured"]]) for n in names if n in PER_MEMBER}
+    if "step_ms" in names:
+        out["step_ms"] = torch.full((members,), step_ms)
+    if "peak_mem_mb" in names:
+        out["peak_mem_mb"] = torch.full((members,), peak_memory_mb(device))
+    return out
 
 
 def _build(task: LoadedTask, members: list[dict], device: torch.device, state: dict | None,
@@ -156,13 +177,25 @@ def _scatter(kept: dict, values: dict, slots: list[int], members: int) -> dict:
     return {name: v.clone() for name, v in kept.items()}
 
 
-def _asha(keeper, pack_id: int | str, pack, opt, state: dict, values: dict, settings: TrialSettings) -> None:
-    """Report each member in the pack to ASHA; the ones it stops before the last epoch leave the pack."""
+def _asha(keeper, pack_id: int | str, pack, opt, state: dict, values: dict, settings: TrialSettings,
+          members: list[dict]) -> None:
+    """Report each member in the pack to ASHA; the ones it stops before the last epoch leave the pack.
+    Repeated runs of one configuration (members that differ only in their seed) are one trial to ASHA,
+    reported their mean, and stop together."""
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     epoch, (metric, _) = state["epoch"], settings.objective
-    results = [(f"{pack_id}-{j}", epoch, float(values[metric][j])) for j in state["slots"]]
-    stops = ray.get(keeper.decide.remote(metric, results))
+    configs = config_groups(members)
+    active = {}  # ASHA's trial id -> the positions (in the pack) of its runs
+    for pos, j in enumerate(state["slots"]):
+        active.setdefault(f"{pack_id}-{j}" if len(set(configs)) == len(members) else f"{pack_id}-c{configs[j]}",
+                          []).append(pos)
+    results = [(tid, epoch, float(sum(values[metric][state["slots"][p]] for p in ps) / len(ps)))
+               for tid, ps in active.items()]
+    stops = [False] * len(state["slots"])  # by position in the pack
+    for (tid, positions), stop in zip(active.items(), ray.get(keeper.decide.remote(metric, results))):
+        for pos in positions:
+            stops[pos] = stop
     leaving = [pos for pos, stop in enumerate(stops) if stop] if epoch < settings.epochs else []  # asha: epochs
     if not leaving:
         return
@@ -178,30 +211,66 @@ def _asha(keeper, pack_id: int | str, pack, opt, state: dict, values: dict, sett
         opt.keep(staying, pack.parameters())
 
 
+def config_groups(members: list[dict]) -> list[int]:
+    """Each member's configuration, numbered in pack order: members that differ only in their seed (repeated
+    runs) share one; where all share the seed, each member is its own."""
+    if len({m["seed"] for m in members}) == 1:
+        return list(range(len(members)))
+    keys: dict[str, int] = {}
+    return [keys.setdefault(repr(sorted((k, repr(v)) for k, v in m.items() if k != "seed")), len(keys))
+            for m in members]
+
+
 def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, total_steps: int) -> torch.Tensor:
     """One pass over the training data (cut short at optimizer step `total_steps`, the run's last); returns
     each member's mean batch loss. `members`: the pack's members' hyperparameters, in pack order (batch
-    size, seed and accumulation are the pack's)."""
+    size and accumulation are the pack's; the seed too, unless the members are repeated runs of different
+    seeds: then each takes its own batches, in its own order, stacked member first)."""
     hp = members[0]
     first = epoch * math.ceil(len(batches) / hp["batch_size"])
+    seeds = [m["seed"] for m in members]
+    stacked = len(set(seeds)) > 1
+    if stacked:
+        orders = (batches(epoch_indices(len(batches), s, epoch), hp["batch_size"]) for s in seeds)
+        stream = map(stack_members, zip(*orders))
+    else:
+        stream = batches(epoch_indices(len(batches), hp["seed"], epoch), hp["batch_size"])
     pack.train()
     total, steps = torch.zeros(pack.size, device=batches.device), 0
-    for i, batch in enumerate(batches(epoch_indices(len(batches), hp["seed"], epoch), hp["batch_size"])):
+    for i, batch in enumerate(stream):
         if first + i >= total_steps:
             break
-        total += pack_step(pack, opt, batch, members, first + i, total_steps)
+        total += pack_step(pack, opt, batch, members, first + i, total_steps, stacked)
         steps += 1
     return (total / steps).cpu()
 
 
-def pack_step(pack, opt, batch, members: list[dict], step: int, total_steps: int) -> torch.Tensor:
+def stack_members(parts: tuple) -> object:
+    """The members' batches of one step as one, each tensor stacked along a new first (member) dimension."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(parts)
+    if isinstance(first, dict):
+        return {k: stack_members(tuple(p[k] for p in parts)) for k in first}
+    return type(first)(stack_members(tuple(p[i] for p in parts)) for i in range(len(first)))
+
+
+def pack_step(pack, opt, batch, members: list[dict], step: int, total_steps: int, stacked: bool = False
+              ) -> torch.Tensor:
     """One optimizer step of every member (`rayhpc.optim`'s options, each member's own schedule and
-    clipping); each member's loss on the batch. A pack of one is the plain model and `torch.optim`."""
+    clipping); each member's loss on the batch (`stacked`: a batch per member, member first). A pack of
+    one is the plain model and `torch.optim`."""
     if isinstance(pack, SinglePack):
         return optimizer_step(pack.model, opt, lambda part: pack.losses(part)[0], batch, members[0], step,
                               total_steps, batch_size_of, pack.scheduler(opt, members[0], step)).reshape(1)
     opt.scale_lr([lr_factor(m, step, total_steps) for m in members])
     opt.zero_grad()
+    if stacked:  # no micro-batches (repeats refuse accumulate)
+        losses = pack.losses(batch, stacked=True)
+        losses.sum().backward()
+        opt.clip_()
+        opt.step()
+        return losses.detach()
     out, n = torch.zeros(pack.size, device=opt.device), batch_size_of(batch)
     for part in split_batch(batch, members[0]["accumulate"]):
         share = batch_size_of(part) / n

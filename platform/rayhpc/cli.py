@@ -200,9 +200,12 @@ def tune_main(argv: Sequence[str] | None = None) -> int:
         table = run_sweep(cfg, explicit=explicit)
     print(format_best(table, table.attrs["objective"]))
     where = cfg.study.expanduser().resolve() if cfg.study else cfg.experiment_dir  # a slice: the study's union
-    if "summary" in table.attrs:  # repeats
-        print(format_summary(table.attrs["summary"]))
-        print(f"summary: {where / SUMMARY_FILE} ({len(table.attrs['summary'])} configurations)")
+    if (where / SUMMARY_FILE).exists():  # repeats
+        import pandas as pd
+
+        summary = pd.read_parquet(where / SUMMARY_FILE)
+        print(format_summary(summary))
+        print(f"summary: {where / SUMMARY_FILE} ({len(summary)} configurations)")
     print(f"results: {where / 'results.parquet'} ({len(table)} trials)")
     errored = int((table["status"] == "error").sum())
     return 1 if errored == len(table) else 0

@@ -38,7 +38,7 @@ from rayhpc.tune.plan import (
     slots,
 )
 from rayhpc.tune.progress import ProgressPrinter
-from rayhpc.tune.results import ResultsRecorder, read_results, summarize
+from rayhpc.tune.results import ResultsRecorder, read_results
 from rayhpc.tune.space import conditional, log_quanta, searched, tune_domains
 from rayhpc.tune.trainable import TrialSettings, train_pack
 
@@ -77,8 +77,6 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     else:
         table = read_results(cfg.experiment_dir)
     table.attrs["objective"] = job.info.objective  # (reported name, "min" or "max"): what "best" means
-    if cfg.repeats > 1:
-        table.attrs["summary"] = summarize(table, job.info.objective)
     return table
 
 

@@ -230,9 +230,11 @@ def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, to
     first = epoch * math.ceil(len(batches) / hp["batch_size"])
     seeds = [m["seed"] for m in members]
     stacked = len(set(seeds)) > 1
-    if stacked:
-        orders = (batches(epoch_indices(len(batches), s, epoch), hp["batch_size"]) for s in seeds)
-        stream = map(stack_members, zip(*orders))
+    if stacked:  # one batch per seed, each member given its seed's: a gather of the stacked batches
+        distinct = list(dict.fromkeys(seeds))
+        which = torch.tensor([distinct.index(s) for s in seeds], device=batches.device)
+        orders = (batches(epoch_indices(len(batches), s, epoch), hp["batch_size"]) for s in distinct)
+        stream = (stack_members(parts, which) for parts in zip(*orders))
     else:
         stream = batches(epoch_indices(len(batches), hp["seed"], epoch), hp["batch_size"])
     pack.train()
@@ -245,14 +247,15 @@ def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, to
     return (total / steps).cpu()
 
 
-def stack_members(parts: tuple) -> object:
-    """The members' batches of one step as one, each tensor stacked along a new first (member) dimension."""
+def stack_members(parts: tuple, which: torch.Tensor) -> object:
+    """One step's batches, one per seed (`parts`), as one batch member first: member j's is the batch of
+    seed `which[j]` (each tensor stacked along a new first dimension, then gathered)."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
-        return torch.stack(parts)
+        return torch.stack(parts).index_select(0, which)
     if isinstance(first, dict):
-        return {k: stack_members(tuple(p[k] for p in parts)) for k in first}
-    return type(first)(stack_members(tuple(p[i] for p in parts)) for i in range(len(first)))
+        return {k: stack_members(tuple(p[k] for p in parts), which) for k in first}
+    return type(first)(stack_members(tuple(p[i] for p in parts), which) for i in range(len(first)))
 
 
 def pack_step(pack, opt, batch, members: list[dict], step: int, total_steps: int, stacked: bool = False

@@ -224,3 +224,20 @@ def test_hyperband_runs_tunes_brackets_on_unpacked_trials(ray_address, tmp_path)
     assert set(table["status"]) == {"finished", "early-stopped"}, table[["status", "iterations"]]
     assert (table.loc[table["status"] == "finished", "iterations"] == 9).all()
     assert (table.loc[table["status"] == "early-stopped", "iterations"] < 9).all()
+
+
+def test_optuna_and_asha_see_the_mean_of_a_configurations_repeats(ray_address, tmp_path):
+    """4 configurations x 2 seeds proposed by Optuna in one pack under ASHA: each Optuna trial is told the mean
+    of its configuration's runs, and ASHA, ranking configurations by that mean, stops a configuration's runs
+    together."""
+    table = run_sweep(sweep(tmp_path, name="mean", search="optuna", scheduler="asha", repeats=2, num_samples=4,
+                            pack=4, epochs=4, space=SPACE))
+    assert len(table) == 8 and set(table["pack_size"]) == {8}
+    configs = table.groupby(["config.lr", "config.hidden"])
+    assert len(configs) == 4
+    assert all(g["iterations"].nunique() == 1 and g["status"].nunique() == 1 for _, g in configs), table
+    assert "early-stopped" in set(table["status"]), table[["status", "iterations"]]
+    study = json.loads((tmp_path / "mean" / "optuna_trials.json").read_text())
+    told = sorted((round(t["params"]["lr"], 12), t["params"]["hidden"], round(t["value"], 6)) for t in study)
+    means = sorted((round(lr, 12), hidden, round(g["val_loss"].mean(), 6)) for (lr, hidden), g in configs)
+    assert told == means

@@ -20,6 +20,7 @@ from rayhpc.tune.space import (
     Space,
     check_space_form,
     check_space_values,
+    complete_point,
     conditional,
     parse_space,
     sample_configs,
@@ -103,7 +104,7 @@ class SweepConfig(ModelOptions, TaskJobConfig):
                                    "num_samples); with time_budget, whichever comes first ends the sweep")
     points_to_evaluate: list[dict[str, Any]] | None = Field(None, description="configurations tried first, each "
                                                             "KEY=VALUE;KEY=VALUE (YAML: a list of mappings); the "
-                                                            "keys they leave out are drawn (or defaults)")
+                                                            "searched keys they leave out are drawn")
     warm_start: Path | None = Field(None, description="an earlier sweep's folder: Optuna learns from its "
                                     "finished trials before it proposes any (search optuna)")
     scheduler: Literal["fifo", "asha", "median", "hyperband", "pbt"] = Field(
@@ -274,7 +275,8 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     def configs(self, hp_model) -> list[dict]:
         """Every trial's hyperparameters, for a random or grid search: the points to evaluate first."""
         defaults = self.defaults(hp_model)
-        points = [hp_model.model_validate({**defaults, **p}).model_dump() for p in self.points_to_evaluate or []]
+        points = [complete_point(self.space, p, self.seed + i, hp_model, defaults)
+                  for i, p in enumerate(self.points_to_evaluate or [])]
         return points + sample_configs(self.space, self.num_samples, self.search, self.seed, hp_model, defaults)
 
 

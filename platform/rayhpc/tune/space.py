@@ -259,6 +259,21 @@ def sample_configs(space: Space, num_samples: int, search: str, seed: int, hp_mo
     return configs
 
 
+def complete_point(space: Space, point: dict, seed: int, hp_model: type[BaseModel], defaults: dict) -> dict:
+    """A point to evaluate as a trial's full hyperparameters: the parameters it leaves out drawn (seeded by
+    `seed`), each conditional one only where its condition holds (else left out, as in `sample_configs`)."""
+    rng = random.Random(seed)
+    values = dict(point)
+    for name in ordered(space):
+        spec = space[name]
+        if name in values or (isinstance(spec, ParamSpec) and not spec.holds(values)):
+            continue
+        values[name] = rng.choice(spec.args) if isinstance(spec, ParamSpec) and spec.kind == "grid" else draw(spec, rng)
+    left_out = set(conditional(space)) - set(values)
+    full = hp_model.model_validate({**defaults, **values}).model_dump()
+    return {k: v for k, v in full.items() if k not in left_out}
+
+
 def draw(spec: ParamSpec | Scalar, rng: random.Random) -> Any:
     if not isinstance(spec, ParamSpec):
         return spec

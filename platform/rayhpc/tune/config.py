@@ -193,7 +193,7 @@ class SweepConfig(ModelOptions, TaskJobConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "SweepConfig":
-        self._check_objectives()
+        self._check_search()
         if self.space is not None:
             check_space_form(self.space, self.search)
         if self.gpus_per_trial and self.workers_per_trial > 1 and self.gpus_per_trial != 1:
@@ -217,8 +217,9 @@ class SweepConfig(ModelOptions, TaskJobConfig):
                               "use pack 1 or unset")
         return self
 
-    def _check_objectives(self) -> None:
-        """Several objectives go to Optuna's samplers and the table's front; a scheduler ranks by one value."""
+    def _check_search(self) -> None:
+        """What the search features need of each other: several objectives go to Optuna's samplers and the
+        table's front (a scheduler ranks by one value); a study's slices share one plain search."""
         several = len(self.objective or []) > 1
         if several and self.scheduler != "fifo":
             raise ConfigError(f"scheduler (--scheduler) {self.scheduler}: it ranks trials by one value and "

@@ -82,3 +82,14 @@ def test_points_come_first_and_a_budget_reads_units():
 def test_settings_that_cannot_work_together_are_refused_by_name(kw, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         validate(SweepConfig, kw)
+
+
+def test_rayhpc_status_shows_the_front_and_feasibility_of_a_running_sweep():
+    from rayhpc.monitor.status import format_sweep
+
+    rows = [{"trial_id": f"t{i}", "status": "finished", "config.lr": 0.1 * (i + 1), "iterations": 3,
+             "best_val_loss": 0.5 - 0.1 * i, "pareto": i == 1, "feasible": i > 0, "node": "n1"} for i in range(3)]
+    lines = format_sweep({"sweep": "mo", "rows": rows, "counts": {"finished": 3}}).splitlines()
+    header = lines[1].split()
+    assert "pareto" in header and "feasible" in header, lines
+    assert [line.split()[header.index("pareto")] for line in lines[2:]] == ["False", "True", "False"], lines

@@ -44,6 +44,7 @@ _job: list = []  # the config of the job this process runs, once known (its line
 _causes: list[Callable[[], str | None]] = []  # what may have sent the signal, asked when the line is made
 _grace: list[threading.Timer] = []  # the clock to a forced end, once a stop signal came
 _planned: list[str] = []  # why this process stopped itself (a time budget), once it did
+_ray_level: list[int] = []  # the "ray" logger's level before a stop signal quieted it
 
 
 def install() -> None:
@@ -94,6 +95,7 @@ def _note(signum: int) -> bool:
     if _received:
         return False
     _received.append(signum)
+    _ray_level[:] = [logging.getLogger("ray").level]
     logging.getLogger("ray").setLevel(logging.CRITICAL)
     quiet_workers()
     timer = threading.Timer(grace_s(), _force_exit)
@@ -130,7 +132,8 @@ def settle() -> None:
     _grace.clear()
     _received.clear()
     _planned.clear()
-    logging.getLogger("ray").setLevel(logging.WARNING)
+    if _ray_level:
+        logging.getLogger("ray").setLevel(_ray_level.pop())
     install()
 
 

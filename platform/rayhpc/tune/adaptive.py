@@ -233,12 +233,13 @@ class PackedOptunaSearch(Searcher):
             extra = [{}] * len(batch)
         self.asked += len(batch)
         self.pending[trial_id] = batch
+        from rayhpc.tune.plan import seeded_runs
         from rayhpc.tune.space import quantize
 
         configs = [{**self.constants, **t.params, **e} for t, e in zip(batch, extra)]
         configs = [{k: quantize(v, self.quanta[k]) if k in self.quanta else v for k, v in c.items()} for c in configs]
         if self.repeats > 1:  # each configuration's runs, consecutive members of the pack
-            configs = [{**c, "seed": self.seed + r} for c in configs for r in range(self.repeats)]
+            configs = [run for c in configs for run in seeded_runs(c, self.repeats, self.seed)]
         return {"members": configs}
 
     def _ask_points(self, n: int) -> tuple[list, list[dict]]:

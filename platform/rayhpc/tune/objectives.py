@@ -5,7 +5,7 @@ An objective is `NAME:MODE` (`val_accuracy:max`); a constraint is `NAME<=BOUND` 
 (`params<=5e6`). NAME is a value the task reports (train_loss, val_loss, val_<metric>) or one the
 platform measures per trial:
 
-- `params`: the parameters of the trial's model (`model(hp)`), counted on the meta device;
+- `params`: the parameters of the trial's model (`model(hp)`, built once on the CPU before it trains);
 - `flops`: model FLOPs per training sample, the MFU counter's (`rayhpc.monitor.flops`: the forward's
   matmuls, convolutions and attention, times 3);
 - `step_ms`: milliseconds per optimizer step of the trial's pack (members of one pack share it);

@@ -65,10 +65,15 @@ def repeated(packs: list[list[dict]], repeats: int, packed: bool) -> list[list[d
     (a sweep that does not pack: a pack each)."""
     if repeats == 1:
         return packs
-    runs = [[[{**c, "seed": c["seed"] + r} for r in range(repeats)] for c in pack] for pack in packs]
+    runs = [[seeded_runs(c, repeats, c["seed"]) for c in pack] for pack in packs]
     if not packed:
         return [[run] for pack in runs for config in pack for run in config]
     return [[run for config in pack for run in config] for pack in runs]
+
+
+def seeded_runs(config: dict, repeats: int, seed: int) -> list[dict]:
+    """A configuration's `repeats` runs: seeds `seed`, `seed`+1, ..."""
+    return [{**config, "seed": seed + r} for r in range(repeats)]
 
 
 def save_plan(packs: list[list[dict]] | None, exp_dir: Path) -> None:

@@ -253,9 +253,7 @@ def sample_configs(space: Space, num_samples: int, search: str, seed: int, hp_mo
                 spec = space[name]
                 if name not in values and name not in grid and (not isinstance(spec, ParamSpec) or spec.holds(values)):
                     values[name] = draw(spec, rng)
-            left_out = set(conditional(space)) - set(values)
-            full = hp_model.model_validate({**defaults, **values}).model_dump()
-            configs.append({k: v for k, v in full.items() if k not in left_out})
+            configs.append(_trial_hparams(space, values, hp_model, defaults))
     return configs
 
 
@@ -269,6 +267,12 @@ def complete_point(space: Space, point: dict, seed: int, hp_model: type[BaseMode
         if name in values or (isinstance(spec, ParamSpec) and not spec.holds(values)):
             continue
         values[name] = rng.choice(spec.args) if isinstance(spec, ParamSpec) and spec.kind == "grid" else draw(spec, rng)
+    return _trial_hparams(space, values, hp_model, defaults)
+
+
+def _trial_hparams(space: Space, values: dict, hp_model: type[BaseModel], defaults: dict) -> dict:
+    """A trial's full hyperparameters from the values drawn for it: `defaults` for the rest, less the
+    conditional parameters not drawn (their condition did not hold: the task gets its default)."""
     left_out = set(conditional(space)) - set(values)
     full = hp_model.model_validate({**defaults, **values}).model_dump()
     return {k: v for k, v in full.items() if k not in left_out}

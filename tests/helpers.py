@@ -138,11 +138,75 @@ def python_as_attacker(code: str, *args: str, imports: str = "", env: dict | Non
     """`python -c CODE ARGS` as the other user. This interpreter may live where that user cannot read (a
     pyenv under /root), so it starts as root, imports `imports` (what the code needs), then drops to the
     other user before running the code."""
+    proc = start_as_attacker(code, *args, imports=imports, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def start_as_attacker(code: str, *args: str, imports: str = "", env: dict | None = None) -> subprocess.Popen:
+    """`python_as_attacker` in the background: the process, its output captured."""
     prelude = (f"import os, pwd, sys\n{imports}\n"
                f"user = pwd.getpwnam({ATTACKER!r}); os.setgroups([]); os.setgid(user.pw_gid); os.setuid(user.pw_uid)\n")
     env = {"PATH": os.environ["PATH"], "HOME": "/tmp", **(env or {})}
-    return subprocess.run([sys.executable, "-c", prelude + code, *args], capture_output=True, text=True, env=env,
-                          cwd="/tmp", timeout=timeout)
+    return subprocess.Popen([sys.executable, "-c", prelude + code, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd="/tmp")
+
+
+# The other user takes a TCP port the moment it is free (its holder gone) and answers every gRPC call on it,
+# keeping the bearer tokens the calls carry: `start_as_attacker(CATCH_TOKENS, PORT, WAIT_S, LISTEN_S,
+# imports=CATCH_IMPORTS)` tries for WAIT_S, listens LISTEN_S once it has the port, and prints
+# {"bound": ..., "tokens": [...], "methods": [...]}
+CATCH_TOKENS = """
+port, wait_s, listen_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+tokens, methods = set(), set()
+
+class Catch(grpc.GenericRpcHandler):
+    def service(self, details):
+        tokens.update(v.removeprefix("Bearer ") for k, v in details.invocation_metadata if k == "authorization")
+        methods.add(details.method)
+        return None  # UNIMPLEMENTED: the caller tries again, with its token
+
+server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), handlers=[Catch()], options=[("grpc.so_reuseport", 0)])
+deadline, bound = time.monotonic() + wait_s, False
+while not bound and time.monotonic() < deadline:
+    probe = socket.socket()
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:  # a plain bind first: gRPC logs every failed one
+        probe.bind(("0.0.0.0", port))
+        probe.close()
+        bound = server.add_insecure_port(f"0.0.0.0:{port}") == port
+    except (OSError, RuntimeError):
+        probe.close()
+        time.sleep(0.002)
+if bound:
+    server.start()
+    time.sleep(listen_s)
+    server.stop(0)
+print(json.dumps({"bound": bound, "tokens": sorted(tokens), "methods": sorted(methods)}), flush=True)
+"""
+CATCH_IMPORTS = "import concurrent.futures.thread, json, socket, time, grpc"
+
+
+def caught(catcher: subprocess.Popen, timeout: float = 120) -> dict:
+    """What a `CATCH_TOKENS` process reported once its time was up."""
+    out, err = catcher.communicate(timeout=timeout)
+    assert catcher.returncode == 0 and out.strip(), err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def dashboard_accepts(url: str, token: str) -> bool:
+    """Whether the Ray dashboard at `url` takes `token` (its jobs API, which runs code, behind it)."""
+    request = urllib.request.Request(f"{url}/api/jobs/", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status == 200
+    except urllib.error.HTTPError as exc:
+        assert exc.code in (401, 403), exc
+        return False
 
 
 RAYHPC = str(Path(sys.executable).with_name("rayhpc"))

@@ -137,6 +137,12 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     # what the job writes (results, checkpoints, logs, a local Ray's files: its processes inherit this) is
     # the user's alone, 0600 files in 0700 folders, on nodes and filesystems other users share
     os.umask(0o077)
+    try:
+        cluster.private_tmpdir()  # before torch is imported: its compile caches live in TMPDIR
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        _exit_status[:] = [USAGE_ERROR]
+        sys.exit(USAGE_ERROR)
     if warm and quick_exit and main.__name__ in WARM_COMMANDS:
         from rayhpc.up import warm as starter  # standard library only: no seconds of imports here
 
@@ -408,11 +414,10 @@ def status_main(argv: Sequence[str] | None = None) -> int:
     address = args.address or os.environ.get("RAY_ADDRESS")
     mine = None
     if address is None:
-        from rayhpc.up import connection  # the user's own cluster on this machine, if up
-        from rayhpc.up.control import current, describe
+        from rayhpc.up.control import current, describe  # the user's own cluster on this machine, if up
 
         mine = current()
-        address = mine and connection.find()
+        address = mine and cluster.resolve_address(None)  # and its token
         if mine:
             print(describe(mine))
     if address is None and shutil.which("squeue") is None:

@@ -15,14 +15,14 @@ import math
 import os
 import secrets
 import shutil
-import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rayhpc import interrupt
+from rayhpc import interrupt, processes
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import UnsafePath, ensure_private_file, write_private
+from rayhpc.slurm.private import UnsafePath, check_ancestors, write_private
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +116,25 @@ def resolve_address(address: str | None) -> str | None:
     except UnsafePath as exc:
         raise ConfigError(f"{connection.path()}: {exc}") from None
     if found is not None:
-        _user_cluster[:] = [found]
-    return found
+        address, token = found
+        use_token(token)  # the cluster's own, named by its connection file
+        _user_cluster[:] = [address]
+        return address
+    return None
 
 
 _user_cluster: list[str] = []  # the address of the user's cluster (`rayhpc up`), once found
 
 
 def use_token_if_present() -> None:
-    """Send this user's Ray token when joining a cluster, as a local `ray.init()` does when starting one.
+    """Send a token when joining a cluster this process did not start (`--address`, RAY_ADDRESS), as Ray's own
+    clients do: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or Ray's ~/.ray/auth_token, the one a cluster the user
+    started with `ray start` has. The clusters the platform starts have a token of their own each (a local
+    Ray: `start_local`; `rayhpc up`: its connection file names it; a Slurm job: its folder).
 
     Ray reads RAY_AUTH_MODE once, when it is imported; a client without it is refused by a
-    token-protected cluster (such as the local one a sweep starts). Call before importing ray.
-    A token file that exists but cannot be read is a `ConfigError` (Ray would fail on every call).
+    token-protected cluster. Call before importing ray. A token file that exists but cannot be read is a
+    `ConfigError` (Ray would fail on every call).
     """
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
     try:
@@ -146,18 +152,18 @@ def use_token_if_present() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def private_local_token() -> None:
-    """The token a local `ray.init()` uses, ~/.ray/auth_token, readable by this user only: created here
-    (exclusively, 0600, in a 0700 folder) when missing, since Ray would write it world-readable, and
-    narrowed to 0600 when Ray already did."""
-    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        return
-    path = Path.home() / ".ray" / "auth_token"
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    try:  # the token as Ray's own generate_new_authentication_token() makes it
-        write_private(path, secrets.token_hex(32), replace=False)
-    except FileExistsError:
-        ensure_private_file(path)
+def use_token(path: Path | str) -> None:
+    """From now on this process (and every process it starts) sends the token in `path`, that of a cluster
+    the platform started, and no other: RAY_AUTH_TOKEN would win over the file, so it goes."""
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(path))
+    if "ray" in sys.modules:
+        # private: Ray caches its token mode (RayConfig) and the token itself (its C++ loader) once per process;
+        # Ray's own `_enable_token_auth` and `ray get-auth-token` refresh them the same way
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def local_cpus() -> int:
@@ -211,17 +217,14 @@ def connect(address: str | None, **init_kwargs) -> Resources:
 
     if ray.is_initialized():
         return _current()
-    # A local cluster started by ray.init() has token auth on by default in Ray 2.60
-    # (token in ~/.ray/auth_token, generated if absent), so on a shared machine no
-    # other user can submit code to it. RAY_AUTH_MODE is read when ray is imported,
-    # so it cannot be switched on from here (see use_token_if_present); rayhpc never
-    # switches it off.
+    # Every cluster the platform starts has token auth on and a token of its own (start_local, `rayhpc up`, a
+    # Slurm job); rayhpc never switches it off.
     try:
         if address is None:
             ctx = start_local(logging_level=logging.WARNING, **{"include_dashboard": dashboard_installed(),
                                                                 **init_kwargs})
         else:
-            private_ray_tmpdir()
+            private_tmpdir()
             ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
             if address in _user_cluster:
                 joined_user_cluster()
@@ -231,11 +234,12 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     interrupt.install()  # ray.init makes SIGTERM exit at once; ours stops the job as Ctrl-C does
     res = _current()
     dashboard = getattr(ctx, "dashboard_url", None)
-    started = f"started local Ray at {res.address} in {_local_temp[-1]}" if address is None else \
+    started = f"started local Ray at {res.address} in {local_temp()}" if address is None else \
         f"joined your cluster (rayhpc up) at {address}" if address in _user_cluster else f"joined Ray at {address}"
-    # the dashboard asks for the cluster's token once per browser: `ray get-auth-token` prints it
+    # the dashboard asks for the cluster's token once per browser
+    token = os.environ.get("RAY_AUTH_TOKEN_PATH") if address is None or address in _user_cluster else None
     log.info(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
-             + (f"; dashboard http://{dashboard} (token: `ray get-auth-token`)" if dashboard else ""))
+             + (f"; dashboard http://{dashboard} (token: {token or '`ray get-auth-token`'})" if dashboard else ""))
     return res
 
 
@@ -270,32 +274,65 @@ def dashboard_installed() -> bool:
     return True
 
 
-_local_temp: list[Path] = []  # the private temp folder of the local Ray this process started
+@dataclass
+class LocalCluster:
+    """A Ray this process started: its private folder (Ray's files in `ray/`, its token), the marker in every
+    one of its processes' environment, and the token settings to give back when it stops."""
+
+    folder: Path
+    marker: str
+    token_before: dict[str, str | None]
+
+    @property
+    def token(self) -> Path:
+        return self.folder / TOKEN_FILE
+
+
+TOKEN_FILE = "auth_token"
+CLUSTER_MARKER = "RAYHPC_CLUSTER"  # in the environment of every process of a local Ray this process started
+_local: list[LocalCluster] = []  # the local Ray this process started, while it runs
 
 
 def local_temp() -> Path:
-    """The private temp folder of the local Ray this process started."""
-    return _local_temp[-1]
+    """The private folder of the local Ray this process started."""
+    return _local[-1].folder
 
 
-def private_ray_tmpdir() -> None:
-    """RAY_TMPDIR, for this process and the Ray processes it starts, in a new 0700 folder of this user's.
+def local_token() -> Path:
+    """The token file of the local Ray this process started (in its private folder)."""
+    return _local[-1].token
 
-    Ray Tune and Train take file locks (checkpoint and experiment syncing) in `<RAY_TMPDIR or /tmp>/
-    _ray_lockfiles`, one folder for every user of the machine: where another user made it first (0700),
-    every resume fails with PermissionError; where they made it 0777, they can hold the lock of a path of
-    ours and stall the job. Ray reads RAY_TMPDIR at each lock (and for its default temp folder, which the
-    platform never uses: every Ray it starts gets a private one). The folder is made inside the RAY_TMPDIR
-    the user set, if any, and removed at exit."""
-    if _ray_tmpdir:
-        return
-    folder = tempfile.mkdtemp(prefix="rayhpc-tmp-", dir=os.environ.get("RAY_TMPDIR") or None)
-    _ray_tmpdir.append(folder)
-    os.environ["RAY_TMPDIR"] = folder
+
+def private_tmpdir() -> str:
+    """This process's own temp folder: a new 0700 folder of a random name (`mkdtemp`) inside the TMPDIR it was
+    given, made TMPDIR, RAY_TMPDIR and Python's `tempfile` default, and removed at exit. Every process this one
+    starts inherits it: a local Ray's processes, its workers, Tune's trials, Train's ranks. Called where a
+    process starts, before torch is imported, because shared /tmp paths are anyone's to create first:
+    torch's compile caches (`<tmp>/torchinductor_<user>`, whose precompiled headers torch takes as it finds
+    them, even under TORCHINDUCTOR_CACHE_DIR), Ray Tune and Train's file locks (`<tmp>/_ray_lockfiles`: made
+    0700 by another user, every resume fails; made 0777, they hold our locks), multiprocessing's `pymp-*`
+    folders. Idempotent per process (a fork gets its own, inside its parent's)."""
+    made = _tmpdir.get(os.getpid())
+    if made:
+        return made
+    given = os.environ.get("TMPDIR") or tempfile.gettempdir()
+    # flat, never nested: a folder made for a parent (a command whose job a warm starter's child runs) is
+    # not the base of its child's, where Ray's socket paths (at most 107 bytes) go
+    base = os.environ.get(OWN_TMPDIR_BASE) or given if given == os.environ.get(OWN_TMPDIR) else given
+    try:
+        check_ancestors(Path(base))
+    except UnsafePath as exc:
+        raise ConfigError(f"TMPDIR {base}: {exc}") from None
+    folder = tempfile.mkdtemp(prefix="rayhpc-tmp-", dir=base)
+    _tmpdir[os.getpid()] = folder
+    os.environ.update({"TMPDIR": folder, "RAY_TMPDIR": folder, OWN_TMPDIR: folder, OWN_TMPDIR_BASE: base})
+    tempfile.tempdir = folder  # `tempfile` reads TMPDIR once per process, maybe before this call
     atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
-_ray_tmpdir: list[str] = []  # this process's private RAY_TMPDIR, once made
+OWN_TMPDIR, OWN_TMPDIR_BASE = "RAYHPC_OWN_TMPDIR", "RAYHPC_OWN_TMPDIR_BASE"  # the last one made, and where
+_tmpdir: dict[int, str] = {}  # pid -> its private temp folder (a fork inherits the dict, not the folder)
 
 
 def start_local(**init_kwargs):
@@ -304,32 +341,61 @@ def start_local(**init_kwargs):
     Never Ray's default: `ray.init()` joins the cluster that `<tmp>/ray/ray_current_cluster` names, a
     folder Ray makes 0777 where any user can start a head or write that file first, and would hand it the
     token, the task's code and data. So: `address="local"` (always a new cluster), its sockets, logs and
-    session files inside a new folder of a random name made 0700 (`tempfile.mkdtemp`), and its GCS on a port
-    chosen here, which the processes Ray starts are told as RAY_ADDRESS: Ray's state API in a worker (Ray
-    Train's placement-group cleaner) otherwise looks for "the" cluster in `<tmp>/ray` and among every
-    user's processes. The folder goes when the process disconnects (`disconnect`) or exits."""
+    session files inside a new folder of a random name made 0700 (`tempfile.mkdtemp`), with a fresh token
+    of its own in it (never ~/.ray/auth_token, which every Ray of the user shares: one leaked token would
+    open them all). Its GCS and dashboard bind ports of the system's choosing themselves (a port picked here
+    and handed over could be taken meanwhile by another user, who would then receive the token); the GCS's
+    address reaches the processes Ray starts as RAY_ADDRESS (`gcs_address_published`). Every process of the
+    cluster carries a marker in its environment, so that `disconnect` finds and stops them all, the GCS last.
+    A start that fails leaves nothing running, and its token goes with its folder."""
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
-    private_local_token()
-    private_ray_tmpdir()
-    for attempt in range(3):  # the port is free when chosen; another process may take it before the GCS does
-        temp = Path(tempfile.mkdtemp(prefix="rayhpc-"))
-        port = free_port()
-        try:
-            with environment(RAY_GCS_SERVER_PORT=str(port), RAY_ADDRESS=f"127.0.0.1:{port}"), agent_port_chosen():
-                # in a folder of its own inside ours: Ray makes its temp dir 0777, ours stays 0700; the dashboard
-                # on a free port, not Ray's 8265 (one port for every Ray on the node)
-                ctx = ray.init(address="local", _temp_dir=str(temp / "ray"),
-                               **{"dashboard_port": free_port(), **init_kwargs})
-        except Exception:
-            shutil.rmtree(temp, ignore_errors=True)
-            if attempt == 2 or ray.is_initialized():
-                raise
-            continue
-        atexit.unregister(disconnect)
-        atexit.register(disconnect)  # once; Ray stops before its folder goes, whichever exit handler runs first
-        _local_temp.append(temp)
-        return ctx
+    private_tmpdir()
+    # in the TMPDIR the process was given, not in its private one: Ray's socket paths must stay under 107 bytes
+    folder = Path(tempfile.mkdtemp(prefix="rayhpc-", dir=os.environ[OWN_TMPDIR_BASE]))
+    local = LocalCluster(folder, secrets.token_hex(8),
+                         {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")})
+    write_private(local.token, secrets.token_hex(32), replace=False)  # as Ray's own generator makes one
+    use_token(local.token)
+    try:
+        with environment(**{CLUSTER_MARKER: local.marker, "RAY_GCS_SERVER_PORT": None}), gcs_address_published(), \
+                agent_port_chosen():
+            # in a folder of its own inside ours: Ray makes its temp dir 0777, ours stays 0700; the dashboard on a
+            # port of its own choosing (0), not Ray's 8265 (one port for every Ray on the node)
+            ctx = ray.init(address="local", _temp_dir=str(folder / "ray"), **{"dashboard_port": 0, **init_kwargs})
+    except BaseException:
+        if ray.is_initialized():
+            ray.shutdown()
+        _stop_and_remove(local)
+        raise
+    _local.append(local)
+    atexit.unregister(disconnect)
+    atexit.register(disconnect)  # once; Ray stops before its folder goes, whichever exit handler runs first
+    return ctx
+
+
+@contextlib.contextmanager
+def gcs_address_published():
+    """Inside: once the GCS that a `ray.init` starts has bound its port (0: the system's choice), its address is
+    RAY_ADDRESS for every process Ray starts after it (raylet, dashboard, agents, workers). Ray's state API
+    in a worker (Ray Train's placement-group cleaner) otherwise looks for "the" cluster among every user's
+    processes. `ray.init` learns the port from a file the GCS writes; its private `Node.start_gcs_server` is
+    where that happens, so it is wrapped here, for this call only."""
+    from ray._private.node import Node  # private: the one point between the GCS's start and the raylet's
+
+    start = Node.start_gcs_server
+
+    @functools.wraps(start)
+    def then_publish(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        os.environ["RAY_ADDRESS"] = self.gcs_address
+
+    Node.start_gcs_server = then_publish
+    try:
+        with environment(RAY_ADDRESS=None):
+            yield
+    finally:
+        Node.start_gcs_server = start
 
 
 @contextlib.contextmanager
@@ -357,30 +423,68 @@ def agent_port_chosen():
 
 
 def disconnect() -> None:
-    """Leave Ray; a local Ray this process started stops, and its private folder is removed."""
+    """Leave Ray; a local Ray this process started stops (every one of its processes, its GCS last), and its
+    private folder, token included, is removed."""
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
-    ray.shutdown()
-    remove_local_temp()
-
-
-def remove_local_temp() -> None:
-    """Remove the private folder of the local Ray this process started (once its processes are gone)."""
-    while _local_temp:
-        shutil.rmtree(_local_temp.pop(), ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    with gcs_stopped_last():
+        ray.shutdown()
+    while _local:
+        _stop_and_remove(_local.pop())
 
 
 @contextlib.contextmanager
-def environment(**values: str):
-    """`values` in os.environ inside (what processes started inside inherit), as before outside."""
+def gcs_stopped_last():
+    """Inside: a `ray.shutdown` that stops the local Ray of this process kills every other process of it first
+    (`processes.kill_gcs_last`), and only then lets Ray stop its GCS. Ray stops the GCS second, after the
+    raylet, and its dashboard, monitor, agents and workers then call the freed GCS port for seconds with the
+    token. Ray's private `Node.kill_all_processes` runs once the driver has disconnected: it is wrapped here,
+    for this call only."""
+    from ray._private.node import Node  # private: the one point between the driver's disconnect and the kills
+
+    kill_all = Node.kill_all_processes
+
+    @functools.wraps(kill_all)
+    def others_first(self, *args, **kwargs):
+        for local in _local:
+            processes.kill([p for p in processes.marked(f"{CLUSTER_MARKER}={local.marker}")
+                            if not processes.is_gcs(p)])
+        kill_all(self, *args, **kwargs)
+
+    Node.kill_all_processes = others_first
+    try:
+        yield
+    finally:
+        Node.kill_all_processes = kill_all
+
+
+def _stop_and_remove(local: LocalCluster) -> None:
+    """Kill what is left of the local Ray `local` (its GCS last), remove its folder and token, and give the
+    process back the token settings it had before."""
+    processes.kill_gcs_last(processes.marked(f"{CLUSTER_MARKER}={local.marker}"))
+    shutil.rmtree(local.folder, ignore_errors=True)
+    for key, value in local.token_before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def remove_local_temp() -> None:
+    """Stop what is left of the local Ray this process started and remove its folder (a forced exit)."""
+    while _local:
+        _stop_and_remove(_local.pop())
+
+
+@contextlib.contextmanager
+def environment(**values: str | None):
+    """`values` in os.environ inside (what processes started inside inherit; None: unset), as before outside."""
     before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:

@@ -32,6 +32,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from rayhpc import processes
 from rayhpc.config import ConfigError
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
@@ -160,32 +161,11 @@ def _force_exit() -> None:
             stream.flush()
     if _reported.acquire(blocking=False):
         os.write(2, f"{line}\n".encode())
-    for pid in descendants(os.getpid()):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    processes.kill_gcs_last(processes.descendants(os.getpid()), timeout_s=2.0)
     from rayhpc import cluster  # imported here: cluster imports this module
 
     cluster.remove_local_temp()
     os._exit(exit_code())
-
-
-def descendants(*pids: int) -> list[int]:
-    """Every process below `pids`, read from /proc in one pass (empty where there is none: Ray's own
-    reaper then stops a local Ray, though not always its agents)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # ended meanwhile
-            continue
-        ppid = int(text[text.rindex(")") + 2:].split()[1])  # the name in (...) may hold spaces
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], list(pids)
-    while todo:
-        below = [c for c in children.get(todo.pop(), []) if c not in found]
-        found += below
-        todo += below
-    return found
 
 
 _reported = threading.Lock()  # held once the line is printed: one line, whoever prints it

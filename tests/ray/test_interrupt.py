@@ -17,7 +17,8 @@ import pytest
 from ray.util.state import list_actors, list_jobs, list_placement_groups
 
 from helpers import ROOT
-from rayhpc.interrupt import GRACE_VARIABLE, descendants
+from rayhpc.interrupt import GRACE_VARIABLE
+from rayhpc.processes import descendants
 from rayhpc.tune.results import read_results
 
 STOP_WITHIN_S = 10

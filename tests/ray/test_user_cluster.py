@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from ray.util.state import list_actors, list_objects, list_placement_groups
+from ray.util.state.api import StateApiClient
+from ray.util.state.common import ListApiOptions, StateResource
 
-from helpers import ROOT, job_env, run_job
+from helpers import CATCH_IMPORTS, CATCH_TOKENS, ROOT, caught, dashboard_accepts, job_env, run_job, start_as_attacker
+from rayhpc.processes import descendants
 from rayhpc.tune.results import read_results
 from rayhpc.up import connection, warm
 
@@ -61,20 +63,27 @@ def user_cluster(ray_cluster):
         down()
 
 
-def snapshot(address: str) -> dict[str, set]:
-    """What lives on the cluster: actors (not its services), placement groups, objects. `address` is the
-    dashboard's URL: given the GCS address, the state API would keep a GCS client in this process, and
-    once the cluster is down that client ends the whole test session 60 s later."""
-    return {"actors": {a.actor_id for a in list_actors(address=address) if a.state != "DEAD"
+def snapshot(info: dict) -> dict[str, set]:
+    """What lives on the cluster of `info`: actors (not its services), placement groups, objects, asked through
+    its dashboard with its own token (given the GCS address, the state API would keep a GCS client in this
+    process, and once the cluster is down that client ends the whole test session 60 s later; this process
+    sends the suite's cluster's token, not this one's)."""
+    client = StateApiClient(info["dashboard"], headers={
+        "Authorization": f"Bearer {Path(info['token_path']).read_text().strip()}"})
+
+    def listed(resource: StateResource) -> list:
+        return client.list(resource, ListApiOptions(limit=10_000), raise_on_missing_output=False)
+
+    return {"actors": {a.actor_id for a in listed(StateResource.ACTORS) if a.state != "DEAD"
                        and a.class_name not in CLUSTER_SERVICES},
-            "groups": {g.placement_group_id for g in list_placement_groups(address=address) if g.state != "REMOVED"},
-            "objects": {o.object_id for o in list_objects(address=address)}}
+            "groups": {g.placement_group_id for g in listed(StateResource.PLACEMENT_GROUPS) if g.state != "REMOVED"},
+            "objects": {o.object_id for o in listed(StateResource.OBJECTS)}}
 
 
-def assert_as_found(address: str, before: dict[str, set], timeout_s: float = 15) -> None:
+def assert_as_found(info: dict, before: dict[str, set], timeout_s: float = 15) -> None:
     """The cluster as `before` (Ray frees an ended driver's actors and objects asynchronously: a few s)."""
     deadline = time.monotonic() + timeout_s
-    while (now := snapshot(address)) != before and time.monotonic() < deadline:
+    while (now := snapshot(info)) != before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert now == before, {k: now[k] - before[k] for k in now}
 
@@ -110,11 +119,11 @@ def assert_joined_in_the_starter(job: subprocess.Popen, marks: Path, address: st
 
 def test_a_training_job_joins_it_and_leaves_it_as_it_found_it(user_cluster, tmp_path):
     address = user_cluster["address"]
-    before = snapshot(user_cluster["dashboard"])
+    before = snapshot(user_cluster)
     job = start("train_mlp.py", ["--storage-path", str(tmp_path), "--num-workers", "2", "--epochs", "1"],
                 tmp_path / "marks")
     assert_joined_in_the_starter(job, tmp_path / "marks", address)
-    assert_as_found(user_cluster["dashboard"], before)
+    assert_as_found(user_cluster, before)
 
 
 def sweep_args(folder: Path, hidden: list[int], epochs: int = 40) -> list[str]:
@@ -140,7 +149,7 @@ def sweeps_shown() -> list[set[int]]:
 
 def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(user_cluster, tmp_path):
     address, grids = user_cluster["address"], {"a": [8, 16], "b": [32, 64]}
-    before = snapshot(user_cluster["dashboard"])
+    before = snapshot(user_cluster)
     jobs = {name: start("tune_mlp.py", sweep_args(tmp_path / name, grid), tmp_path / f"{name}.marks")
             for name, grid in grids.items()}
     # while both run, each has its own board (what `rayhpc status` shows) with its own trials
@@ -153,7 +162,7 @@ def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(use
     for name, grid in grids.items():
         table = read_results(tmp_path / name / "same")
         assert sorted(table["config.hidden"]) == grid and set(table["status"]) == {"finished"}
-    assert_as_found(user_cluster["dashboard"], before)
+    assert_as_found(user_cluster, before)
     assert not list(connection.jobs_dir().iterdir()), "a job that ended is still registered"
 
 
@@ -179,7 +188,7 @@ def test_ctrl_c_reaches_a_job_in_the_warm_starter_and_other_code_runs_in_its_own
 
 
 def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user_cluster, tmp_path):
-    """Then a cluster that is gone (its holder SIGKILLed) is noticed at once by the resumed run, which starts a
+    """Then a cluster that is gone (the process that ran it SIGKILLed) is noticed at once by the resumed run, which starts a
     Ray of its own, says so, and removes what the cluster left."""
     config = tmp_path / "sweep.yaml"
     config.write_text(f"name: downed\nstorage_path: {tmp_path}\nnum_samples: 4\npack: 1\nmax_concurrent: 1\n"
@@ -203,7 +212,10 @@ def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user
     assert 0 < len(finished_before) < 4
 
     info = up("--no-warm")  # no warm starter: this cluster is killed at once
-    os.kill(info["pid"], signal.SIGKILL)  # its Ray ends with it (tied to the process that started it)
+    # the process that holds the cluster in the holder's child, killed: its Ray ends with it (tied to the process
+    # that started it), then the holder; the connection file stays (a killed holder's child would remove it)
+    (runner,) = descendants(info["pid"])[:1]
+    os.kill(runner, signal.SIGKILL)
     deadline = time.monotonic() + 15
     while connection.problem(info) is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -219,3 +231,77 @@ def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user
     assert len(final) == 4 and set(final["status"]) == {"finished"}
     pd.testing.assert_frame_equal(final.loc[finished_before.index][["val_loss", "train_seconds"]],
                                   finished_before[["val_loss", "train_seconds"]])
+
+
+# what the other user sees of our Ray's start in /proc: the port each of its servers is told to bind, which
+# they would bind first (as another user they cannot read the environment, only command lines)
+WATCH_PORTS = """
+seen = {"gcs_server": set(), "dashboard": set()}
+flags = {"gcs_server": b"--gcs_server_port=", "dashboard": b"--port="}
+deadline = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < deadline and not all(seen.values()):
+    for pid in os.listdir("/proc"):
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        kind = ("gcs_server" if args[0].endswith(b"/gcs_server") else
+                "dashboard" if len(args) > 1 and args[1].endswith(b"dashboard/dashboard.py") else None)
+        if kind and os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            seen[kind] |= {a[len(flags[kind]):].decode() for a in args if a.startswith(flags[kind])}
+    time.sleep(0.002)
+print(json.dumps({k: sorted(v) for k, v in seen.items()}), flush=True)
+"""
+
+
+def in_home(home: Path, *args: str) -> subprocess.Popen:
+    """`rayhpc ARGS` with RAYHPC_HOME `home`: a cluster of the user's beside `user_cluster`, in the background."""
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAYHPC_HOME": str(home)}
+    return subprocess.Popen([sys.executable, "-m", "rayhpc", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, env=env)
+
+
+def succeeded(proc: subprocess.Popen) -> None:
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+
+
+def test_a_freed_gcs_port_receives_no_token_and_no_clusters_token_opens_another(user_cluster, attacker, tmp_path):
+    """The attack: the other user binds the GCS port of a cluster of ours the moment it is free (the port is in
+    /proc/net/tcp) and answers every call, keeping the bearer tokens they carry. Ray's processes go on calling
+    a stopped GCS for seconds, and every cluster of the user shared one token (~/.ray/auth_token), so the
+    token of a finished sweep opened the user's `rayhpc up` dashboard (its jobs API runs code). Three ways a
+    cluster ends: a sweep's own Ray that finishes, `rayhpc down`, a killed `rayhpc up` holder. None sends a
+    token to the freed port (the GCS is stopped last), each cluster had its own, and the one that is still
+    up (`user_cluster`) takes none of theirs. And while the sweep's Ray starts, its GCS and dashboard are
+    handed no port to bind (0: each binds one of the system's choosing), so there is none to take first."""
+    watcher = start_as_attacker(WATCH_PORTS, "120", imports="import json, time")
+    sweep = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--num-samples", "2", "--epochs",
+                              "1", "--storage-path", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=job_env({"RAYHPC_HOME": str(tmp_path / "s")}))
+    started = next(line for line in sweep.stdout if line.startswith("ray: started local Ray at "))
+    port, folder = started.split()[5].rsplit(":", 1)[1], Path(started.split()[7])
+    tokens = {"sweep": (folder / "auth_token").read_text()}
+    catchers = {"sweep": start_as_attacker(CATCH_TOKENS, port, "180", "4", imports=CATCH_IMPORTS)}
+    ups = {end: in_home(tmp_path / end, "up", "--num-cpus", "1", "--no-warm", "--no-dashboard")
+           for end in ("down", "killed")}
+    for end, up_proc in ups.items():
+        succeeded(up_proc)
+        info = connection.read(tmp_path / end / "clusters" / f"{connection.host()}.json")
+        tokens[end] = Path(info["token_path"]).read_text()
+        catchers[end] = start_as_attacker(CATCH_TOKENS, str(info["ports"]["gcs"]), "60", "4", imports=CATCH_IMPORTS)
+        time.sleep(0.5)  # the catcher is trying to bind
+        if end == "down":
+            succeeded(in_home(tmp_path / end, "down"))
+        else:
+            os.kill(info["pid"], signal.SIGKILL)
+    out, _ = sweep.communicate(timeout=300)
+    assert sweep.returncode == 0, out
+    for end, catcher in catchers.items():
+        got = caught(catcher)
+        assert got["bound"] and got["tokens"] == [], f"{end}: the freed GCS port received {got}"
+    assert len(set(tokens.values())) == 3
+    own = Path(user_cluster["token_path"]).read_text()
+    assert dashboard_accepts(user_cluster["dashboard"], own)
+    assert not any(dashboard_accepts(user_cluster["dashboard"], token) for token in tokens.values())
+    assert caught(watcher) == {"gcs_server": ["0"], "dashboard": ["0"]}

@@ -37,7 +37,7 @@ from helpers import (
     wait_done,
     with_changes,
 )
-from rayhpc.interrupt import descendants
+from rayhpc.processes import descendants
 from rayhpc.slurm.private import UnsafePath, check_ancestors
 from rayhpc.slurm.submit import log_dir, slurm_job
 

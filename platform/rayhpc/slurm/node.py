@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rayhpc.interrupt import descendants
+from rayhpc.processes import descendants
 from rayhpc.slurm.layout import node_ip
 from rayhpc.slurm.private import write_private
 
@@ -183,9 +183,9 @@ def run(job_dir: Path, command: list[str]) -> int:
     cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE") or "1"
     gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
     command = [*command, f"--node-ip-address={ip}", f"--temp-dir={root}/r", f"--num-cpus={cpus}", f"--num-gpus={gpus}"]
-    # RAY_TMPDIR: Ray Tune and Train's file locks in this node's private folder, not in /tmp/_ray_lockfiles,
-    # which every user of the node shares (rayhpc.cluster.private_ray_tmpdir)
-    env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}", "RAY_TMPDIR": root}
+    # TMPDIR and RAY_TMPDIR for Ray and every worker it starts: this node's private folder, not /tmp, where
+    # another user may make torch's compile caches or Ray's lock folder first (rayhpc.cluster.private_tmpdir)
+    env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}", "RAY_TMPDIR": root, "TMPDIR": root}
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _stop)

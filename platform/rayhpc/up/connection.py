@@ -16,10 +16,10 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 from pathlib import Path
 
+from rayhpc import processes
 from rayhpc.monitor.startup import start_ticks
 from rayhpc.slurm.private import UnsafePath, check_trusted, private_dir, write_private
 
@@ -115,31 +115,14 @@ def problem(info: dict) -> str | None:
 
 def leftovers(marker: str) -> list[int]:
     """This user's processes that carry the cluster's marker, and everything below them (not this one)."""
-    from rayhpc.interrupt import descendants
-
-    wanted, found = f"{MARKER}={marker}".encode(), []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if entry.stat().st_uid == os.getuid() and wanted in Path(entry.path, "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:  # gone, or not ours to read
-            continue
-    return sorted(set(found + descendants(*found)) - {os.getpid()})
-
-
-def kill(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    return processes.marked(f"{MARKER}={marker}")
 
 
 def remove_remains(info: dict) -> list[int]:
     """What is left of the cluster of `info` once its process is gone (killed, say): its processes
     (killed; returned), its folders, its connection file."""
     left = leftovers(info["marker"])
-    kill(left)
+    processes.kill_gcs_last(left)
     for folder in (info["temp_dir"], info["ray_tmpdir"]):
         shutil.rmtree(folder, ignore_errors=True)
     for file in (path(), log_path(), socket_path()):
@@ -148,9 +131,10 @@ def remove_remains(info: dict) -> list[int]:
     return left
 
 
-def find() -> str | None:
-    """The address of the user's cluster on this machine, where it is up; None otherwise. A connection
-    file whose cluster is gone is removed, with one line saying so."""
+def find() -> tuple[str, Path] | None:
+    """The address of the user's cluster on this machine and its token file, where it is up; None otherwise.
+    A connection file whose cluster is gone is removed, with one line saying so. The token file is the
+    cluster's own (in its private folder); `UnsafePath` where another user could have put or changed it."""
     file = path()
     info = read(file)
     if info is None:
@@ -160,9 +144,9 @@ def find() -> str | None:
         log.info(f"ray: the cluster of `rayhpc up` in {file} is gone ({why}); this job starts a Ray of its own")
         remove_remains(info)
         return None
-    if info.get("token_path") and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-        os.environ["RAY_AUTH_TOKEN_PATH"] = info["token_path"]  # the token the cluster was started with
-    return info["address"]
+    token = Path(info["token_path"])
+    check_trusted(token)
+    return info["address"], token
 
 
 def register_job() -> Path:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from rayhpc import processes
 from rayhpc.config import ConfigError
 from rayhpc.slurm.private import UnsafePath
 from rayhpc.up import connection
@@ -34,10 +35,10 @@ def current() -> dict | None:
 def describe(info: dict) -> str:
     """The cluster of `info` in a few lines: address, process, since when, dashboard."""
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"]))
-    lines = [f"your cluster (rayhpc up) on {info['head']}: {info['address']}, held by process {info['pid']} "
-             f"since {since}; connection file {connection.path()}"]
+    lines = [(f"your cluster (rayhpc up) on {info['head']}: {info['address']}, held by process {info['pid']} "
+              f"since {since}; connection file {connection.path()}")]
     if info.get("dashboard"):
-        lines.append(f"dashboard {info['dashboard']} (token: `ray get-auth-token`)")
+        lines.append(f"dashboard {info['dashboard']} (token: {info['token_path']})")
     return "\n".join(lines)
 
 
@@ -115,4 +116,4 @@ def _stop_and_wait(pids: list[int], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(connection.process_alive(p, t) for p, t in starts.items()):
         time.sleep(0.1)
-    connection.kill([p for p, t in starts.items() if connection.process_alive(p, t)])
+    processes.kill([p for p, t in starts.items() if connection.process_alive(p, t)])

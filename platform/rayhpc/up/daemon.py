@@ -2,17 +2,19 @@
 
     python -m rayhpc.up.daemon [--num-cpus N] [--num-gpus N] [--no-dashboard] [--no-warm]
 
-It starts a local Ray as every job does (`cluster.start_local`: private temp folder, token auth, free
-ports), starts the warm starter (`rayhpc.up.warm`: job commands run in children of one interpreter
-that has imported torch and Ray already), writes the connection file, and waits. On SIGTERM, SIGINT
-or SIGHUP (`rayhpc down`) it removes the connection file first (no new job joins), stops Ray, and kills whatever process of the cluster is left:
-every process Ray started carries MARKER in its environment. Ray's processes also end with this one
-(Ray ties a local cluster's processes to the process that started it).
+It holds the cluster in a child of its own (`hold`), which starts a local Ray as every job does
+(`cluster.start_local`: private temp folder, a token of its own, ports its processes choose), starts the
+warm starter (`rayhpc.up.warm`: job commands run in children of one interpreter that has imported torch
+and Ray already), writes the connection file, and waits. On SIGTERM, SIGINT or SIGHUP (`rayhpc down`), and
+when the holder is killed, the child removes the connection file first (no new job joins), stops Ray (its
+GCS last), and kills whatever process of the cluster is left: every process Ray started carries MARKER in
+its environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import secrets
@@ -22,21 +24,21 @@ import sys
 import threading
 import time
 
-from rayhpc import cluster
+from rayhpc import cluster, processes
 from rayhpc.monitor.startup import start_ticks
 from rayhpc.up import connection
 
 log = logging.getLogger(__name__)
 
 
-def cluster_info(ctx, marker: str) -> dict:
+def cluster_info(ctx, marker: str, holder: int) -> dict:
     """The connection file's fields (those of a Slurm job's cluster.json, and the holding process)."""
     address = ctx.address_info["gcs_address"]
     info = {"job": None, "restart": 0, "head": connection.host(), "head_ip": address.rsplit(":", 1)[0],
             "address": address, "ports": {"gcs": int(address.rsplit(":", 1)[1])},
             "nodes": {connection.host(): address.rsplit(":", 1)[0]},
-            "token_path": os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token"),
-            "pid": os.getpid(), "pid_start": start_ticks(), "marker": marker, "started": time.time(),
+            "token_path": str(cluster.local_token()),
+            "pid": holder, "pid_start": start_ticks(holder), "marker": marker, "started": time.time(),
             "temp_dir": str(cluster.local_temp()), "ray_tmpdir": os.environ["RAY_TMPDIR"]}
     if ctx.dashboard_url:
         info.update(dashboard=f"http://{ctx.dashboard_url}",
@@ -64,6 +66,11 @@ def start_warm() -> subprocess.Popen | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The holder: the process the connection file names. The cluster itself runs in a child of it (`hold`),
+    which stops it when told (`rayhpc down`: SIGTERM to the holder, passed on) and also when the holder is
+    killed (SIGKILL included: the child's parent-death signal). Ray ties a local cluster's processes to the
+    process that started it, all at once: were that the holder, a killed holder would leave Ray's agents,
+    workers and dashboard modules calling the dead GCS's port for seconds, with the token."""
     parser = argparse.ArgumentParser(prog="python -m rayhpc.up.daemon")
     parser.add_argument("--num-cpus", type=float)
     parser.add_argument("--num-gpus", type=float)
@@ -71,6 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-warm", action="store_true", help="without the warm starter (rayhpc.up.warm)")
     args = parser.parse_args(argv)
     os.umask(0o077)
+    holder = os.getpid()
+    child = os.fork()  # before Ray or torch is imported: no thread runs yet
+    if child == 0:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != holder:  # the holder died before the signal was armed
+            return 1
+        return hold(args, holder)  # its exit runs its exit handlers (its private temp folder goes)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda signum, _frame: os.kill(child, signal.SIGTERM))
+    _, status = os.waitpid(child, 0)  # resumed after each signal passed on (PEP 475)
+    return os.waitstatus_to_exitcode(status)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def hold(args: argparse.Namespace, holder: int) -> int:
+    """The cluster, in the holder's child: start it, announce it, and on SIGTERM stop it (the connection file
+    first: no new job joins; then the warm starter, Ray, and whatever process of the cluster is left: every
+    process Ray started carries MARKER in its environment)."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop.set())
@@ -81,12 +108,12 @@ def main(argv: list[str] | None = None) -> int:
                               include_dashboard=not args.no_dashboard and cluster.dashboard_installed(), **options)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # ray.init replaced it
     starter = None if args.no_warm else start_warm()
-    connection.write({**cluster_info(ctx, marker), "warm_pid": starter and starter.pid})
-    print(f"rayhpc up: cluster at {ctx.address_info['gcs_address']} held by process {os.getpid()}", flush=True)
+    connection.write({**cluster_info(ctx, marker, holder), "warm_pid": starter and starter.pid})
+    print(f"rayhpc up: cluster at {ctx.address_info['gcs_address']} held by process {holder}", flush=True)
     while not stop.wait(1.0):
         pass
     with_file = connection.read()
-    if with_file and with_file.get("pid") == os.getpid():
+    if with_file and with_file.get("pid") == holder:
         connection.path().unlink()
     if starter is not None:
         starter.terminate()  # it ends once the jobs it started have (`rayhpc down` stopped them first)
@@ -97,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             starter.wait()
         connection.socket_path().unlink(missing_ok=True)
     cluster.disconnect()
-    connection.kill(connection.leftovers(marker))
+    processes.kill_gcs_last(connection.leftovers(marker))
     print("rayhpc down: cluster stopped", flush=True)
     return 0
 

@@ -233,7 +233,7 @@ def main() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the cluster's holder gone, this goes too
     from rayhpc import cluster
 
-    cluster.use_token_if_present()  # before Ray is imported, as every command does (RAY_AUTH_MODE)
+    cluster.private_tmpdir()  # before torch is imported, as every command does
     serve()
 
 

@@ -1,0 +1,90 @@
+"""The processes the platform started, found by what it put in their environment, and stopped with a Ray
+cluster's GCS last. Standard library only.
+
+Ray's processes rewrite their titles (`ray::IDLE`, setproctitle), which may clobber the start of the
+environment block /proc shows, so a marked process's descendants count as marked too. Ray's own shutdown
+stops a cluster's GCS second, after the raylet: its dashboard, monitor, agents and workers then go on calling
+the GCS port for seconds, each call carrying the cluster's token, to whoever binds the port once it is free.
+So every other process of a cluster is killed, and gone, before its GCS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+GCS_EXECUTABLE = "gcs_server"
+
+
+def descendants(*pids: int) -> list[int]:
+    """Every process below `pids`, read from /proc in one pass (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # ended meanwhile
+            continue
+        ppid = int(text[text.rindex(")") + 2:].split()[1])  # the name in (...) may hold spaces
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], list(pids)
+    while todo:
+        below = [c for c in children.get(todo.pop(), []) if c not in found]
+        found += below
+        todo += below
+    return found
+
+
+def marked(entry: str, also: str | None = None) -> list[int]:
+    """This user's processes whose environment holds `entry` (`NAME=value`; and `also`, where given), and
+    every process below them; never this process."""
+    wanted = [entry.encode()] + ([also.encode()] if also else [])
+    uid, found = os.getuid(), []
+    for proc in os.scandir("/proc"):
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if proc.stat().st_uid != uid:
+                continue
+            environ = Path(proc.path, "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if all(w in environ for w in wanted):
+            found.append(int(proc.name))
+    return sorted(set(found + descendants(*found)) - {os.getpid()})
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet waited for, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL `pids` and wait until they are gone (or `timeout_s`); those still there."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
+def is_gcs(pid: int) -> bool:
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe")) == GCS_EXECUTABLE
+    except OSError:
+        return False
+
+
+def kill_gcs_last(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """Kill `pids`, a Ray cluster's, every one but its GCS first and that one once they are gone (none
+    of them then sends the token to the GCS port after it is free); those still there."""
+    gcs = [p for p in pids if is_gcs(p)]
+    left = kill([p for p in pids if p not in gcs], timeout_s)
+    return left + kill(gcs, timeout_s)

@@ -27,6 +27,7 @@ from rayhpc import cluster, interrupt
 from rayhpc import log as rayhpc_log
 from rayhpc.config import ConfigError, explicit_keys, field_at, is_model, load_yaml, merge, unwrap_annotation, validate
 from rayhpc.monitor.startup import mark
+from rayhpc.slurm.private import UnsafePath, private_tmpdir
 
 USAGE_ERROR = 2
 M = TypeVar("M", bound=BaseModel)
@@ -138,8 +139,8 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     # the user's alone, 0600 files in 0700 folders, on nodes and filesystems other users share
     os.umask(0o077)
     try:
-        cluster.private_tmpdir()  # before torch is imported: its compile caches live in TMPDIR
-    except ConfigError as exc:
+        private_tmpdir()  # before torch is imported: its compile caches live in TMPDIR
+    except UnsafePath as exc:
         print(f"error: {exc}", file=sys.stderr)
         _exit_status[:] = [USAGE_ERROR]
         sys.exit(USAGE_ERROR)

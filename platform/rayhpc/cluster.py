@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rayhpc import interrupt, processes
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import UnsafePath, check_ancestors, write_private
+from rayhpc.slurm.private import OWN_TMPDIR_BASE, UnsafePath, private_tmpdir, write_private
 
 log = logging.getLogger(__name__)
 
@@ -303,38 +303,6 @@ def local_token() -> Path:
     return _local[-1].token
 
 
-def private_tmpdir() -> str:
-    """This process's own temp folder: a new 0700 folder of a random name (`mkdtemp`) inside the TMPDIR it was
-    given, made TMPDIR, RAY_TMPDIR and Python's `tempfile` default, and removed at exit. Every process this one
-    starts inherits it: a local Ray's processes, its workers, Tune's trials, Train's ranks. Called where a
-    process starts, before torch is imported, because shared /tmp paths are anyone's to create first:
-    torch's compile caches (`<tmp>/torchinductor_<user>`, whose precompiled headers torch takes as it finds
-    them, even under TORCHINDUCTOR_CACHE_DIR), Ray Tune and Train's file locks (`<tmp>/_ray_lockfiles`: made
-    0700 by another user, every resume fails; made 0777, they hold our locks), multiprocessing's `pymp-*`
-    folders. Idempotent per process (a fork gets its own, inside its parent's)."""
-    made = _tmpdir.get(os.getpid())
-    if made:
-        return made
-    given = os.environ.get("TMPDIR") or tempfile.gettempdir()
-    # flat, never nested: a folder made for a parent (a command whose job a warm starter's child runs) is
-    # not the base of its child's, where Ray's socket paths (at most 107 bytes) go
-    base = os.environ.get(OWN_TMPDIR_BASE) or given if given == os.environ.get(OWN_TMPDIR) else given
-    try:
-        check_ancestors(Path(base))
-    except UnsafePath as exc:
-        raise ConfigError(f"TMPDIR {base}: {exc}") from None
-    folder = tempfile.mkdtemp(prefix="rayhpc-tmp-", dir=base)
-    _tmpdir[os.getpid()] = folder
-    os.environ.update({"TMPDIR": folder, "RAY_TMPDIR": folder, OWN_TMPDIR: folder, OWN_TMPDIR_BASE: base})
-    tempfile.tempdir = folder  # `tempfile` reads TMPDIR once per process, maybe before this call
-    atexit.register(shutil.rmtree, folder, True)
-    return folder
-
-
-OWN_TMPDIR, OWN_TMPDIR_BASE = "RAYHPC_OWN_TMPDIR", "RAYHPC_OWN_TMPDIR_BASE"  # the last one made, and where
-_tmpdir: dict[int, str] = {}  # pid -> its private temp folder (a fork inherits the dict, not the folder)
-
-
 def start_local(**init_kwargs):
     """Start a Ray of this process's own on this machine and connect to it; returns `ray.init`'s context.
 
@@ -350,7 +318,7 @@ def start_local(**init_kwargs):
     A start that fails leaves nothing running, and its token goes with its folder."""
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
-    private_tmpdir()
+    private_tmpdir()  # TMPDIR: this process's own, which the processes of its Ray inherit
     # in the TMPDIR the process was given, not in its private one: Ray's socket paths must stay under 107 bytes
     folder = Path(tempfile.mkdtemp(prefix="rayhpc-", dir=os.environ[OWN_TMPDIR_BASE]))
     local = LocalCluster(folder, secrets.token_hex(8),

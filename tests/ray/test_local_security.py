@@ -3,6 +3,7 @@ a Ray of its own in a private folder, and never joins the cluster someone else n
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -20,7 +21,9 @@ from helpers import ATTACKER, ROOT, as_attacker, job_env, python_as_attacker, ru
 from rayhpc.up.connection import listening_uids
 
 JOBS = {"sweep": ["tune_mlp.py", "--num-samples", "2", "--epochs", "1"],
-        "training": ["train_mlp.py", "--num-workers", "2", "--epochs", "1"]}
+        # a compiled GPT: inductor builds its precompiled headers (the CPU kernels include them)
+        "training": ["train_mlp.py", "--task", "jobs/tasks/gpt.py:GPT", "--hp", "block=16,dim=32,heads=2,layers=2,"
+                     "corpus_bytes=4000", "--compile", "blocks", "--num-workers", "1", "--epochs", "1"]}
 
 
 @pytest.mark.parametrize("kind", JOBS)
@@ -31,10 +34,18 @@ def test_a_local_job_never_joins_the_cluster_another_user_named_first(kind, atta
     (Ray Train's placement-group cleaner asks it every second whether the controller lives). The job
     (no --address) must not connect and must write nothing under that folder; its own Ray lives in a new
     0700 folder the other user cannot enter, removed when the job ends. Its results and checkpoints, kept in a
-    folder every user can read, are the user's alone: 0700 folders, 0600 files."""
+    folder every user can read, are the user's alone: 0700 folders, 0600 files.
+
+    They also make torch's compile cache `<tmp>/torchinductor_<user>` first (0777), with a folder for the
+    precompiled headers, which inductor takes as it finds it: the victim's `--compile` job used to build its
+    headers there, for the other user to swap for one that runs their code in the victim's next job. The
+    compiled job writes nothing there, says so, and leaves nothing in <tmp> (no pymp-*, no compile caches)."""
     shared = world_tmp("rh")  # stands in for /tmp: every user may create entries
     shared.mkdir()
     shared.chmod(0o1777)
+    inductor = shared / f"torchinductor_{getpass.getuser()}" / "precompiled_headers"
+    assert as_attacker("mkdir", "-m", "777", "-p", str(inductor)).returncode == 0
+    assert as_attacker("chmod", "777", str(inductor.parent)).returncode == 0
     with socket.socket() as trap:
         trap.bind(("", 0))  # every interface: Ray turns 127.0.0.1 into the node's address
         trap.listen()
@@ -71,8 +82,11 @@ def test_a_local_job_never_joins_the_cluster_another_user_named_first(kind, atta
     assert "started local Ray at" in output, output[-2000:]
     theirs = [p.name for p in (shared / "ray").iterdir()]
     assert theirs == ["ray_current_cluster"], f"the {kind} wrote into the other user's Ray folder: {theirs}"
-    left = [p.name for p in shared.iterdir() if p.name.startswith("rayhpc-")]
-    assert left == [], f"the local Ray's folder was left behind: {left}"
+    assert [p.name for p in inductor.parent.rglob("*")] == ["precompiled_headers"], "the job compiled into theirs"
+    if kind == "training":
+        assert f"{inductor.parent} is uid " in output and "the compile caches stay in this job's private" in output
+    left = sorted(p.name for p in shared.iterdir())
+    assert left == ["ray", "results", inductor.parent.name], f"the {kind} left these behind: {left}"
     (job_dir,) = storage.iterdir()
     assert list(job_dir.rglob("checkpoint_*")), f"the {kind} kept no checkpoint: {sorted(job_dir.rglob('*'))}"
     readable = as_attacker("find", str(storage), "-type", "f")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from rayhpc.processes import descendants
 from rayhpc.slurm.layout import node_ip
-from rayhpc.slurm.private import write_private
+from rayhpc.slurm.private import OWN_TMPDIR_BASE, write_private
 
 NODE_MARKER, COMMAND_MARKER = "RAYHPC_RAY_NODE", "RAYHPC_COMMAND"
 TEMP_PREFIX = "rh-{job}-"  # short: Ray's socket paths under it must stay below 107 bytes
@@ -184,8 +184,10 @@ def run(job_dir: Path, command: list[str]) -> int:
     gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
     command = [*command, f"--node-ip-address={ip}", f"--temp-dir={root}/r", f"--num-cpus={cpus}", f"--num-gpus={gpus}"]
     # TMPDIR and RAY_TMPDIR for Ray and every worker it starts: this node's private folder, not /tmp, where
-    # another user may make torch's compile caches or Ray's lock folder first (rayhpc.cluster.private_tmpdir)
-    env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}", "RAY_TMPDIR": root, "TMPDIR": root}
+    # another user may make torch's compile caches or Ray's lock folder first (rayhpc.slurm.private.private_tmpdir);
+    # the node's tmp for the compile caches every job of the user shares once checked (private_compile_caches)
+    env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}", "RAY_TMPDIR": root, "TMPDIR": root,
+           OWN_TMPDIR_BASE: temp_base()}
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _stop)

@@ -9,8 +9,11 @@ folder above it lets another user swap it out (writable by others without the st
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 
@@ -88,6 +91,29 @@ def private_dir(path: str | Path) -> Path:
     return path
 
 
+def own_dir(path: str | Path) -> Path:
+    """`path` as a folder of this user's that no one else can write into: made 0700 here where missing, and
+    an existing one used only where it is a folder (not a link) of this user's that no other user can write
+    (narrowed to 0700: what is inside it can only be this user's), in folders no one else can swap. Raises
+    `UnsafePath` otherwise, naming it."""
+    path = Path(path)
+    owned_dir(path.parent)
+    try:
+        os.mkdir(path, 0o700)
+        return path
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        what = "a link" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) else \
+            f"uid {st.st_uid}'s, mode {stat.S_IMODE(st.st_mode):04o}"
+        raise UnsafePath(f"{path} is {what}: another user may have made it first and put code in it; it is not "
+                         f"used; set TMPDIR to a folder of your own")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
 def write_private(path: str | Path, text: str, replace: bool = True) -> Path:
     """Write `text` to a new file `path` with mode 0600, created exclusively and never through a link.
     `replace`: whatever was at `path` is removed first (inside a private folder only this user put it
@@ -134,3 +160,35 @@ def check_trusted(path: str | Path, below: bool = False) -> None:
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not stat.S_ISLNK(st.st_mode):
             raise UnsafePath(f"{entry} (mode {stat.S_IMODE(st.st_mode):04o}) can be written by other users, so what "
                              f"it holds may not be yours, and it is not loaded; if it is: chmod -R go-w {entry}")
+
+
+def private_tmpdir() -> str:
+    """This process's own temp folder: a new 0700 folder of a random name (`mkdtemp`) inside the TMPDIR it was
+    given, made TMPDIR, RAY_TMPDIR and Python's `tempfile` default, and removed at exit. Every process this one
+    starts inherits it: a local Ray's processes, its workers, Tune's trials, Train's ranks. Called where a
+    process starts, before torch is imported, because shared /tmp paths are anyone's to create first:
+    torch's compile caches (`<tmp>/torchinductor_<user>`, whose precompiled headers torch takes as it finds
+    them, even under TORCHINDUCTOR_CACHE_DIR), Ray Tune and Train's file locks (`<tmp>/_ray_lockfiles`: made
+    0700 by another user, every resume fails; made 0777, they hold our locks), multiprocessing's `pymp-*`
+    folders. Idempotent per process (a fork gets its own, inside its parent's)."""
+    made = _tmpdir.get(os.getpid())
+    if made:
+        return made
+    given = os.environ.get("TMPDIR") or tempfile.gettempdir()
+    # flat, never nested: a folder made for a parent (a command whose job a warm starter's child runs) is
+    # not the base of its child's, where Ray's socket paths (at most 107 bytes) go
+    base = os.environ.get(OWN_TMPDIR_BASE) or given if given == os.environ.get(OWN_TMPDIR) else given
+    try:
+        check_ancestors(Path(base))
+    except UnsafePath as exc:
+        raise UnsafePath(f"TMPDIR {base}: {exc}") from None
+    folder = tempfile.mkdtemp(prefix="rayhpc-tmp-", dir=base)
+    _tmpdir[os.getpid()] = folder
+    os.environ.update({"TMPDIR": folder, "RAY_TMPDIR": folder, OWN_TMPDIR: folder, OWN_TMPDIR_BASE: base})
+    tempfile.tempdir = folder  # `tempfile` reads TMPDIR once per process, maybe before this call
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+OWN_TMPDIR, OWN_TMPDIR_BASE = "RAYHPC_OWN_TMPDIR", "RAYHPC_OWN_TMPDIR_BASE"  # the last one made, and where
+_tmpdir: dict[int, str] = {}  # pid -> its private temp folder (a fork inherits the dict, not the folder)

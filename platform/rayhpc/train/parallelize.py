@@ -3,11 +3,11 @@ activation checkpointing, then compilation, then FSDP2 or DDP)."""
 
 from __future__ import annotations
 
-import atexit
 import functools
+import logging
 import os
-import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from rayhpc.fsdp import apply_fsdp, default_units
+from rayhpc.slurm.private import OWN_TMPDIR_BASE, UnsafePath, own_dir
 
+log = logging.getLogger(__name__)
 # selective checkpointing keeps the outputs of these (the costly matmuls and attention) and recomputes the rest
 SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
              torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -76,14 +78,49 @@ def apply_compile(model: nn.Module, blocks: list[nn.Module], mode: str) -> None:
     """`torch.compile` each block (`blocks`: repeated blocks compile once) or the whole model, in place."""
     if mode == "none":
         return
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        # inductor's default cache is /tmp/torchinductor_<user>, a path another user can create first; this
-        # process's own (0700, random name) goes when the process ends
-        cache = tempfile.mkdtemp(prefix="rayhpc-inductor-")
-        atexit.register(shutil.rmtree, cache, ignore_errors=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    private_compile_caches()
     for module in (blocks if mode == "blocks" else [model]):
         module.compile()
+
+
+def private_compile_caches() -> None:
+    """Before anything compiles: torch's compile caches are this user's alone. Inductor keeps its cache in
+    `<tmp>/torchinductor_<user>` (unless TORCHINDUCTOR_CACHE_DIR says otherwise) and its precompiled headers
+    there whatever that variable says, and it takes an existing folder as it finds it and an existing header
+    as built: another user who makes the folder first plants headers that every compile includes.
+
+    Each process the platform starts has a private TMPDIR (`rayhpc.slurm.private.private_tmpdir`), where torch
+    looks for the folder. A link there leads to the node's `<tmp>/torchinductor_<user>` (where torch keeps it:
+    its headers, about 25 s of one core to build, then serve every job of the user on the node), made 0700
+    here or used where it is this user's alone (`own_dir`). Where another user holds that one, the caches stay
+    in the private TMPDIR (built once per job), with a warning. Where torch looks outside a private TMPDIR (a
+    worker of a cluster the platform did not start), the folder must pass `own_dir` (`UnsafePath` otherwise,
+    naming it). TORCHINDUCTOR_CACHE_DIR, where set, passes the same check."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # read first: importing torch's cache module sets it
+    # private: the headers' folder is fixed when this module is first imported, from the tmp of that moment
+    from torch._inductor.codecache import _HEADER_DIR
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if chosen and os.path.abspath(chosen) == default_cache_dir():
+        chosen = None  # torch's own default, which it sets when its cache module is imported
+    looked_up = {Path(_HEADER_DIR).parent, Path(chosen or default_cache_dir())}
+    node: Path | None = Path(os.environ.get(OWN_TMPDIR_BASE) or tempfile.gettempdir()) / Path(default_cache_dir()).name
+    try:
+        own_dir(node)
+    except UnsafePath as exc:
+        if node in looked_up:
+            raise
+        log.warning(f"{exc}; the compile caches stay in this job's private temp folder (built once per job)")
+        node = None
+    for folder in looked_up - {node}:
+        if node is not None and folder.is_symlink() and folder.resolve() == node.resolve():
+            continue  # linked by an earlier call
+        if node is not None and folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+            folder.rmdir()  # empty: made by torch when its cache module was imported
+        if node is not None and not os.path.lexists(folder) and str(folder) != chosen:
+            folder.symlink_to(node)
+        else:
+            own_dir(folder)
 
 
 def world_mesh(device: torch.device):

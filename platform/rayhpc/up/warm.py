@@ -231,9 +231,9 @@ def main() -> None:
 
     os.umask(0o077)
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the cluster's holder gone, this goes too
-    from rayhpc import cluster
+    from rayhpc.slurm.private import private_tmpdir
 
-    cluster.private_tmpdir()  # before torch is imported, as every command does
+    private_tmpdir()  # before torch is imported, as every command does
     serve()
 
 

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -96,15 +97,54 @@ def test_a_local_job_never_joins_the_cluster_another_user_named_first(kind, atta
     assert shared_modes == {}, f"folders or files of the {kind} that other users may reach: {shared_modes}"
 
 
+# the other user tries every port the ranks listen on as a TCPStore (as torch's rendezvous store answers anyone):
+# lists its keys, reads gloo's (the ranks' addresses), plants their own under the next process group's names
 ATTACK_STORE = """
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=10))
-# gloo's rendezvous keys (the default group's, then the next new group's): rank addresses, fixed names
-keys = [f"0//{group}cpu//0/{rank}" for group in ["", "1//", "2//"] for rank in (0, 1)]
-print("read:", [key for key in keys if store.check([key])])
-for key in keys:
-    store.set(key, b"attacker's address")
-print("planted")
+found = {}
+
+def probe(address):
+    host, port = address.rsplit(":", 1)
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=3),
+                              wait_for_workers=False)
+        found[address] = {"keys": store.list_keys(), "read": store.check(["0//cpu//0/0"])}
+        store.set("0//1//cpu//0/0", b"the attacker's address")
+        found[address]["planted"] = True
+    except Exception as exc:
+        found[address] = type(exc).__name__
+
+for address in sys.argv[1:]:  # a port that is no store may never answer the handshake
+    thread = threading.Thread(target=probe, args=(address,), daemon=True)
+    thread.start()
+    thread.join(4)
+    found.setdefault(address, "no answer")
+print(json.dumps(found), flush=True)
+os._exit(0)
 """
+# and the folder of a one-node group's store
+ATTACK_FOLDER = """
+for path in sys.argv[1:]:
+    for attempt in (lambda: os.listdir(path), lambda: open(os.path.join(path, "store"), "rb").read(),
+                    lambda: open(os.path.join(path, "planted"), "w").write("x")):
+        try:
+            attempt()
+            print("reached", path)
+        except OSError as exc:
+            print(type(exc).__name__)
+"""
+
+
+def listening(pid: int) -> list[str]:
+    """The addresses process `pid` listens on (TCP; its sockets matched with /proc/net/tcp)."""
+    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+              if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:
+            ip, port = fields[1].split(":")
+            found.append(f"{socket.inet_ntoa(bytes.fromhex(ip)[::-1])}:{int(port, 16)}")
+    return found
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank functions defined here
@@ -120,21 +160,58 @@ def new_group_sum(ctx) -> float:
     return total.item()
 
 
-def test_another_user_on_the_node_can_neither_read_nor_steer_the_worker_groups_rendezvous(ray_cluster, attacker):
-    """The store of a worker group has no authentication. The attack: the other user connects to it (its port
-    is in /proc/net/tcp), reads the ranks' addresses and plants their own under the keys gloo uses. Keys under
-    the group's random prefix give them nothing to read, and what they plant is never asked for."""
+def test_another_user_on_the_node_can_neither_list_read_nor_plant_the_worker_groups_rendezvous_keys(ray_cluster,
+                                                                                                   attacker):
+    """A TCPStore answers anyone who finds its port (/proc/net/tcp): `list_keys` gave the other user every key of a
+    running TP job, gloo's rank addresses among them, and the names of the mesh subgroups' keys, which they
+    planted before the ranks wrote them. A one-node group's store is a file in a private folder of rank 0's:
+    no port of any rank answers as a store, the folder cannot be listed, read or written, and the process
+    groups made afterwards (a TP mesh's) work."""
     from rayhpc.workers.group import WorkerGroup
 
     with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=60) as group:
-        listening = subprocess.run(["ss", "-Hltn", f"sport = :{group.store_port}"], capture_output=True, text=True)
-        assert [line.split()[3] for line in listening.stdout.splitlines()] == [f"127.0.0.1:{group.store_port}"], \
-            f"the store of a one-node group listens beyond loopback:\n{listening.stdout}"
-        attack = python_as_attacker(ATTACK_STORE, str(group.store_port), timeout=60,
-                                    imports="import datetime, torch.distributed as dist")
-        assert "planted" in attack.stdout, attack.stderr[-2000:]
-        assert "read: []" in attack.stdout, f"the other user read the ranks' rendezvous keys: {attack.stdout}"
+        ports = [address for info in group.infos for address in listening(info["pid"])]
+        attack = python_as_attacker(ATTACK_STORE, *ports, timeout=120,
+                                    imports="import datetime, json, threading, torch.distributed as dist")
+        answered = {a: r for a, r in json.loads(attack.stdout or "{}").items() if isinstance(r, dict)}
+        assert attack.returncode == 0 and len(json.loads(attack.stdout)) == len(ports) and answered == {}, \
+            (attack.stdout, attack.stderr[-2000:])
+        kind, path = group.rendezvous
+        folder = os.path.dirname(path)
+        assert kind == "file" and stat.S_IMODE(os.stat(folder).st_mode) == 0o700, (kind, path)
+        refused = python_as_attacker(ATTACK_FOLDER, folder, timeout=60)
+        assert refused.stdout.split() == ["PermissionError"] * 3, refused.stdout + refused.stderr
         assert group.run(new_group_sum, timeout_s=30) == [3.0, 3.0]
+
+
+def test_a_group_across_nodes_rendezvous_through_an_actor_of_its_own_ray(ray_cluster, monkeypatch):
+    """Ranks on several nodes share no folder: their keys live in an actor of the job's Ray (every port of which
+    asks for the cluster's token). Here on one node, told it spans several: the world forms, a collective and a
+    process group made later (a mesh's) work through it, and the actor goes with the group."""
+    import torch.distributed as dist
+
+    from rayhpc.workers.group import WorkerGroup
+    from rayhpc.workers.store import RayStore
+
+    monkeypatch.setattr(WorkerGroup, "one_node", lambda self: False)
+    with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=60) as group:
+        kind, server = group.rendezvous
+        assert kind == "ray" and ray.get(server.num_keys.remote()) > 0
+        assert group.run(new_group_sum, timeout_s=30) == [3.0, 3.0]
+        store = RayStore(server, timedelta(seconds=0.5))  # TCPStore's semantics, where c10d relies on them
+        assert store.compare_set("cas", "", "one") == b"one" and store.compare_set("cas", "two", "three") == b"one"
+        assert store.compare_set("absent", "x", "y") == b"x" and not store.check(["absent"])
+        assert store.add("count", 2) == 2 and store.add("count", 3) == 5 and store.get("count") == b"5"
+        with pytest.raises(dist.DistStoreError, match="wait timeout after 0.5 s"):
+            store.get("never-set")
+    deadline = time.monotonic() + 30  # ray.kill is asynchronous: a call may still get through at first
+    while True:
+        try:
+            ray.get(server.num_keys.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the group's store outlived it"
+        time.sleep(0.1)
 
 
 PLANTED_PICKLE = """

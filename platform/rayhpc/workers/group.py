@@ -5,14 +5,10 @@ What it does, and the traps it avoids:
   awaited with a timeout, because an unsatisfiable group waits forever;
 - ranks sorted by (node, GPU id), so they are the same whatever order the
   actors start in; local ranks count within a node;
-- rendezvous without a port race: rank 0 opens a `TCPStore` on port 0, the OS
-  picks a free port, and the driver hands that port to the other ranks (picking
-  a "free" port and binding it later lets another program take it first);
-- a rendezvous other users on the node cannot steer: the store (which has no
-  authentication) listens only on the address the ranks use (loopback when they
-  share a node), and every key lives under a random 128-bit prefix that only the
-  ranks learn, through Ray; a stranger who connects can neither read the ranks'
-  addresses nor plant their own (gloo's keys are otherwise fixed: `0//cpu//0/1`);
+- a rendezvous no other user can reach (`rayhpc.workers.store`): a `FileStore` in
+  a private folder of rank 0's where every rank is on one node, a store served by
+  a Ray actor (behind the cluster's token) across nodes; never a TCPStore, which
+  answers anyone who finds its port (no port is opened, so none can be raced);
 - every call waits with a timeout: a rank that fails is reported with its
   traceback, ranks that do not answer are named, and the group is torn down
   instead of leaving survivors blocked in a collective.
@@ -22,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -72,34 +68,29 @@ class RankWorker:
         import torch  # torch: about 1.5 s to import, only where something trains
 
         torch.set_num_threads(threads)
-        self.store = self.listener = None
+        self.store = self.folder = None
         self.ctx: WorkerContext | None = None
 
     def info(self) -> dict:
         return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
-    def start_store(self, address: str, world_size: int, timeout_s: float) -> int:
-        """Rank 0: open the rendezvous store on `address` only (TCPStore alone would listen on every
-        interface), on a port the OS picks; return the port."""
-        import torch.distributed as dist  # torch: about 1.5 s to import, only where something trains
+    def rendezvous_folder(self) -> str:
+        """Rank 0 of a one-node group: a new folder for the group's FileStore (0700, a random name, in this
+        process's private TMPDIR), removed at shutdown; the store's path in it."""
+        self.folder = tempfile.mkdtemp(prefix="rayhpc-rendezvous-")
+        return os.path.join(self.folder, "store")
 
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        self.listener = socket.create_server((address, 0), family=family)
-        port = self.listener.getsockname()[1]
-        self.store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                                   wait_for_workers=False, master_listen_fd=self.listener.fileno())
-        return port
-
-    def init(self, rank: int, local_rank: int, world_size: int, master_addr: str, port: int, prefix: str,
+    def init(self, rank: int, local_rank: int, world_size: int, master_addr: str, rendezvous: tuple,
              backend: str, timeout_s: float, visible_gpus: str | None, device_index: int | None) -> None:
+        """Join the group's world. `rendezvous`: ("file", the FileStore's path) or ("ray", a `StoreServer`)."""
         import torch  # torch: about 1.5 s to import, only where something trains
         import torch.distributed as dist
 
         from rayhpc.devices import cuda_device
+        from rayhpc.workers.store import RayStore
 
-        env = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size,
-               "MASTER_ADDR": master_addr, "MASTER_PORT": port}
+        env = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size, "MASTER_ADDR": master_addr}
         os.environ.update({k: str(v) for k, v in env.items()})
         if master_addr == "127.0.0.1":  # one node: gloo's own sockets on loopback too, off the network
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -111,12 +102,11 @@ class RankWorker:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        if self.store is None:
-            self.store = dist.TCPStore(master_addr, port, world_size, is_master=False,
-                                       timeout=timedelta(seconds=timeout_s))
-        # every key under the ranks' secret prefix: a stranger connected to the store can neither read nor plant any
-        dist.init_process_group(backend, store=dist.PrefixStore(prefix, self.store), rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        kind, where = rendezvous
+        timeout = timedelta(seconds=timeout_s)
+        # kept here: the process group's C++ side does not keep a Python store alive
+        self.store = dist.FileStore(where, world_size) if kind == "file" else RayStore(where, timeout)
+        dist.init_process_group(backend, store=self.store, rank=rank, world_size=world_size, timeout=timeout)
         self.ctx = WorkerContext(rank, world_size, local_rank, device)
 
     def execute(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
@@ -131,6 +121,8 @@ class RankWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class WorkerGroup:
@@ -155,7 +147,8 @@ class WorkerGroup:
         self.backend = "nccl" if gpus_per_worker > 0 else "gloo"
         self.actors: list = []  # by rank
         self.pg, self.own_pg = placement_group, placement_group is None
-        self.store_port: int | None = None  # the rendezvous store's, once started
+        self.rendezvous: tuple | None = None  # ("file", the FileStore's path) or ("ray", its StoreServer actor)
+        self.store_server = None  # the rendezvous store's actor, for a group across nodes
         self.describe_rank: Callable[[int], str] = lambda rank: f"rank {rank}"
         if start:
             self.start()
@@ -190,13 +183,22 @@ class WorkerGroup:
         self.actors = [actors[i] for i in order]
         self.infos = [infos[i] for i in order]
 
+    def one_node(self) -> bool:
+        """Whether every rank runs on one node (one filesystem, loopback between them)."""
+        return len({info["node_id"] for info in self.infos}) == 1
+
     def _rendezvous(self) -> None:
         nodes = [info["node_id"] for info in self.infos]
-        single_node = len(set(nodes)) == 1
+        single_node = self.one_node()
         master_addr = "127.0.0.1" if single_node else self.infos[0]["node_ip"]
-        self.store_port = self._wait([self.actors[0].start_store.remote(master_addr, self.num_workers, self.timeout_s)],
-                                     "start_store", [0])[0]
-        prefix = secrets.token_hex(16)  # the ranks' shared secret: known to them and this driver only
+        if single_node:
+            self.rendezvous = ("file", self._wait([self.actors[0].rendezvous_folder.remote()], "rendezvous_folder",
+                                                  [0])[0])
+        else:  # no folder every node sees: the keys live in an actor of the job's own Ray
+            from rayhpc.workers.store import StoreServer  # torch: only where a group spans nodes
+
+            self.store_server = ray.remote(StoreServer).options(num_cpus=0).remote()
+            self.rendezvous = ("ray", self.store_server)
         calls = []
         for rank, (actor, info) in enumerate(zip(self.actors, self.infos)):
             local_rank = nodes[:rank].count(info["node_id"])
@@ -204,7 +206,7 @@ class WorkerGroup:
                                key=gpu_key)
             visible = ",".join(node_gpus) if info["gpu_ids"] else None
             index = node_gpus.index(info["gpu_ids"][0]) if info["gpu_ids"] else None
-            calls.append(actor.init.remote(rank, local_rank, self.num_workers, master_addr, self.store_port, prefix,
+            calls.append(actor.init.remote(rank, local_rank, self.num_workers, master_addr, self.rendezvous,
                                            self.backend, self.timeout_s, visible, index))
         self._wait(calls, "init_process_group", list(range(self.num_workers)))
 
@@ -266,6 +268,9 @@ class WorkerGroup:
                 for actor in self.actors:
                     ray.kill(actor)
                 self.actors = []
+        if self.store_server is not None:
+            ray.kill(self.store_server)
+            self.store_server = None
         if self.pg is not None and self.own_pg:
             remove_placement_group(self.pg)
             self.pg = None

@@ -4,6 +4,7 @@ a Ray of its own in a private folder, and never joins the cluster someone else n
 from __future__ import annotations
 
 import getpass
+import pwd
 import json
 import os
 import shutil
@@ -280,3 +281,80 @@ def test_the_local_rays_dashboard_agent_listens_on_a_free_port_not_rays_fixed_on
     (node,) = [n for n in ray.nodes() if n["Alive"]]
     port = node["DashboardAgentListenPort"]
     assert port not in (0, 52365) and os.getuid() in listening_uids(port), port
+
+
+def private_folder(world_tmp, name: str) -> Path:
+    folder = world_tmp(name)
+    folder.mkdir(mode=0o700)
+    return folder
+
+
+def test_a_link_in_a_checked_folder_is_checked_where_it_leads(attacker, world_tmp):
+    """The attack: the study folder is the user's alone, but its `asha_members.pkl` is a link (the user's own, say
+    left by a tool) to a file the other user can write, holding their pickle. Every reader checks a link as what
+    it leads to: the study is refused, naming the file; a link to a file of the user's alone, and a link that
+    leads nowhere (whoever creates its target would choose what is loaded), each as it should be."""
+    study = private_folder(world_tmp, "rh-study")
+    shared = world_tmp("rh-shared")  # stands in for /tmp
+    shared.mkdir()
+    shared.chmod(0o1777)
+    theirs = shared / "members.pkl"
+    marker = shared / "planted-pickle-ran"
+    assert python_as_attacker(PLANTED_PICKLE, str(theirs), str(marker), imports="import pickle").returncode == 0
+    assert as_attacker("chmod", "666", str(theirs)).returncode == 0
+    (study / "asha_members.pkl").symlink_to(theirs)
+    (study / "ledger.jsonl").write_text("")  # a study no slice has joined yet
+    (study / "sweep.yaml").write_text("num_samples: 2\n")
+    out = run_job_warm("tune_mlp.py", "--study", str(study))
+    assert out.returncode == 2 and out.stderr == (
+        f"error: study (--study) {study}: {theirs} belongs to uid {pwd.getpwnam(ATTACKER).pw_uid}, not to you (uid "
+        f"{os.getuid()}) or root: another user controls what is inside it; choose a folder of your own\n"), out.stderr
+    ours = private_folder(world_tmp, "rh-ours") / "members.pkl"
+    for target, refused in [(ours, None), (shared / "not-there.pkl", "which does not exist")]:
+        if target == ours:
+            target.write_bytes(b"")
+        (study / "asha_members.pkl").unlink()
+        (study / "asha_members.pkl").symlink_to(target)
+        status = subprocess.run([sys.executable, "-m", "rayhpc", "status", "--study", str(study)], cwd=ROOT,
+                                capture_output=True, text=True, env=job_env(None), timeout=60)
+        if refused:
+            assert status.returncode == 2 and status.stderr == (
+                f"error: study (--study) {study}: {study / 'asha_members.pkl'} is a link to {target}, {refused}: "
+                "whoever creates it would choose what is loaded; remove the link\n"), status.stderr
+        else:
+            assert status.returncode == 0, status.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o606])
+def test_init_from_checks_every_file_of_the_sweep_it_reads(world_tmp, mode):
+    """`--init-from SWEEP_DIR` reads the sweep's table, plan and checkpoints: one that others may write (group- or
+    world-writable) is refused, as `rayhpc export` refuses it, before anything of it is read."""
+    sweep = private_folder(world_tmp, "rh-sweep")
+    (sweep / "sweep.yaml").write_text("name: s\n")
+    (sweep / "results.parquet").write_bytes(b"not read")
+    (sweep / "results.parquet").chmod(mode)
+    out = run_job_warm("train_mlp.py", "--init-from", str(sweep))
+    assert out.returncode == 2 and out.stderr == (
+        f"error: init_from (--init-from): {sweep / 'results.parquet'} (mode {mode:04o}) can be written by other "
+        f"users, so what it holds may not be yours, and it is not loaded; if it is: chmod -R go-w "
+        f"{sweep / 'results.parquet'}\n"), out.stderr
+
+
+def test_sync_refuses_another_users_folder(attacker, world_tmp):
+    """`rayhpc sync DIR` would upload the runs in DIR under this user's W&B key: another user's folder (or one with
+    their runs in it) is refused with one line; the user's own is synced."""
+    for owner in ("theirs", "ours"):
+        folder = world_tmp(f"rh-{owner}")
+        make = ["mkdir", "-m", "755", "-p", str(folder / "wandb" / "offline-run-1")]
+        assert (as_attacker(*make) if owner == "theirs" else subprocess.run(make)).returncode == 0
+        out = subprocess.run([sys.executable, "-m", "rayhpc", "sync", "--dry-run", str(folder)], cwd=ROOT,
+                             capture_output=True, text=True, env=job_env(None), timeout=120)
+        if owner == "theirs":
+            assert out.returncode == 2 and out.stderr == (
+                f"error: DIR {folder}: {folder} belongs to uid {pwd.getpwnam(ATTACKER).pw_uid}, not to you (uid "
+                f"{os.getuid()}) or root: another user controls what is inside it; choose a folder of your own\n"), \
+                out.stderr
+        else:
+            assert "belongs to uid" not in out.stderr and (out.returncode == 0 or "wandb is not installed"
+                                                           in out.stderr), out.stdout + out.stderr

@@ -36,7 +36,7 @@ def check_ancestors(path: Path) -> None:
             break
         if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, uid):
             raise UnsafePath(f"{entry} is a symbolic link of uid {st.st_uid}, not yours (uid {uid}) or root's: "
-                             f"they can point it anywhere; choose a folder of your own (log_dir)")
+                             f"they can point it anywhere; choose a folder of your own")
     path = path.resolve()
     for folder in [*reversed(path.parents), path]:
         try:
@@ -45,7 +45,7 @@ def check_ancestors(path: Path) -> None:
             return
         if st.st_uid not in (0, uid):
             raise UnsafePath(f"{folder} belongs to uid {st.st_uid}, not to you (uid {uid}) or root: another user "
-                             f"controls what is inside it; choose a folder of your own (log_dir)")
+                             f"controls what is inside it; choose a folder of your own")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
             raise UnsafePath(f"{folder} (mode {stat.S_IMODE(st.st_mode):04o}) can be written by other users and has no "
                              f"sticky bit: they could replace what is inside; chmod go-w {folder}")
@@ -140,11 +140,14 @@ def ensure_private_file(path: str | Path) -> None:
         os.chmod(path, 0o600)
 
 
-def check_trusted(path: str | Path, below: bool = False) -> None:
+def check_trusted(path: str | Path, below: bool = False, _seen: set[Path] | None = None) -> None:
     """Before loading what `path` holds (a pickle, a checkpoint, Python code): the folders above it pass
     `check_ancestors`, and `path` itself (with everything inside it, if `below`) belongs to this user or
     root and no other user can write to it, sticky bit or not: a file another user may have put there or
-    changed is never loaded. Symbolic links are not followed."""
+    changed is never loaded. A symbolic link is checked as what it leads to (its target, the folders above
+    that, and with `below` everything inside it): a link of one's own may lead to a file another user can
+    write; one that leads nowhere is refused (whoever can create its target would choose what is loaded)."""
+    seen = set() if _seen is None else _seen
     path = Path(os.path.abspath(path))
     check_ancestors(path)
     entries = [path]
@@ -157,7 +160,15 @@ def check_trusted(path: str | Path, below: bool = False) -> None:
         if st.st_uid not in (0, uid):
             raise UnsafePath(f"{entry} belongs to uid {st.st_uid}, not to you (uid {uid}): another user put it "
                              f"there, and it is not loaded")
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not stat.S_ISLNK(st.st_mode):
+        if stat.S_ISLNK(st.st_mode):
+            target = Path(os.path.realpath(entry))
+            if not target.exists():
+                raise UnsafePath(f"{entry} is a link to {target}, which does not exist: whoever creates it would "
+                                 f"choose what is loaded; remove the link")
+            if target not in seen:
+                seen.add(target)
+                check_trusted(target, below, seen)
+        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise UnsafePath(f"{entry} (mode {stat.S_IMODE(st.st_mode):04o}) can be written by other users, so what "
                              f"it holds may not be yours, and it is not loaded; if it is: chmod -R go-w {entry}")
 

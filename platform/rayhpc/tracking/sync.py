@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from rayhpc.config import ConfigError
+from rayhpc.slurm.private import UnsafePath, check_trusted
 from rayhpc.tracking.config import INSTALL, installed
 
 
@@ -24,6 +25,10 @@ def sync(folder: Path, dry_run: bool = False) -> tuple[list[Path], int]:
     folder = folder.expanduser().resolve()
     if not folder.is_dir():
         raise ConfigError(f"DIR {folder}: not a folder")
+    try:  # another user's runs would go up under this user's W&B key
+        check_trusted(folder, below=True)
+    except UnsafePath as exc:
+        raise ConfigError(f"DIR {folder}: {exc}") from None
     runs = offline_runs(folder)
     if not runs:
         raise ConfigError(f"DIR {folder}: no offline W&B runs in it (looked for wandb/offline-run-* in it and in "

@@ -45,7 +45,7 @@ def trial_weights(spec: str, objective: tuple[str, str]) -> TrialWeights:
     sweep = Path(folder).expanduser().resolve()
     if not (sweep / "sweep.yaml").is_file():
         raise ConfigError(f"{KEY} {spec}: {sweep} is not a sweep's folder (it has no sweep.yaml)")
-    _trusted(sweep, below=False)
+    _trusted(sweep, below=True)  # its table, plan, trials and checkpoints: everything read below
     table = read_results(sweep)
     row = _pick(table, trial_id, objective, spec)
     tune_id, member = (row["trial_id"].rsplit("-", 1)[0], int(row["trial_id"].rsplit("-", 1)[1])) \
@@ -91,16 +91,14 @@ def _pick(table, trial_id: str, objective: tuple[str, str], spec: str):
 
 
 def _checkpoint(sweep: Path, tune_id: str, trial_id: str, spec: str) -> tuple[Path, Path]:
-    """(the Tune trial's folder, its last checkpoint), both checked to be this user's alone."""
+    """(the Tune trial's folder, its last checkpoint), in the sweep's folder (checked to be this user's alone)."""
     found = [p for p in sweep.iterdir() if p.is_dir() and f"_{tune_id}_" in p.name]
     if len(found) != 1:
         raise ConfigError(f"{KEY} {spec}: trial {trial_id} has no checkpoint folder in {sweep} (array-job trials "
                           "keep none)" if not found else f"{KEY} {spec}: {len(found)} folders match trial {trial_id}")
-    _trusted(found[0], below=True)
     ckpts = sorted(found[0].glob("checkpoint_*"))
     trainer = sweep / f"train-trial_id={tune_id}"  # a TorchTrainer trial's checkpoints are its own run's
     if not ckpts and trainer.is_dir():
-        _trusted(trainer, below=True)
         ckpts = [c for c in [latest_checkpoint(trainer)] if c is not None]
     if not ckpts:
         raise ConfigError(f"{KEY} {spec}: trial {trial_id} ended before its first checkpoint")

@@ -156,7 +156,7 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
             interrupt.install()
             cluster.use_token_if_present()
             code = main(argv)
-        except ConfigError as exc:
+        except (ConfigError, UnsafePath) as exc:  # UnsafePath: a folder or file another user may control
             print(f"error: {exc}", file=sys.stderr)
             code = USAGE_ERROR
         except KeyboardInterrupt:

@@ -358,3 +358,24 @@ def test_sync_refuses_another_users_folder(attacker, world_tmp):
         else:
             assert "belongs to uid" not in out.stderr and (out.returncode == 0 or "wandb is not installed"
                                                            in out.stderr), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("owner, mode", [("theirs", 0o755), ("ours", 0o777), ("ours", 0o770)])
+def test_a_rayhpc_home_in_a_folder_another_user_controls_is_one_error_line(attacker, world_tmp, owner, mode):
+    """RAYHPC_HOME in a folder another user owns, or one others can write (world- or group-writable, no sticky
+    bit): they could swap the connection file the user's commands trust; `rayhpc up` refuses with one line,
+    writing nothing."""
+    folder = world_tmp("rh-home")
+    make = ["mkdir", "-m", f"{mode:o}", str(folder)]
+    assert (as_attacker(*make) if owner == "theirs" else subprocess.run(make)).returncode == 0
+    if owner == "ours":
+        folder.chmod(mode)  # past the umask
+    home = folder / "h"
+    out = subprocess.run([sys.executable, "-m", "rayhpc", "up"], cwd=ROOT, capture_output=True, text=True,
+                         env=job_env({"RAYHPC_HOME": str(home)}), timeout=60)
+    why = (f"belongs to uid {pwd.getpwnam(ATTACKER).pw_uid}, not to you (uid {os.getuid()}) or root: another user "
+           "controls what is inside it; choose a folder of your own" if owner == "theirs" else
+           f"(mode {mode:04o}) can be written by other users and has no sticky bit: they could replace what is "
+           f"inside; chmod go-w {folder}")
+    assert out.returncode == 2 and out.stderr == f"error: RAYHPC_HOME {home}: {folder} {why}\n", out.stderr
+    assert list(folder.iterdir()) == []

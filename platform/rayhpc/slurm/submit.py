@@ -53,7 +53,11 @@ def submit(cfg: ClusterConfig, command: list[str], *, nodes: int | None = None, 
 def jobs() -> list[dict]:
     """The platform's jobs in the queue (job names rayhpc-*), with head node and dashboard address."""
     # the name last: it is the one field a user chooses, and may hold the separator
-    out = subprocess.run(["squeue", "-h", "-o", "%i|%T|%N|%M|%j"], capture_output=True, text=True, check=True).stdout
+    proc = subprocess.run(["squeue", "-h", "-o", "%i|%T|%N|%M|%j"], capture_output=True, text=True)
+    if proc.returncode:
+        why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ConfigError(f"squeue failed (exit {proc.returncode}): {why}")
+    out = proc.stdout
     rows = []
     for line in out.splitlines():
         job_id, state, nodelist, elapsed, name = line.split("|", 4)

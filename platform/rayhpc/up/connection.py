@@ -53,13 +53,22 @@ def socket_path() -> Path:
 
 
 def folder() -> Path:
-    """The folder of the connection files, made private (0700) where missing."""
-    return private_dir(path().parent)
+    """The folder of the connection files, made private (0700) where missing; `UnsafePath` naming RAYHPC_HOME
+    where another user could swap it or what is in it."""
+    return _private(path().parent)
 
 
 def jobs_dir() -> Path:
     """Where each job that joined the cluster leaves a file named `<pid>-<start ticks>` while it runs."""
-    return private_dir(folder() / f"{host()}.jobs")
+    return _private(folder() / f"{host()}.jobs")
+
+
+def _private(folder: Path) -> Path:
+    try:
+        return private_dir(folder)
+    except UnsafePath as exc:
+        where = HOME_VARIABLE if os.environ.get(HOME_VARIABLE) else f"~/.rayhpc ({HOME_VARIABLE})"
+        raise UnsafePath(f"{where} {home()}: {exc}") from None
 
 
 def read(file: Path | None = None) -> dict | None:

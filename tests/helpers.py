@@ -147,12 +147,15 @@ def python_as_attacker(code: str, *args: str, imports: str = "", env: dict | Non
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def start_as_attacker(code: str, *args: str, imports: str = "", env: dict | None = None) -> subprocess.Popen:
-    """`python_as_attacker` in the background: the process, its output captured."""
+def start_as_attacker(code: str, *args: str, imports: str = "", env: dict | None = None,
+                      netns: str | None = None) -> subprocess.Popen:
+    """`python_as_attacker` in the background: the process, its output captured. `netns`: on that node of the
+    test Slurm (its network namespace, n1 or n2)."""
     prelude = (f"import os, pwd, sys\n{imports}\n"
                f"user = pwd.getpwnam({ATTACKER!r}); os.setgroups([]); os.setgid(user.pw_gid); os.setuid(user.pw_uid)\n")
     env = {"PATH": os.environ["PATH"], "HOME": "/tmp", **(env or {})}
-    return subprocess.Popen([sys.executable, "-c", prelude + code, *args], stdout=subprocess.PIPE,
+    on_node = ["nsenter", f"--net=/var/run/netns/{netns}"] if netns else []
+    return subprocess.Popen([*on_node, sys.executable, "-c", prelude + code, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd="/tmp")
 
 

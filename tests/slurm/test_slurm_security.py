@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    CATCH_IMPORTS,
+    CATCH_TOKENS,
     CLUSTER,
     LOGS,
     RAYHPC,
@@ -27,10 +29,12 @@ from helpers import (
     TWO_NODES,
     as_attacker,
     assert_nothing_left,
+    caught,
     job_log,
     job_processes,
     python_as_attacker,
     skip_requeue_delay,
+    start_as_attacker,
     submit,
     submit_held,
     wait_cluster,
@@ -217,6 +221,36 @@ def test_a_port_block_someone_holds_on_one_node_is_skipped(slurm, tmp_path):
     assert info["JobState"] == "COMPLETED", job_log(job)
     gcs, last = map(int, re.search(r"; ports (\d+)-(\d+)", job_log(job)).groups())
     assert last == gcs + 199 and gcs != taken - 2 and not gcs <= taken < gcs + 200, (gcs, taken)
+    assert_nothing_left(job)
+
+
+def test_a_gcs_port_raced_after_the_layout_makes_a_failed_start_whose_token_opens_nothing(slurm, attacker, tmp_path):
+    """A job's ports are fixed once its layout is chosen (free on every node then), and its head's `ray start`
+    binds them a few seconds later: another user who binds the GCS port in between receives Ray's first calls,
+    with the job's token. That token is the job's alone, written fresh at every start: the start fails, the
+    job's log names the port and says it is held by another process, the command never runs, and nothing of
+    the job is left, so the token opens nothing."""
+    cfg = with_changes()
+    log_dir(cfg)
+    job = submit_held(cfg, ["python", "-c", "print('the command ran')"], tmp_path)
+    subprocess.run(["scontrol", "release", job], check=True)
+    deadline, ports = time.monotonic() + 120, None
+    while ports is None:
+        assert time.monotonic() < deadline, "the job did not lay out its ports"
+        log = Path(LOGS / f"rayhpc-local-slurm-{job}.log")
+        ports = re.search(r"; ports (\d+)-(\d+)", log.read_text()) if log.exists() else None
+        time.sleep(0.02)
+    gcs = ports.group(1)
+    catcher = start_as_attacker(CATCH_TOKENS, gcs, "30", "20", imports=CATCH_IMPORTS, netns="n1")
+    token = (LOGS / job / "auth_token").read_text().strip()
+    info = wait_done(job)
+    got = caught(catcher)
+    log = job_log(job)
+    assert got["bound"], "the other user never held the port: the job's Ray took it first"
+    assert info["JobState"] == "FAILED" and "the command ran" not in log, log
+    assert f"port {gcs} is held by another process: another user's?" in log, log
+    assert set(got["tokens"]) <= {token}, got
+    assert not (LOGS / job / "auth_token").exists()
     assert_nothing_left(job)
 
 

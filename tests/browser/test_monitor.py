@@ -63,7 +63,10 @@ def task(tmp_path_factory) -> str:
 
 
 def token() -> str:
-    return (Path.home() / ".ray" / "auth_token").read_text().strip()
+    """The token of the suite's local Ray (each cluster the platform starts has its own, in its folder)."""
+    from rayhpc.cluster import local_token
+
+    return local_token().read_text().strip()
 
 
 
@@ -285,7 +288,7 @@ def test_a_browser_signs_in_with_the_token_and_sees_the_node(ray_cluster, sweep)
         browser = pw.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(url)
-        # what the README tells users: paste the token (`ray get-auth-token`) into the sign-in box
+        # what the docs tell users: paste the cluster's token (the file the job's first line names) into the box
         page.get_by_placeholder("Enter your authentication token").fill(token())
         page.keyboard.press("Enter")
         page.get_by_text("Authentication Token Required").wait_for(state="hidden", timeout=30_000)

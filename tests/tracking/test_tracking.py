@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,6 @@ import torch
 from wandb_files import offline_run
 
 from helpers import ROOT, job_env, mlp_split, require, run_job, sweep
-from rayhpc.cluster import free_port
 from rayhpc.config import validate
 from rayhpc.task import task_for
 from rayhpc.train.config import TrainConfig
@@ -32,7 +32,9 @@ MLFLOW_STATUS = {"finished": "FINISHED", "early-stopped": "KILLED"}
 def mlflow_server(tmp_path_factory):
     """`mlflow server` on a free loopback port (its store and artifacts in a temporary folder); its URI."""
     folder = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
+    with socket.socket() as probe:  # a test server: the port a loopback bind of the system's choosing got
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     log = open(folder / "server.log", "w")
     proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
                              str(port), "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",

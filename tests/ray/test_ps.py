@@ -249,7 +249,9 @@ def test_workers_and_servers_export_their_series(ray_cluster, tmp_path):
              "server": ("rayhpc_ps_server_wait_seconds", "rayhpc_ps_server_apply_seconds", "rayhpc_ps_server_updates")}
     try:
         deadline, seen = time.monotonic() + 120, {}
-        while any(len(seen.get(n, {})) < 2 for role in names.values() for n in role):
+        # every series of both workers and both servers, and updates applied (a series appears before its first)
+        while any(len(seen.get(n, {})) < 2 for role in names.values() for n in role) or \
+                not all(v > 0 for v in seen["rayhpc_ps_server_updates"].values()):
             assert job.poll() is None and time.monotonic() < deadline, f"series missing after 120 s: {seen}"
             time.sleep(2)
             samples = scrape(ray_cluster)

@@ -276,11 +276,13 @@ def test_a_freed_gcs_port_receives_no_token_and_no_clusters_token_opens_another(
     up (`user_cluster`) takes none of theirs. And while the sweep's Ray starts, its GCS and dashboard are
     handed no port to bind (0: each binds one of the system's choosing), so there is none to take first."""
     watcher = start_as_attacker(WATCH_PORTS, "120", imports="import json, time")
+    # long enough (20 epochs) that its token is read while it runs, on a loaded machine too
     sweep = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--num-samples", "2", "--epochs",
-                              "1", "--storage-path", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                              "20", "--storage-path", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=job_env({"RAYHPC_HOME": str(tmp_path / "s")}))
     started = next(line for line in sweep.stdout if line.startswith("ray: started local Ray at "))
     port, folder = started.split()[5].rsplit(":", 1)[1], Path(started.split()[7])
+    assert (folder / "auth_token").exists(), sweep.communicate()[0]
     tokens = {"sweep": (folder / "auth_token").read_text()}
     catchers = {"sweep": start_as_attacker(CATCH_TOKENS, port, "180", "4", imports=CATCH_IMPORTS)}
     ups = {end: in_home(tmp_path / end, "up", "--num-cpus", "1", "--no-warm", "--no-dashboard")

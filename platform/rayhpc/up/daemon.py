@@ -14,6 +14,7 @@ its environment.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -85,8 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         if os.getppid() != holder:  # the holder died before the signal was armed
             return 1
         return hold(args, holder)  # its exit runs its exit handlers (its private temp folder goes)
+    def pass_on(_signum, _frame) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+            os.kill(child, signal.SIGTERM)
+
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, lambda signum, _frame: os.kill(child, signal.SIGTERM))
+        signal.signal(signum, pass_on)
     _, status = os.waitpid(child, 0)  # resumed after each signal passed on (PEP 475)
     return os.waitstatus_to_exitcode(status)
 

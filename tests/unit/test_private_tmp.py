@@ -139,3 +139,33 @@ def test_a_process_gets_its_own_temp_folder_flat_beside_its_parents_and_a_tmpdir
                                                  f"written by other users and has no sticky bit: they could replace "
                                                  f"what is inside; chmod go-w {open_folder}")
     assert list(open_folder.iterdir()) == []
+
+
+# a user's task file that records, when the job imports it, where its process keeps temp files and where inductor
+# will build its headers (fixed when its cache module is first imported)
+PROBE = """
+import json, os, sys, tempfile
+from torch._inductor.codecache import _HEADER_DIR
+with open(os.environ["PROBE_OUT"], "w") as out:
+    json.dump({"tmp": tempfile.gettempdir(), "headers": _HEADER_DIR, "env": os.environ["TMPDIR"]}, out)
+from line import Line as Probe
+"""
+
+
+def test_a_command_has_its_own_temp_folder_before_it_imports_the_users_task(shared, tmp_path):
+    """The job command itself (not only the Ray it starts: a job that joins a cluster, or an array task, starts
+    none) runs the user's code and torch in a temp folder of its own, inside the TMPDIR it was given, removed when
+    it ends. Bad input stops the job after the task is imported and before any cluster starts."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "line.py").write_text((Path(__file__).parents[1] / "tasks" / "line.py").read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYHPC_OWN_TMPDIR", "TORCHINDUCTOR"))}
+    env.update(TMPDIR=str(shared), PROBE_OUT=str(tmp_path / "probe.json"), PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "jobs" / "train_mlp.py"), "--task",
+                           f"{tmp_path}/probe.py:Probe", "--hp", "width=wide", "--storage-path", str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: hparams.width (--hp)"), proc.stderr
+    seen = json.loads((tmp_path / "probe.json").read_text())
+    own = Path(seen["tmp"])
+    assert own.parent == shared and own.name.startswith("rayhpc-") and seen["env"] == str(own), seen
+    assert Path(seen["headers"]).parent.parent == own, seen
+    assert list(shared.iterdir()) == [], "the command left its temp folder behind"

@@ -333,6 +333,10 @@ def test_a_killed_head_leaves_nothing_on_either_node(slurm):
     node's rayhpc.slurm.node, told by Slurm to stop, reaps the job's processes there."""
     job = submit("python", "-c", "import time; time.sleep(600)")
     wait_cluster(job)
+    deadline = time.monotonic() + 60  # the command starts after the cluster is announced: killed with the rest
+    while not any("time.sleep(600)" in p for p in job_processes(job)):
+        assert time.monotonic() < deadline, job_processes(job)
+        time.sleep(0.2)
     head_ns = netns_of(str(subprocess.run(["ip", "netns", "pids", "n1"], capture_output=True, text=True,
                                           check=True).stdout.split()[0]))
     head = [p.split()[0] for p in job_processes(job) if netns_of(p.split()[0]) == head_ns]

@@ -104,8 +104,10 @@ def test_a_warm_up_given_as_a_fraction_is_that_share_of_the_steps():
     assert by_fraction[5] < 1.0 == by_fraction[6], by_fraction  # the peak after 6 = 0.25 x 24 steps
 
 
-def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step():
-    """Four micro-batches of 8 (the loss sees each) make the step one batch of 32 makes."""
+@pytest.mark.parametrize("clip", [0.5, None])
+def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step(clip):
+    """Four micro-batches of 8 (the loss sees each) make the step one batch of 32 makes, clipped or not (clipping
+    alone would hide a gradient four times too large: it rescales both to the same norm)."""
     torch.manual_seed(0)
     x, y = torch.randn(32, 6), torch.randn(32, 2)
     models = [MLP(6, 16, 2) for _ in range(2)]
@@ -116,12 +118,13 @@ def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step():
         seen.append(len(batch[0]))
         return F.mse_loss(models[0](batch[0]), batch[1])
 
-    hp = {"lr": 0.1, "optimizer": "sgd", "accumulate": 4, "clip_grad_norm": 0.5}
+    hp = {"lr": 0.1, "optimizer": "sgd", "accumulate": 4, "clip_grad_norm": clip}
     opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
     optimizer_step(models[0], opt, loss_fn, (x, y), hp, 0, 1, lambda b: len(b[0]))
     plain = torch.optim.SGD(models[1].parameters(), lr=0.1)
     F.mse_loss(models[1](x), y).backward()
-    torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(models[1].parameters(), clip)
     plain.step()
     assert seen == [8, 8, 8, 8]
     assert_same_weights(models[0].state_dict(), models[1].state_dict())

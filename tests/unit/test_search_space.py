@@ -33,16 +33,28 @@ def test_mark_front_flips_a_maximised_objective_and_leaves_infeasible_trials_off
     assert marked["feasible"].tolist() == [True, True, False, True, True]
     # 0.95/900 breaks the constraint; the running trial's values are not its last
     assert marked["pareto"].tolist() == [True, True, False, True, False]
+    # a lower bound: 0.8 and 0.7 fall short of it (a `>=` read as `<=` would keep them and drop 0.9)
+    marked = mark_front(table, [("val_accuracy", "max"), ("params", "min")],
+                        [parse_constraint("params<=500"), parse_constraint("val_accuracy>=0.85")])
+    assert marked["feasible"].tolist() == [True, False, False, False, True]
+    assert marked["pareto"].tolist() == [True, False, False, False, False]
+    assert parse_constraint("val_accuracy>=0.85").violation(0.8) == pytest.approx(0.05)
+    assert parse_constraint("val_accuracy>=0.85").violation(0.9) == pytest.approx(-0.05)
 
 
-def test_the_summary_is_each_configurations_mean_std_and_t_interval():
-    table = pd.DataFrame({"config.lr": [0.1] * 3 + [0.2] * 2, "config.seed": [0, 1, 2, 0, 1],
-                          "status": ["finished"] * 5, "val_loss": [1.0, 2.0, 4.0, 3.0, 5.0]})
+def test_the_summary_is_each_configurations_mean_std_and_t_interval_over_its_finished_runs():
+    """Runs that did not finish (errored, interrupted, running), with a value of their last report, are left out
+    of the statistics and the count of runs; an early-stopped run is in (its configuration's runs stop together)."""
+    table = pd.DataFrame({"config.lr": [0.1] * 5 + [0.2] * 3, "config.seed": [0, 1, 2, 3, 4, 0, 1, 2],
+                          "status": ["finished", "finished", "early-stopped", "error", "interrupted",
+                                     "finished", "finished", "running"],
+                          "val_loss": [1.0, 2.0, 4.0, 0.1, 0.2, 3.0, 5.0, 0.3]})
     summary = summarize(table, ("val_loss", "min")).set_index("config.lr")
-    for lr, values, t in ((0.1, [1.0, 2.0, 4.0], 4.303), (0.2, [3.0, 5.0], 12.706)):
+    for lr, values, unfinished, t in ((0.1, [1.0, 2.0, 4.0], 2, 4.303), (0.2, [3.0, 5.0], 1, 12.706)):
         mean, std = np.mean(values), np.std(values, ddof=1)
         row = summary.loc[lr]
-        assert row["runs"] == len(values) and math.isclose(row["val_loss_mean"], mean)
+        assert (row["runs"], row["unfinished"]) == (len(values), unfinished), row
+        assert math.isclose(row["val_loss_mean"], mean)
         assert math.isclose(row["val_loss_std"], std)
         assert math.isclose(row["val_loss_ci95_high"] - mean, t * std / math.sqrt(len(values)))
 

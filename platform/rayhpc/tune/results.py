@@ -213,8 +213,10 @@ class ResultsRecorder(Callback):
 
 def summarize(table: pd.DataFrame, objective: tuple[str, str]) -> pd.DataFrame:
     """One row per configuration of a sweep with repeats (its runs: the rows that differ only in
-    `config.seed`): its runs, and the mean, standard deviation (n-1) and 95% interval (Student's t) of
-    the objective's last value over its finished runs; best first."""
+    `config.seed`): its finished runs (`runs`; early-stopped ones too: a configuration's runs stop together),
+    the mean, standard deviation (n-1) and 95% interval (Student's t) of the objective's last value over them,
+    and how many runs did not finish (`unfinished`: errored, interrupted or still running, whatever value they
+    last reported, are left out); best first."""
     name = objective[0]
     keys = [c for c in table.columns if c.startswith("config.") and c != "config.seed"]
     rows = []
@@ -224,9 +226,9 @@ def summarize(table: pd.DataFrame, objective: tuple[str, str]) -> pd.DataFrame:
         std = done.std(ddof=1) if n > 1 else math.nan
         t = T975[n - 2] if 1 < n <= len(T975) + 1 else 1.96
         half = t * std / math.sqrt(n) if n > 1 else math.nan
-        rows.append({**dict(zip(keys, values if isinstance(values, tuple) else (values,))), "runs": len(group),
-                     "finished": n, f"{name}_mean": mean, f"{name}_std": std, f"{name}_ci95_low": mean - half,
-                     f"{name}_ci95_high": mean + half})
+        rows.append({**dict(zip(keys, values if isinstance(values, tuple) else (values,))), "runs": n,
+                     "unfinished": len(group) - n, f"{name}_mean": mean, f"{name}_std": std,
+                     f"{name}_ci95_low": mean - half, f"{name}_ci95_high": mean + half})
     summary = pd.DataFrame(rows)
     return summary.sort_values(f"{name}_mean", ascending=objective[1] == "min").reset_index(drop=True)
 

@@ -230,29 +230,49 @@ def test_parquet_data_replaces_the_synthetic_task(ray_address, tmp_path):
     assert len(table) == 2 and table["best_val_loss"].min() < 0.5 * predict_mean_mse(cfg)
 
 
-class KillTrialOnce(Callback):
-    """SIGKILLs the process of the first trial that reports `epoch`; records every result."""
+class KillEachTrialOnce(Callback):
+    """SIGKILLs the process of each trial once, when it reports `epoch` (None: never); records every result."""
 
-    def __init__(self, epoch: int):
-        self.epoch, self.killed, self.results = epoch, None, []
+    def __init__(self, epoch: int | None):
+        self.epoch, self.killed, self.results = epoch, set(), []
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        self.results.append((trial.trial_id, result["epoch"], result["resumed_from_epoch"]))
-        if self.killed is None and result["epoch"] == self.epoch:
-            self.killed = trial.trial_id
+        self.results.append((trial.trial_id.rsplit("_", 1)[1], result["epoch"], result["resumed_from_epoch"],
+                             result["members"]))
+        if trial.trial_id not in self.killed and result["epoch"] == self.epoch:
+            self.killed.add(trial.trial_id)
             os.kill(result["pid"], signal.SIGKILL)
 
+    def by_epoch(self) -> dict:
+        """(trial, epoch) -> each member's values, as last reported."""
+        return {(trial, epoch): members for trial, epoch, _, members in self.results}
 
-def test_trial_whose_process_dies_is_retried_from_its_checkpoint(ray_address, tmp_path):
-    killer = KillTrialOnce(epoch=3)
-    table = run_sweep(sweep(tmp_path, name="kill", num_samples=4, epochs=6, max_failures=1), callbacks=(killer,))
-    assert killer.killed is not None
-    assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {6}
-    after = [(e, r) for t, e, r in killer.results if t == killer.killed and r > 0]
-    assert after, "the killed trial never resumed"
-    # it resumed from an epoch checkpoint, not from zero: epoch 1 was trained once only
-    assert min(r for _, r in after) >= 2
-    assert [e for t, e, _ in killer.results if t == killer.killed].count(1) == 1
+
+DROPOUT = f"{ROOT / 'tests' / 'tasks' / 'dropout.py'}:Dropout"
+
+
+def test_trials_whose_process_dies_resume_from_their_checkpoint_as_if_never_stopped(ray_address, tmp_path):
+    """The dropout task (random draws at every step: its masks) in a pack of two and in a trial of its own, each
+    trial's process SIGKILLed after its second epoch of four and retried from its checkpoint: every member's
+    losses after every epoch equal an uninterrupted sweep's (a restart that did not restore the RNG state would
+    draw the first epochs' masks again), and no epoch before the checkpoint is trained twice."""
+    def run(name: str, callback: KillEachTrialOnce) -> pd.DataFrame:
+        return run_sweep(sweep(tmp_path, name=name, task=DROPOUT, search="grid", pack=2, epochs=4, max_failures=1,
+                               space={"lr": {"grid": [0.01, 0.03, 0.1]}}), callbacks=(callback,))
+
+    killer, uninterrupted = KillEachTrialOnce(epoch=2), KillEachTrialOnce(epoch=None)
+    table = run("killed", killer)
+    assert len(killer.killed) == 2 and set(table["status"]) == {"finished"} and set(table["iterations"]) == {4}
+    assert sorted(table["pack_size"]) == [1, 2, 2], table["pack_size"]
+    for trial in {t for t, *_ in killer.results}:
+        resumed = [r for t, _, r, _ in killer.results if t == trial and r > 0]
+        assert resumed and min(resumed) >= 1, (trial, killer.results)  # from a checkpoint, not from zero
+        assert [e for t, e, *_ in killer.results if t == trial].count(1) == 1, (trial, killer.results)
+    run("uninterrupted", uninterrupted)
+    got, want = killer.by_epoch(), uninterrupted.by_epoch()
+    assert got.keys() == want.keys() and len(got) == 8, (sorted(got), sorted(want))
+    for key in sorted(want):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=lambda m: f"trial, epoch {key}: {m}")
 
 
 def test_resume_after_the_driver_is_killed_keeps_finished_trials(ray_address, tmp_path):

@@ -23,7 +23,7 @@ from helpers import ROOT, run_job, run_job_warm
 from rayhpc.config import validate
 from rayhpc.data import DataConfig
 from rayhpc.task import task_for
-from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict
+from rayhpc.train.checkpoint import complete_checkpoints, latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.trainer import run_training
 from rayhpc.tune.config import SweepConfig
@@ -121,7 +121,8 @@ def digits_run(tmp_path, **kw) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def digits_ddp(ray_address, tmp_path_factory):
-    return run_training(digits_run(tmp_path_factory.mktemp("digits"), name="ddp"))
+    """Keeping the best checkpoint by the task's objective, validation accuracy (maximised), and the latest."""
+    return run_training(digits_run(tmp_path_factory.mktemp("digits"), name="ddp", checkpoint={"keep_best": 1}))
 
 
 def test_ddp_on_a_task_equals_one_process(digits_ddp):
@@ -145,6 +146,16 @@ def test_ddp_on_a_task_equals_one_process(digits_ddp):
         torch.testing.assert_close(got[key], want, msg=lambda m: f"{key}: {m}")
     epochs = digits_ddp.metrics[digits_ddp.metrics["kind"] == "epoch"]
     assert "val_accuracy" in epochs and epochs["val_accuracy"].iloc[-1] > 0.3  # reported beside val_loss
+
+
+def test_a_maximised_objectives_best_is_its_highest_and_keep_best_keeps_that_epoch(digits_ddp):
+    epochs = digits_ddp.metrics[digits_ddp.metrics["kind"] == "epoch"].drop_duplicates("epoch", keep="last")
+    accuracy = dict(zip(epochs["epoch"], epochs["val_accuracy"]))
+    assert len(accuracy) == 2 and len(set(accuracy.values())) == 2, accuracy  # a best and a worst epoch
+    highest = [max(list(accuracy.values())[:i + 1]) for i in range(len(accuracy))]
+    assert epochs["best_val_accuracy"].tolist() == highest, (epochs["best_val_accuracy"].tolist(), accuracy)
+    kept = {load_progress(c).epoch for c in complete_checkpoints(digits_ddp.checkpoint_dir.parent)}
+    assert kept == {max(accuracy, key=accuracy.get), max(accuracy)}, (kept, accuracy)  # the best, and the latest
 
 
 def test_fsdp_on_a_task_equals_ddp(digits_ddp, tmp_path):

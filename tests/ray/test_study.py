@@ -101,3 +101,45 @@ def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_a
                             text=True, cwd=ROOT, env=job_env(None))
     assert status.returncode == 0 and "64 finished" in status.stdout and "0 running" in status.stdout, status
     assert os.stat(study).st_mode & 0o777 == 0o700
+
+
+# the dropout task (random masks at every step) sleeping 150 ms a step: a pack's 3 epochs of 8 steps take about
+# 4 s, so a slice is stopped in the middle of one; 24 steps of 8 an epoch
+STEPS_SWEEP = (f"task: {ROOT / 'tests' / 'tasks' / 'dropout.py'}:Dropout\nsearch: random\nnum_samples: 4\npack: 2\n"
+               "steps: 24\nseed: 5\nspace: {lr: {loguniform: [0.003, 0.1]}, step_ms: {choice: [150]}}\n")
+
+
+def test_a_slice_stopped_by_sigterm_mid_pack_leaves_it_to_be_finished_once_as_if_never_stopped(ray_address, tmp_path):
+    """SIGTERM (scancel's, a time limit's) to a slice of a `--steps` study while it trains a pack: the slice ends
+    with its one line, recording nothing of that pack as finished; the next slice claims it again and finishes
+    it from its checkpoint, once, with the values an uninterrupted study's slice gets."""
+    study, config = tmp_path / "study", tmp_path / "sweep.yaml"
+    config.write_text(f"study: {study}\n{STEPS_SWEEP}")
+    first = slice_proc(config, "--address", ray_address)
+    deadline = time.monotonic() + 120
+    while not ((study / LEDGER_FILE).exists() and events(study)):
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+        time.sleep(0.05)
+    stopped = events(study)[0]["slice"]
+    pack = wait_for_checkpoint(study, stopped, first)
+    first.terminate()
+    out, _ = first.communicate(timeout=60)
+    assert first.returncode == 128 + 15 and "interrupted by SIGTERM" in out, out[-3000:]
+    assert pack not in {e["pack"] for e in events(study) if e["event"] == "finish"}, events(study)
+    again = run_job("tune_mlp.py", "--study", str(study), "--address", ray_address)
+    assert again.returncode == 0, again.stdout + again.stderr
+
+    log = events(study)
+    finished = collections.Counter(e["pack"] for e in log if e["event"] == "finish")
+    assert sorted(finished) == [0, 1] and set(finished.values()) == {1}, finished
+    claims = [e["slice"] for e in log if e["event"] == "claim" and e["pack"] == pack]
+    assert claims[0] == stopped and len(claims) == 2, claims
+    alone, config_alone = tmp_path / "alone", tmp_path / "alone.yaml"
+    config_alone.write_text(f"study: {alone}\n{STEPS_SWEEP}")
+    proc = run_job("tune_mlp.py", "--config", str(config_alone), "--address", ray_address)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    columns = ["config.lr", "val_loss", "best_val_loss", "iterations"]
+    got, want = (pd.read_parquet(s / RESULTS_FILE).sort_values("config.lr")[columns].reset_index(drop=True)
+                 for s in (study, alone))
+    assert len(got) == 4 and set(pd.read_parquet(study / RESULTS_FILE)["status"]) == {"finished"}, got
+    pd.testing.assert_frame_equal(got, want, check_exact=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from ray.util.state import list_actors, list_jobs, list_placement_groups
 
-from helpers import ROOT
+from helpers import RAYHPC, ROOT
 from rayhpc.interrupt import GRACE_VARIABLE
 from rayhpc.processes import descendants
 from rayhpc.tune.results import read_results
@@ -30,13 +30,14 @@ FORWARDED = re.compile(r"^(\x1b\[\d+m)?\(\S+ pid=\d+(, ip=\S+)?\)")
 # Ray Train's autoscaling coordinator: one detached actor per cluster (0 CPUs), made by the first Train
 # run and shared by every later one: a service of the cluster, not of the run
 CLUSTER_SERVICES = {"_AutoscalingCoordinatorActor"}
-# each job runs far longer than the test, and is stopped once it has saved a checkpoint (the glob)
+# each job runs far longer than the test, and is stopped once it has saved a checkpoint (the glob); started each
+# way a user starts one (the installed command, python -m, a job script): the printed command resumes it the same way
 JOBS = {
-    "tune": (["tune_mlp.py", "--num-samples", "2", "--epochs", "100000"], "train_pack_*/checkpoint_*"),
+    "tune": (["rayhpc", "tune", "--num-samples", "2", "--epochs", "100000"], "train_pack_*/checkpoint_*"),
     "train": (["train_mlp.py", "--num-workers", "2", "--epochs", "100000"], "checkpoint_*/progress.json"),
     "parallel": (["train_parallel.py", "--tp", "2", "--steps", "1000000", "--checkpoint-every", "20"],
                  "checkpoint_*/progress.json"),
-    "ps": (["train_ps.py", "--num-servers", "2", "--epochs", "100000"], "checkpoint_*/server_1.pt"),
+    "ps": (["python", "-m", "rayhpc", "ps", "--num-servers", "2", "--epochs", "100000"], "checkpoint_*/server_1.pt"),
 }
 # runs `python ARGS...` in its own process with SIGINT ignored, as `cmd &` in a script leaves it (exec keeps it)
 IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
@@ -45,12 +46,14 @@ STARTED: list[subprocess.Popen] = []  # the jobs the running test started
 
 
 def start(command: list[str], out: Path, env: dict | None = None) -> subprocess.Popen:
-    """`command` (a job script and its flags, or a printed `python ...` command) in the background, as a
+    """`command` (a job script and its flags, or a `python ...` or `rayhpc ...` command) in the background, as a
     script would run it (`cmd &` in a batch script, or a CI runner that started the suite so): SIGINT
     inherited *ignored*, which makes Python install no KeyboardInterrupt handler of its own; stdout and
     stderr to files in `out`."""
     if command[0] == "python":
         command = command[1:]
+    elif command[0] == "rayhpc":
+        command = [RAYHPC, *command[1:]]  # the installed command, run as its own script
     else:
         command = [str(ROOT / "jobs" / command[0]), *command[1:]]
     out.mkdir(exist_ok=True)
@@ -132,9 +135,17 @@ def assert_nothing_left(address: str, pid: int, timeout_s: float = 10) -> None:
 
 
 # the kinds whose printed resume command is run too, and stopped by SIGTERM: Tune's restore and the PS
-# driver's own; Ray Train's and the worker group's resume are test_train's and test_parallel's, and
-# SIGTERM reaches every kind the same way (as SIGINT)
+# driver's own, started as `rayhpc tune` and `python -m rayhpc ps` (a job script's printed command is run by
+# test_user_cluster's warm-starter test); Ray Train's and the worker group's resume are test_train's and
+# test_parallel's, and SIGTERM reaches every kind the same way (as SIGINT)
 RESUMED = ("tune", "ps")
+
+
+def started_as(script: str, flags: list[str]) -> list[str]:
+    """The command a job of JOBS was started with, as its printed resume command must begin."""
+    if script in ("rayhpc", "python"):
+        return [script, *flags[:flags.index("rayhpc") + 2 if script == "python" else 1]]
+    return ["python", str(ROOT / "jobs" / script)]
 
 
 @pytest.mark.parametrize("kind", JOBS)
@@ -152,11 +163,12 @@ def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_addres
     if kind == "tune":  # the results table is written, the trials the signal stopped marked so
         table = read_results(folder)
         assert len(table) == 2 and set(table["status"]) == {"interrupted"}, table
+    resume = shlex.split(line.split("resume with: ", 1)[1])
+    assert resume == [*started_as(script, flags), "--name", kind, "--storage-path", str(tmp_path), "--address",
+                      ray_address, "--resume"], line
     if kind not in RESUMED:
         return
 
-    resume = shlex.split(line.split("resume with: ", 1)[1])
-    assert resume[0] == "python" and resume[-1] == "--resume", line
     before = sorted(p.relative_to(folder) for p in folder.glob(checkpoints))
     again = start(resume, tmp_path / "again", patient)
     deadline = time.monotonic() + 180

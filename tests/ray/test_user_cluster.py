@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -179,6 +180,25 @@ def test_ctrl_c_reaches_a_job_in_the_warm_starter_and_other_code_runs_in_its_own
     out, err = job.communicate(timeout=60)
     assert job.returncode == 128 + signal.SIGINT, (job.returncode, err)
     assert err.startswith("interrupted by SIGINT: sweep mlp-sweep stopped;") and err.count("\n") == 1, err
+    # the command it prints is the one the user ran (the starter ran it in a child of its own), and resumes it
+    resume = shlex.split(err.split("resume with: ", 1)[1])
+    assert resume == ["python", str(ROOT / "jobs" / "tune_mlp.py"), "--name", "mlp-sweep", "--storage-path",
+                      str(tmp_path), "--resume"], err
+    before = set((tmp_path / "mlp-sweep").glob("train_pack_*/checkpoint_*"))
+    job = subprocess.Popen([sys.executable, *resume[1:]], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=job_env(None))
+    deadline = time.monotonic() + 120
+    while not set((tmp_path / "mlp-sweep").glob("train_pack_*/checkpoint_*")) - before:
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.2)
+    last = {p.parent: max(q for q in before if q.parent == p.parent) for p in before}
+    new = set((tmp_path / "mlp-sweep").glob("train_pack_*/checkpoint_*")) - before
+    assert all(p > last[p.parent] for p in new if p.parent in last), (sorted(new), sorted(before))  # went on
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=60)
+    stopped = [line for line in err.splitlines() if "(train_pack pid=" not in line]  # Ray forwards its workers'
+    assert job.returncode == 128 + signal.SIGINT and len(stopped) == 1, err
+    assert stopped[0].startswith("interrupted by SIGINT: sweep mlp-sweep"), err
 
     monkeypatch.setattr(warm, "fingerprint", lambda: "other code")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -21,7 +21,7 @@ import torch
 from rayhpc.config import ConfigError
 from rayhpc.slurm.private import UnsafePath, check_trusted
 from rayhpc.task.hparams import PLATFORM_KEYS
-from rayhpc.train.checkpoint import PROGRESS_FILE, latest_checkpoint, load_full_state_dict
+from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict
 from rayhpc.tune.packing import member_state_dict
 from rayhpc.tune.plan import PLAN_FILE, load_plan
 from rayhpc.tune.results import read_results
@@ -96,14 +96,13 @@ def _checkpoint(sweep: Path, tune_id: str, trial_id: str, spec: str) -> tuple[Pa
     if len(found) != 1:
         raise ConfigError(f"{KEY} {spec}: trial {trial_id} has no checkpoint folder in {sweep} (array-job trials "
                           "keep none)" if not found else f"{KEY} {spec}: {len(found)} folders match trial {trial_id}")
-    # complete ones only (progress.json is written last): a trial killed while saving leaves half a folder
-    ckpts = [c for c in sorted(found[0].glob("checkpoint_*")) if (c / PROGRESS_FILE).exists()]
-    trainer = sweep / f"train-trial_id={tune_id}"  # a TorchTrainer trial's checkpoints are its own run's
-    if not ckpts and trainer.is_dir():
-        ckpts = [c for c in [latest_checkpoint(trainer)] if c is not None]
-    if not ckpts:
+    # the newest complete one (a trial killed while saving leaves half a folder); a TorchTrainer trial's
+    # checkpoints are its own run's
+    trainer = sweep / f"train-trial_id={tune_id}"
+    last = latest_checkpoint(found[0]) or (latest_checkpoint(trainer) if trainer.is_dir() else None)
+    if last is None:
         raise ConfigError(f"{KEY} {spec}: trial {trial_id} ended before its first checkpoint")
-    return found[0], ckpts[-1]
+    return found[0], last
 
 
 def _members(sweep: Path, config: dict) -> list[dict]:

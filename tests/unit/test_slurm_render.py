@@ -157,3 +157,20 @@ def test_a_container_path_is_quoted_once_and_tilde_is_expanded():
     # the variable holds shell words the startup reads into an array: the path is one of them
     words = shlex.split(shlex.split(line.split("=", 1)[1])[0])
     assert words == ["apptainer", "exec", "--bind", "/a b:/c", f"{home}/my images/r.sif"], words
+
+
+def test_a_node_whose_ray_aborted_names_the_check_that_failed(tmp_path):
+    """`ray start` shows only the stack of a raylet that aborted; the node's start-up prints the aborting
+    line of each of its Ray processes' logs (and nothing else) before its folder is removed."""
+    from rayhpc.slurm.node import fatal_lines
+
+    logs = tmp_path / "r" / "session_2026-11-27_03-00-00_000000_1" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "raylet.out").write_text(
+        "[2026-11-27 03:12:44,100 I 2661 2661] (raylet) main.cc:20: Starting raylet\n"
+        "[2026-11-27 03:12:45,980 C 2661 2661] (raylet) node_manager.cc:33: Check failed: bound\n"
+        "*** StackTrace Information ***\n    raylet(+0x36974c) ray::raylet::NodeManager::NodeManager()\n")
+    (logs / "gcs_server.out").write_text("[2026-11-27 03:12:44,000 W 2600 2600] (gcs_server) gcs.cc:1: slow\n")
+    assert fatal_lines(tmp_path) == ["raylet.out: [2026-11-27 03:12:45,980 C 2661 2661] (raylet) node_manager.cc:33: "
+                                     "Check failed: bound"]
+    assert fatal_lines(tmp_path / "none") == []

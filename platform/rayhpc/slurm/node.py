@@ -22,9 +22,11 @@ no other user can reach them. Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -164,6 +166,21 @@ def clean_up(job: str, job_dir: Path | None, root: str | None = None) -> dict:
     return out
 
 
+# a line Ray's C++ processes log as they abort: "[2026-11-27 03:12:45,980 C 2661 2661] (raylet) file.cc:33: ..."
+FATAL = re.compile(r"^\[[-\d :,.]+ [CF] \d+ \d+\]")
+
+
+def fatal_lines(root: Path) -> list[str]:
+    """The check that failed, for each of this node's Ray processes that aborted (`ray start` shows only the
+    last 20 lines of a dead raylet's log, its stack, and the folder holding the rest is removed at clean-up)."""
+    found = []
+    for log in sorted(root.glob("r/session_*/logs/*.out")):
+        with contextlib.suppress(OSError):
+            found += [f"{log.name}: {line[:500]}" for line in log.read_text(errors="replace").splitlines()
+                      if FATAL.match(line)]
+    return found[-10:]
+
+
 class _Stop(Exception):
     """Raised by the signal handler, to leave `wait()` at once."""
 
@@ -202,6 +219,9 @@ def run(job_dir: Path, command: list[str]) -> int:
         code, ending = 0, True
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
+    if code and not ending:
+        for line in fatal_lines(Path(root)):
+            print(f"rayhpc: {node_name()}: {line}", flush=True)
     clean_up(job, job_dir, root)
     if head or ending:
         # the job's secrets and targets go with its head, and with every node when the job ends: after a

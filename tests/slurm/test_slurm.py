@@ -240,8 +240,24 @@ def test_array_mode_runs_a_task_shipped_with_the_job_and_writes_the_ray_sweeps_t
     assert sorted(r.data.metrics["val_loss"] for r in runs) == pytest.approx(sorted(table["val_loss"]), rel=1e-6)
 
 
-def test_the_sbatch_script_works_directly(slurm, tmp_path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # the venv, activated
+# imported by every Python process of the job: node2's first Ray dashboard agent starts 20 s late, as its imports
+# can on a loaded node, longer than the 15 s its raylet waits for it
+SLOW_AGENT = """
+import os, sys, time
+if sys.argv and sys.argv[0].endswith(os.path.join("dashboard", "agent.py")) and os.environ.get("SLURMD_NODENAME") == "node2":
+    try:
+        os.close(os.open(os.path.join(os.path.dirname(__file__), "slowed"), os.O_CREAT | os.O_EXCL))
+        time.sleep(20)
+    except FileExistsError:
+        pass
+"""
+
+
+def test_the_sbatch_script_works_directly_and_a_node_whose_ray_agent_starts_late_joins(slurm, tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_AGENT)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # the venv, activated
+           "PYTHONPATH": str(tmp_path / "site")}
     job = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={tmp_path}/%x-%j.log",
                           str(ROOT / "cluster_configs" / "slurm" / "ray_cluster.sbatch"),
                           "python", "-c", "import ray; ray.init(); assert len(ray.nodes()) == 2"],
@@ -249,6 +265,11 @@ def test_the_sbatch_script_works_directly(slurm, tmp_path):
     info = wait_done(job)
     log = (tmp_path / f"rayhpc-ray-{job}.log").read_text()
     assert info["JobState"] == "COMPLETED" and "rayhpc: command exited with code 0" in log, log
+    assert (tmp_path / "site" / "slowed").exists(), "node2's agent was not slowed"
+    node2 = (tmp_path / "rayhpc-logs" / job / "ray-node2.log").read_text()
+    assert len(re.findall(r"rayhpc: node2: raylet.out: .* C .*Timed out waiting for file", node2)) == 1, node2
+    assert "rayhpc: node2: Ray's agent took longer than the raylet waits for it (a loaded node): starting the " \
+           "node's Ray again (2 of 3)" in node2, node2
     assert f"rayhpc: connection file {tmp_path}/rayhpc-logs/{job}/cluster.json" in log, log
     assert not (tmp_path / "rayhpc-logs" / job / "cluster.json").exists(), "the connection file outlived the job"
     assert_nothing_left(job)

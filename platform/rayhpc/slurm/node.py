@@ -174,7 +174,7 @@ def fatal_lines(root: Path) -> list[str]:
     """The check that failed, for each of this node's Ray processes that aborted (`ray start` shows only the
     last 20 lines of a dead raylet's log, its stack, and the folder holding the rest is removed at clean-up)."""
     found = []
-    for log in sorted(root.glob("r/session_*/logs/*.out")):
+    for log in sorted({path.resolve() for path in root.glob("r/session_*/logs/*.out")}):  # session_latest: a link
         with contextlib.suppress(OSError):
             found += [f"{log.name}: {line[:500]}" for line in log.read_text(errors="replace").splitlines()
                       if FATAL.match(line)]
@@ -187,6 +187,40 @@ class _Stop(Exception):
 
 def _stop(signum, _frame):
     raise _Stop(signum)
+
+
+# Ray's raylet waits a fixed 15 s (not configurable) for its dashboard agent's port files, then aborts; on a
+# loaded node the agent's imports alone can take longer, and the node never joins. A worker node whose raylet
+# aborted so is started again (the head is not: the nodes that joined it would go with it)
+AGENT_TIMED_OUT, AGENT_RETRIES = "Timed out waiting for file", 2
+
+
+def _ray_node(job: str, command: list[str], env: dict, root: Path, retries: int) -> tuple[int, bool]:
+    """Run `ray start --block` (again, up to `retries` times, where its raylet gave up on a slow agent);
+    its exit code, and whether the job is ending (SIGTERM, SIGINT or SIGHUP to this process)."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _stop)
+    code, ending = 0, False
+    try:
+        for attempt in range(retries + 1):
+            code = subprocess.Popen(command, env=env).wait()
+            fatal = fatal_lines(root) if code else []
+            for line in fatal:
+                print(f"rayhpc: {node_name()}: {line}", flush=True)
+            if attempt == retries or not any(AGENT_TIMED_OUT in line for line in fatal):
+                break
+            print(f"rayhpc: {node_name()}: Ray's agent took longer than the raylet waits for it (a loaded node): "
+                  f"starting the node's Ray again ({attempt + 2} of {retries + 1})", flush=True)
+            reap(job, [f"{NODE_MARKER}={job}:{node_name()}"], subreaper=True)
+            for session in root.glob("r/session_*"):  # the aborted start's logs are read: the next start's are new
+                shutil.rmtree(session, ignore_errors=True)
+    except _Stop:
+        # the job is ending (Slurm gives KillWait, 10-30 s, before SIGKILL): no graceful drain, which
+        # `ray start` would spend up to 30 s on; the caller's clean-up kills every process of this node's Ray
+        code, ending = 0, True
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    return code, ending
 
 
 def run(job_dir: Path, command: list[str]) -> int:
@@ -206,22 +240,8 @@ def run(job_dir: Path, command: list[str]) -> int:
     env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}", "RAY_TMPDIR": root, "TMPDIR": root,
            OWN_TMPDIR_BASE: temp_base()}
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, _stop)
     remove_stale_temp_roots()
-    child, code, ending = None, 0, False
-    try:
-        child = subprocess.Popen(command, env=env)
-        code = child.wait()
-    except _Stop:
-        # the job is ending (Slurm gives KillWait, 10-30 s, before SIGKILL): no graceful drain, which
-        # `ray start` would spend up to 30 s on; the reaper below kills every process of this node's Ray
-        code, ending = 0, True
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
-    if code and not ending:
-        for line in fatal_lines(Path(root)):
-            print(f"rayhpc: {node_name()}: {line}", flush=True)
+    code, ending = _ray_node(job, command, env, Path(root), retries=0 if head else AGENT_RETRIES)
     clean_up(job, job_dir, root)
     if head or ending:
         # the job's secrets and targets go with its head, and with every node when the job ends: after a

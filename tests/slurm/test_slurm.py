@@ -267,9 +267,10 @@ def test_the_sbatch_script_works_directly_and_a_node_whose_ray_agent_starts_late
     assert info["JobState"] == "COMPLETED" and "rayhpc: command exited with code 0" in log, log
     assert (tmp_path / "site" / "slowed").exists(), "node2's agent was not slowed"
     node2 = (tmp_path / "rayhpc-logs" / job / "ray-node2.log").read_text()
-    assert len(re.findall(r"rayhpc: node2: raylet.out: .* C .*Timed out waiting for file", node2)) == 1, node2
+    # the held start, named and started again (on a loaded machine an agent not held can be late too)
+    assert re.search(r"rayhpc: node2: raylet.out: .* C .*Timed out waiting for file", node2), node2
     assert "rayhpc: node2: Ray's agent took longer than the raylet waits for it (a loaded node): starting the " \
-           "node's Ray again (2 of 3)" in node2, node2
+           "node's Ray again (2 of 4)" in node2, node2
     assert f"rayhpc: connection file {tmp_path}/rayhpc-logs/{job}/cluster.json" in log, log
     assert not (tmp_path / "rayhpc-logs" / job / "cluster.json").exists(), "the connection file outlived the job"
     assert_nothing_left(job)

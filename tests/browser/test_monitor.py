@@ -113,8 +113,10 @@ def test_training_workers_export_loss_throughput_and_step_time_per_rank(ray_clus
 
 def recorded_by_the_run(path: Path) -> dict[str, list[float]]:
     """The run's own record (rank 0's reports, in its metrics.parquet) of its loss and validation metric."""
-    table = pd.read_parquet(path) if path.exists() else pd.DataFrame({"loss": [], "val_abs_error": []})
-    return {"loss": table["loss"].tolist(), "abs_error": table["val_abs_error"].dropna().tolist()}
+    table = pd.read_parquet(path) if path.exists() else pd.DataFrame()
+    # read again until it holds them: the first rows written may be step rows, before any validation's column
+    return {"loss": table.get("loss", pd.Series(dtype=float)).dropna().tolist(),
+            "abs_error": table.get("val_abs_error", pd.Series(dtype=float)).dropna().tolist()}
 
 
 def assert_each_was_recorded(exported: list, read_recorded, rel_tol: float, timeout_s: float, what: str) -> None:

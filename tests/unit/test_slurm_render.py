@@ -171,6 +171,7 @@ def test_a_node_whose_ray_aborted_names_the_check_that_failed(tmp_path):
         "[2026-11-27 03:12:45,980 C 2661 2661] (raylet) node_manager.cc:33: Check failed: bound\n"
         "*** StackTrace Information ***\n    raylet(+0x36974c) ray::raylet::NodeManager::NodeManager()\n")
     (logs / "gcs_server.out").write_text("[2026-11-27 03:12:44,000 W 2600 2600] (gcs_server) gcs.cc:1: slow\n")
+    (tmp_path / "r" / "session_latest").symlink_to(logs.parent)  # as Ray makes it: the same logs, read once
     assert fatal_lines(tmp_path) == ["raylet.out: [2026-11-27 03:12:45,980 C 2661 2661] (raylet) node_manager.cc:33: "
                                      "Check failed: bound"]
     assert fatal_lines(tmp_path / "none") == []

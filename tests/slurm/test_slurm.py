@@ -271,7 +271,6 @@ def test_the_sbatch_script_works_directly_and_a_node_whose_ray_agent_starts_late
     assert re.search(r"rayhpc: node2: raylet.out: .* C .*Timed out waiting for file", node2), node2
     assert "rayhpc: node2: Ray's agent took longer than the raylet waits for it (a loaded node): starting the " \
            "node's Ray again (2 of 4)" in node2, node2
-    assert "The current node timed out during startup" not in node2, node2  # ended at the abort, not 15 s later
     assert f"rayhpc: connection file {tmp_path}/rayhpc-logs/{job}/cluster.json" in log, log
     assert not (tmp_path / "rayhpc-logs" / job / "cluster.json").exists(), "the connection file outlived the job"
     assert_nothing_left(job)

@@ -191,10 +191,8 @@ def _stop(signum, _frame):
 
 # Ray's raylet waits a fixed 15 s (not configurable) for its dashboard agent's port files, then aborts; on a
 # loaded node the agent's imports alone can take longer, and the node never joins. A worker node whose raylet
-# aborted so is started again (the head is not: the nodes that joined it would go with it), at once: `ray start`
-# itself would notice only after its own 30 s
+# aborted so is started again (the head is not: the nodes that joined it would go with it)
 AGENT_TIMED_OUT, AGENT_RETRIES = "Timed out waiting for file", 3
-AGENT_WINDOW_S = 120  # how long after `ray start` its raylet's log is watched for that (it aborts 15 s after it starts)
 
 
 def _ray_node(job: str, command: list[str], env: dict, root: Path, retries: int) -> tuple[int, bool]:
@@ -205,11 +203,15 @@ def _ray_node(job: str, command: list[str], env: dict, root: Path, retries: int)
     code, ending = 0, False
     try:
         for attempt in range(retries + 1):
-            code, agent_late = _start_once(command, env, root, retry=attempt < retries, job=job)
-            if not agent_late:
+            code = subprocess.Popen(command, env=env).wait()
+            fatal = fatal_lines(root) if code else []
+            for line in fatal:
+                print(f"rayhpc: {node_name()}: {line}", flush=True)
+            if attempt == retries or not any(AGENT_TIMED_OUT in line for line in fatal):
                 break
             print(f"rayhpc: {node_name()}: Ray's agent took longer than the raylet waits for it (a loaded node): "
                   f"starting the node's Ray again ({attempt + 2} of {retries + 1})", flush=True)
+            reap(job, [f"{NODE_MARKER}={job}:{node_name()}"], subreaper=True)
             for session in root.glob("r/session_*"):  # the aborted start's logs are read: the next start's are new
                 shutil.rmtree(session, ignore_errors=True)
     except _Stop:
@@ -219,23 +221,6 @@ def _ray_node(job: str, command: list[str], env: dict, root: Path, retries: int)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     return code, ending
-
-
-def _start_once(command: list[str], env: dict, root: Path, retry: bool, job: str) -> tuple[int, bool]:
-    """One `ray start --block`: its exit code, and whether its raylet gave up on a slow agent (then, where
-    `retry`, every process of this node's Ray is killed as soon as the raylet's log says so). The failed check
-    of any Ray process that aborted is printed."""
-    child, late, until = subprocess.Popen(command, env=env), False, time.monotonic() + AGENT_WINDOW_S
-    while retry and not late and child.poll() is None and time.monotonic() < until:
-        time.sleep(0.5)
-        late = any(AGENT_TIMED_OUT in line for line in fatal_lines(root))
-    if late:  # `ray start` carries the node's marker too, and the reaper may collect it: its exit code is lost
-        reap(job, [f"{NODE_MARKER}={env[NODE_MARKER]}"], subreaper=True)
-    code = 1 if late else child.wait()
-    fatal = fatal_lines(root) if code else []
-    for line in fatal:
-        print(f"rayhpc: {node_name()}: {line}", flush=True)
-    return code, retry and any(AGENT_TIMED_OUT in line for line in fatal)
 
 
 def run(job_dir: Path, command: list[str]) -> int:

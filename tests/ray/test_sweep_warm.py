@@ -7,7 +7,6 @@ epoch) would show; the first also against the same trial on the `TorchTrainer` p
 """
 
 import json
-import math
 import os
 import signal
 import sys
@@ -17,27 +16,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import ray
-import torch
-import torch.nn.functional as F
 from ray.tune import Callback
-from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from helpers import ROOT, assert_same_weights, kill_driver_after, reference_schedule, run_job, sweep
+from helpers import FIXED, ROOT, assert_same_weights, kill_driver_after, run_job, sweep, two_ranks
 from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.tune.sweep import run_sweep
-
-sys.path.insert(0, str(ROOT / "tests" / "tasks"))
-from dropout import Dropout  # noqa: E402  (the task file the sweeps load, imported here for the reference)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 EPOCHS = 3
 TASK = f"{ROOT / 'tests' / 'tasks' / 'dropout.py'}:Dropout"
 LRS = [0.03, 0.01, 0.1]
-# every training option away from its default: AdamW, a warm-up of 10 steps (of 8 a epoch: checkpoints
-# after epoch 1 are mid-warm-up, after epoch 2 mid-decay), cosine decay, clipping that bites, 2 micro-batches
-FIXED = {"batch_size": 32, "optimizer": "adamw", "weight_decay": 0.05, "beta1": 0.8, "warmup_steps": 10,
-         "decay": "cosine", "min_lr_ratio": 0.1, "clip_grad_norm": 0.5, "accumulate": 2, "step_ms": 30.0}
-
 pytestmark = pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 
 
@@ -45,55 +33,6 @@ def dist_sweep(tmp_path, name: str, runner: str, lrs=LRS, **kw):
     # one slot (max_concurrent 1): every trial of the warm sweep runs on the same group, one after another
     return run_sweep(sweep(tmp_path, name=name, task=TASK, search="grid", epochs=EPOCHS, workers_per_trial=2,
                            max_concurrent=1, trial_runner=runner, space={"lr": {"grid": lrs}, **FIXED}, **kw))
-
-
-def two_ranks(lr: float, seed: int = 0) -> dict:
-    """The trial as two plain DDP ranks train it, in one process: rank r's DistributedSampler batches of
-    16 (32 global), each as 2 micro-batches whose gradients add up (weighted by their share), and its own
-    RNG stream (both ranks seed alike, then draw their own dropout masks and DataLoader seeds); the two
-    gradients averaged, clipped by their total norm, torch's AdamW under LinearLR then CosineAnnealingLR;
-    a validation pass per epoch. Checked: Adam in place of AdamW, clipping off, or a constant lr in the
-    platform fail; one micro-batch in place of 2 changes no value here (the masks are drawn in the same
-    order), so the accumulation tests count the micro-batches."""
-    task, hp = Dropout(), {"width": 16, "p": 0.25, "step_ms": 0.0}
-    data, _ = task.data(hp)
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
-    n_val = round(0.25 * len(data))
-    train, val = Subset(data, order[n_val:]), Subset(data, order[:n_val])
-    torch.manual_seed(seed)
-    model = task.model(hp)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.999), weight_decay=0.05)
-    rng = [torch.get_rng_state()] * 2
-    samplers = [DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=seed) for r in (0, 1)]
-    schedule = reference_schedule(opt, 10, EPOCHS * math.ceil(len(samplers[0]) / 16), 0.1)
-
-    def as_rank(r, fn):
-        torch.set_rng_state(rng[r])
-        out = fn()
-        rng[r] = torch.get_rng_state()
-        return out
-
-    for epoch in range(EPOCHS):
-        model.train()
-        for s in samplers:
-            s.set_epoch(epoch)
-        loaders = [as_rank(r, lambda r=r: iter(DataLoader(train, batch_size=16, sampler=samplers[r]))) for r in (0, 1)]
-        for batches in zip(*loaders):
-            grads = []
-            for r, (bx, by) in enumerate(batches):
-                model.zero_grad()
-                for mx, my in zip(bx.tensor_split(2), by.tensor_split(2)):
-                    as_rank(r, lambda: (F.mse_loss(model(mx), my) * len(mx) / len(bx)).backward())
-                grads.append([p.grad.clone() for p in model.parameters()])
-            for p, g0, g1 in zip(model.parameters(), *grads):
-                p.grad = (g0 + g1) / 2
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            schedule.step()
-        model.eval()
-        for r in (0, 1):  # each rank's validation pass (no dropout; its DataLoader draws a seed)
-            as_rank(r, lambda: [F.mse_loss(model(bx), by) for bx, by in DataLoader(val, batch_size=64)])
-    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def trial_folder(exp: Path, trial_id: str, runner: str) -> Path:

@@ -20,6 +20,7 @@ from helpers import (
     run_job_warm,
     tensorboard_scalars,
     too_many_gpu_workers,
+    two_ranks,
 )
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
@@ -84,30 +85,40 @@ def test_ddp_equals_one_process_with_the_global_batch(ddp_run):
 
 
 @pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
-def test_resume_after_the_driver_is_killed_continues_from_the_checkpoint(ray_address, ddp_run, tmp_path):
+def test_a_run_with_dropout_resumed_mid_epoch_after_its_driver_is_killed_equals_two_plain_ranks(ray_address,
+                                                                                                tmp_path):
+    """The dropout task on 2 DDP ranks with every training option (AdamW, warm-up then cosine, clipping, 2
+    micro-batches), a checkpoint every 3 steps (8 a epoch); the driver SIGKILLed once a mid-epoch checkpoint
+    is saved, then `--resume`: the run ends with the weights of two plain ranks that never stopped. Each rank's
+    dropout masks must go on from its own RNG state at the checkpoint, and the part-done epoch must draw
+    nothing new; the epochs finished before the kill are not trained again."""
     args = [sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--storage-path", str(tmp_path), "--name", "r",
-            "--epochs", str(EPOCHS), "--num-workers", "2", "--batch-size-per-worker", "32", "--hp", "hidden=16",
-            "--address", ray_address]
-    metrics = tmp_path / "r" / "metrics.parquet"
+            "--task", f"{ROOT / 'tests' / 'tasks' / 'dropout.py'}:Dropout", "--epochs", str(EPOCHS),
+            "--num-workers", "2", "--batch-size-per-worker", "16", "--lr", "0.03", "--optimizer", "adamw",
+            "--weight-decay", "0.05", "--beta1", "0.8", "--warmup-steps", "10", "--decay", "cosine",
+            "--min-lr-ratio", "0.1", "--clip-grad-norm", "0.5", "--accumulate", "2", "--hp", "step_ms=150",
+            "--checkpoint-every", "3", "--address", ray_address]
     driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.monotonic() + 180
-    while not (metrics.exists() and len(pd.read_parquet(metrics)) >= 1):
-        assert driver.poll() is None and time.monotonic() < deadline, "no epoch finished before the deadline"
-        time.sleep(0.1)
+    while (saved := latest_checkpoint(tmp_path / "r")) is None or load_progress(saved).step_in_epoch == 0:
+        assert driver.poll() is None and time.monotonic() < deadline, "no mid-epoch checkpoint before the deadline"
+        time.sleep(0.05)
     driver.kill()
     driver.wait()
-    before = pd.read_parquet(metrics)
-    assert before["epoch"].max() < EPOCHS, "the run ended before the driver was killed"
+    at_kill = load_progress(latest_checkpoint(tmp_path / "r"))
+    assert at_kill.epoch < EPOCHS, "the run ended before the driver was killed"
+    epoch_rows = lambda: (rows := pd.read_parquet(tmp_path / "r" / "metrics.parquet"))[rows["kind"] == "epoch"]
+    before = epoch_rows() if at_kill.epoch else None
 
     proc = run_job("train_mlp.py", *args[2:], "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    after = pd.read_parquet(metrics)
-    assert after["epoch"].tolist() == [1, 2, 3]
-    # epochs finished before the kill were not trained again: their rows are unchanged
-    pd.testing.assert_frame_equal(after.iloc[:len(before)], before)
     final = latest_checkpoint(tmp_path / "r")
     assert load_progress(final).epoch == EPOCHS
-    assert_same_weights(load_full_state_dict(final), load_full_state_dict(ddp_run.checkpoint_dir))
+    assert_same_weights(load_full_state_dict(final), two_ranks(0.03))
+    after = epoch_rows()
+    assert after["epoch"].tolist() == [1, 2, 3]
+    if before is not None:  # epochs finished before the kill were not trained again: their rows are unchanged
+        pd.testing.assert_frame_equal(after.iloc[:len(before)], before)
 
 
 def test_shards_partition_the_data_and_reshuffle_every_epoch():

@@ -108,19 +108,22 @@ class Batches:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __call__(self, indices: Sequence[int], batch_size: int) -> Iterator[Any]:
+    def __call__(self, indices: Sequence[int], batch_size: int, fresh: bool = True) -> Iterator[Any]:
+        """`fresh`: these are an epoch's first batches. An epoch resumed part-way (not fresh) draws nothing
+        from torch's RNG: the restored RNG state already holds its start's draw."""
         if self.tensors is None:
             cuda = self.device.type == "cuda"
             # pinned host batches copy to the GPU asynchronously (`non_blocking` in to_device)
             loader = DataLoader(self.dataset, batch_size=batch_size, sampler=list(indices), pin_memory=cuda,
                                 num_workers=self.workers, prefetch_factor=4 if self.workers else None,
-                                persistent_workers=False)
+                                persistent_workers=False, generator=None if fresh else torch.Generator())
             for batch in loader:
                 yield to_device(batch, self.device)
             return
         # Iterating a DataLoader draws its base seed from torch's global RNG; draw it here too, so
         # dropout masks later in the step match a plain `for batch in DataLoader(...)` loop's
-        torch.empty((), dtype=torch.int64).random_()
+        if fresh:
+            torch.empty((), dtype=torch.int64).random_()
         index = torch.as_tensor(list(indices), dtype=torch.long, device=self.device)
         for start in range(0, len(index), batch_size):
             rows = index[start:start + batch_size]

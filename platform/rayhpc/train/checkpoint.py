@@ -4,8 +4,9 @@ with DCP.
 A checkpoint folder holds `progress.json` (where training stands; written last, it marks the folder
 complete) and either `model.pt` (the model's and the optimizer's state: DDP's, a warm trial's, a pack's
 stacked members') or the files of `torch.distributed.checkpoint` (FSDP and the model-parallel job: one
-shard file per rank plus metadata; Ray Train merges the ranks' folders into one), with `rng.pt` (torch's
-RNG states, by rank) where the run draws random numbers after a resume. A pack adds `pack.pt`, what its
+shard file per rank plus metadata; Ray Train merges the ranks' folders into one), and `rng.pt`: every
+rank's RNG states (CPU, and CUDA on a GPU), a list by rank, so that dropout after a resume draws the masks
+the uninterrupted run draws. A pack adds `pack.pt`, what its
 members did (`rayhpc.tune.trainable`); the parameter server's servers each their own shard file, which
 `load_full_state_dict` reads as the whole model too.
 """
@@ -20,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rayhpc.train.parallelize import unwrap
 
@@ -41,12 +43,14 @@ class Progress:
     train_seconds: float = 0.0
 
 
-def report(metrics: dict, *, strategy: str, model, optimizer, progress: Progress, rank: int) -> None:
+def report(metrics: dict, *, strategy: str, model, optimizer, progress: Progress, rank: int, world: int,
+           device: torch.device) -> None:
     """`ray.train.report` with a checkpoint of the current state (every rank must call it)."""
     import ray.train  # Ray Train: only where a training run is
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
+        save_rng(folder, device, rank, world)
         if rank == 0:
             write_progress(folder, progress)
         if strategy == "fsdp":
@@ -57,8 +61,9 @@ def report(metrics: dict, *, strategy: str, model, optimizer, progress: Progress
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_files else None)
 
 
-def restore(checkpoint, *, strategy: str, model, optimizer, device: torch.device) -> Progress | None:
-    """Load model and optimizer state from `checkpoint` (None: nothing to restore)."""
+def restore(checkpoint, *, strategy: str, model, optimizer, device: torch.device, rank: int) -> Progress | None:
+    """Load model and optimizer state, and this rank's RNG states, from `checkpoint` (None: nothing to
+    restore); call it after the model's seeded initialisation."""
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as d:
@@ -70,7 +75,43 @@ def restore(checkpoint, *, strategy: str, model, optimizer, device: torch.device
             state = torch.load(folder / DDP_FILE, map_location=device, weights_only=True)
             unwrap(model).load_state_dict(state["model"])
             optimizer.load_state_dict(state["optim"])
+        load_rng(folder, device, rank)
     return progress
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states: torch's CPU generator, and the device's on a GPU."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_state(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def save_rng(folder: Path, device: torch.device, rank: int = 0, world: int = 1) -> None:
+    """Every rank's RNG states into `folder`'s `rng.pt`, a list by rank, written by rank 0 (a collective
+    where `world` > 1: every rank calls it)."""
+    states = [rng_state(device)]
+    if world > 1 and dist.is_initialized():
+        states = [None] * world
+        dist.all_gather_object(states, rng_state(device))
+    if rank == 0:
+        torch.save(states, Path(folder) / RNG_FILE)
+
+
+def load_rng(folder: Path, device: torch.device, rank: int = 0) -> None:
+    """Rank `rank`'s RNG states as `save_rng` wrote them. A run resumed on more ranks than saved them
+    (its data order differs anyway) keeps the seeded streams of the ranks it adds, as does a checkpoint
+    written before checkpoints held them."""
+    path = Path(folder) / RNG_FILE
+    states = torch.load(path, weights_only=True) if path.exists() else []
+    if rank < len(states):
+        set_rng_state(states[rank], device)
 
 
 def _save_sharded(model, optimizer, folder: Path) -> None:

@@ -96,7 +96,7 @@ class Worker:
 def _ray_train_report(w: Worker, metrics: dict, with_checkpoint: bool) -> None:
     if with_checkpoint:
         checkpoint.report(metrics, strategy=w.cfg.strategy, model=w.model, optimizer=w.optimizer,
-                          progress=w.progress, rank=w.rank)
+                          progress=w.progress, rank=w.rank, world=w.world, device=w.device)
     else:
         import ray.train
 
@@ -137,7 +137,7 @@ def train_loop_per_worker(config: dict) -> None:
     worker = make_worker(cfg, task, hp, device, ctx.get_world_rank(), ctx.get_world_size(),
                          lambda model, optimizer: checkpoint.restore(
                              ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
-                             device=device), config.get("init"))
+                             device=device, rank=ctx.get_world_rank()), config.get("init"))
     with _tracked(worker) as run:
         worker.tracker = run
         for epoch in range(worker.progress.epoch, worker.epochs):
@@ -202,7 +202,8 @@ def run_epoch(w: Worker, epoch: int) -> None:
     n_steps = min(w.steps_per_epoch, total_steps - epoch * w.steps_per_epoch)  # `steps` may end this epoch early
     skip = p.step_in_epoch  # steps of this epoch done before a restore: same order, so skip them
     win = Window(torch.zeros((), device=w.device))
-    for i, data in enumerate(win.timed(w.train(indices[skip * batch:n_steps * batch], batch)), start=skip):
+    batches = w.train(indices[skip * batch:n_steps * batch], batch, fresh=skip == 0)
+    for i, data in enumerate(win.timed(batches), start=skip):
         with w.flops.once():  # the FLOPs of one step, counted on the first (for MFU)
             loss = optimizer_step(w.model, w.optimizer, w.loss, data, w.hp, p.global_step, total_steps, batch_size_of,
                                   w.scheduler)

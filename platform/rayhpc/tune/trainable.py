@@ -129,11 +129,12 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
         step = min(total, state["epoch"] * per_epoch)
         if settings.study is not None:  # in the study, where any slice resumes it: Tune keeps none
             save_pack_checkpoint(Path(settings.study, PACKS_DIR, str(pack_id)), state["epoch"],
-                                 lambda d: _save(d, {**state, "seconds": seconds, "metrics": metrics}, pack, opt, step))
+                                 lambda d: _save(d, {**state, "seconds": seconds, "metrics": metrics}, pack, opt,
+                                                 step, device))
             tune.report(metrics)
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                _save(Path(tmp), {**state, "seconds": seconds, "metrics": metrics}, pack, opt, step)
+                _save(Path(tmp), {**state, "seconds": seconds, "metrics": metrics}, pack, opt, step, device)
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
         if not state["slots"]:
             return  # every member stopped
@@ -166,7 +167,7 @@ def _build(task: LoadedTask, members: list[dict], device: torch.device, state: d
     opt = pack.optimizer([members[j] for j in state["slots"]])
     pack.load_state_dict(to_device(state.pop("model"), device))
     opt.load_state_dict(to_device(state.pop("optim"), device))
-    torch.set_rng_state(state.pop("rng"))
+    checkpoint.set_rng_state(state.pop("rng")[0], device)
     return pack, opt, state
 
 
@@ -319,11 +320,11 @@ def _metrics(values: dict, state: dict, objective: tuple[str, str], seconds: flo
             "active_members": len(state["slots"]), "members": per_member}
 
 
-def _save(folder: Path, state: dict, pack, opt, step: int) -> None:
+def _save(folder: Path, state: dict, pack, opt, step: int, device: torch.device) -> None:
     """The pack's checkpoint after optimizer step `step`, in the layout of every job's
     (`rayhpc.train.checkpoint`), `pack.pt` beside."""
     torch.save({"model": pack.state_dict(), "optim": opt.state_dict()}, folder / checkpoint.DDP_FILE)
-    torch.save(torch.get_rng_state(), folder / checkpoint.RNG_FILE)
+    checkpoint.save_rng(folder, device)
     torch.save(state, folder / PACK_FILE)
     checkpoint.write_progress(folder, checkpoint.Progress(epoch=state["epoch"], global_step=step,
                                                           train_seconds=state["seconds"]))

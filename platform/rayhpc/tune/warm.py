@@ -198,7 +198,7 @@ class Collected:
 
     def __call__(self, w: Worker, metrics: dict, with_checkpoint: bool) -> None:
         blob = _state_bytes(w) if with_checkpoint else None  # a collective under FSDP: every rank
-        rng = _rng_states(w.device) if with_checkpoint else None
+        rng = checkpoint.rng_state(w.device) if with_checkpoint else None
         progress = dataclasses.asdict(w.progress) if with_checkpoint else None
         self.reports.append((metrics, blob, progress, rng) if w.rank == 0 else (None, None, None, rng))
 
@@ -226,7 +226,7 @@ def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, sav
 
     worker = make_worker(cfg, task, hp, ctx.device, ctx.rank, ctx.world_size, restore)
     if saved is not None:  # after the model's seeded initialisation: the stream goes on where it stopped
-        _set_rng_states(torch.load(io.BytesIO(saved.rng), weights_only=True)[ctx.rank], ctx.device)
+        checkpoint.set_rng_state(torch.load(io.BytesIO(saved.rng), weights_only=True)[ctx.rank], ctx.device)
     worker.sink = ctx.state["sink"] = Collected()
     ctx.state["trial"] = worker
     return _local_elements(worker.model), worker.epochs
@@ -245,44 +245,3 @@ def _epoch(ctx: WorkerContext, epoch: int) -> list[tuple]:
     run_epoch(ctx.state["trial"], epoch)
     return sink.reports
 
-
-def _rng_states(device: torch.device) -> dict:
-    states = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def _set_rng_states(states: dict, device: torch.device) -> None:
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"], device)
-
-
-def _state_bytes(w: Worker) -> bytes | None:
-    """Model and optimizer state, whole, as `torch.save` bytes on rank 0 (None elsewhere)."""
-    if w.cfg.strategy == "fsdp":
-        # DCP: about 1 s to import, only for sharded checkpoints
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        # every rank takes part in the gather; rank 0 ends with the full tensors on the CPU
-        model, optim = get_state_dict(w.model, w.optimizer,
-                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    elif w.rank == 0:
-        model, optim = unwrap(w.model).state_dict(), w.optimizer.state_dict()
-    if w.rank != 0:
-        return None
-    return _to_bytes({"model": model, "optim": optim})  # a copy: training goes on after this report
-
-
-def _load_state(model, optimizer, blob: bytes, strategy: str, device: torch.device) -> None:
-    state = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
-    if strategy == "fsdp":
-        # DCP: about 1 s to import, only for sharded checkpoints
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(full_state_dict=True))
-    else:
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])

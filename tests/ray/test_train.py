@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -26,7 +27,7 @@ from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.models import MLP
 from rayhpc.task.batches import epoch_indices
-from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
+from rayhpc.train.checkpoint import complete_checkpoints, latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.trainer import run_training
 
@@ -100,25 +101,35 @@ def test_a_run_with_dropout_resumed_mid_epoch_after_its_driver_is_killed_equals_
             "--checkpoint-every", "3", "--address", ray_address]
     driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.monotonic() + 180
-    while (saved := latest_checkpoint(tmp_path / "r")) is None or load_progress(saved).step_in_epoch == 0:
+    while (at_kill := registered_mid_epoch(tmp_path / "r")) is None:
         assert driver.poll() is None and time.monotonic() < deadline, "no mid-epoch checkpoint before the deadline"
         time.sleep(0.05)
     driver.kill()
     driver.wait()
-    at_kill = load_progress(latest_checkpoint(tmp_path / "r"))
     assert at_kill.epoch < EPOCHS, "the run ended before the driver was killed"
-    epoch_rows = lambda: (rows := pd.read_parquet(tmp_path / "r" / "metrics.parquet"))[rows["kind"] == "epoch"]
-    before = epoch_rows() if at_kill.epoch else None
+    rows = lambda: pd.read_parquet(tmp_path / "r" / "metrics.parquet").sort_values(["global_step", "kind"])
+    before = (b := rows())[b["global_step"] <= at_kill.global_step]
 
     proc = run_job("train_mlp.py", *args[2:], "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     final = latest_checkpoint(tmp_path / "r")
     assert load_progress(final).epoch == EPOCHS
     assert_same_weights(load_full_state_dict(final), two_ranks(0.03))
-    after = epoch_rows()
-    assert after["epoch"].tolist() == [1, 2, 3]
-    if before is not None:  # epochs finished before the kill were not trained again: their rows are unchanged
-        pd.testing.assert_frame_equal(after.iloc[:len(before)], before)
+    after = rows()
+    assert after.loc[after["kind"] == "epoch", "epoch"].tolist() == [1, 2, 3]
+    # the steps up to the checkpoint were not trained again: their rows (timings included) are unchanged
+    pd.testing.assert_frame_equal(after.iloc[:len(before)][before.columns], before)
+
+
+def registered_mid_epoch(run: Path):
+    """The progress of a mid-epoch checkpoint once Ray Train has registered it (its snapshot names it, which
+    a resume starts from) and its row is recorded; None before."""
+    snapshot = run / "checkpoint_manager_snapshot.json"
+    if not snapshot.exists() or not (run / "metrics.parquet").exists():
+        return None
+    named = [c for c in complete_checkpoints(run) if c.name in snapshot.read_text()]
+    recorded = set(pd.read_parquet(run / "metrics.parquet")["global_step"])
+    return next((p for p in map(load_progress, named) if p.step_in_epoch and p.global_step in recorded), None)
 
 
 def test_shards_partition_the_data_and_reshuffle_every_epoch():

@@ -11,7 +11,8 @@ factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all, scatter, ga
 broadcast, reduce, send/recv 1). Writes <storage-path>/<name>/collectives.parquet and a busbw plot.
 """
 
-from rayhpc.cli import collectives_main, run_main
+from rayhpc.cli import collectives_main
+from rayhpc.entry import run_main
 
 if __name__ == "__main__":
     run_main(collectives_main)

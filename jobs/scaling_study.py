@@ -10,7 +10,8 @@ is the median samples/s over the epochs after the first. Writes <storage-path>/<
 and scaling.png (throughput and efficiency; a dashed line where the workers spanned several nodes).
 """
 
-from rayhpc.cli import run_main, scaling_main
+from rayhpc.cli import scaling_main
+from rayhpc.entry import run_main
 
 if __name__ == "__main__":
     run_main(scaling_main)

@@ -8,7 +8,8 @@
 Checkpoints and metrics.parquet: <storage-path>/<name>/.
 """
 
-from rayhpc.cli import run_main, train_main
+from rayhpc.cli import train_main
+from rayhpc.entry import run_main
 
 if __name__ == "__main__":
     run_main(train_main)

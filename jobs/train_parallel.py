@@ -11,7 +11,8 @@
 World size = dp * pp * tp (TP innermost on the mesh). Checkpoints: <storage-path>/<name>/checkpoint_<step>/.
 """
 
-from rayhpc.cli import parallel_main, run_main
+from rayhpc.cli import parallel_main
+from rayhpc.entry import run_main
 
 if __name__ == "__main__":
     run_main(parallel_main)

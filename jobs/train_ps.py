@@ -9,7 +9,8 @@ metrics.parquet (per epoch), steps.parquet (per worker step: staleness, pull/pus
 servers' checkpoints: <storage-path>/<name>/.
 """
 
-from rayhpc.cli import ps_main, run_main
+from rayhpc.cli import ps_main
+from rayhpc.entry import run_main
 
 if __name__ == "__main__":
     run_main(ps_main)

@@ -8,7 +8,8 @@
 Results: <storage-path>/<name>/results.parquet, one row per trial.
 """
 
-from rayhpc.cli import run_main, tune_main
+from rayhpc.cli import tune_main
+from rayhpc.entry import run_main
 
 if __name__ == "__main__":
     run_main(tune_main)

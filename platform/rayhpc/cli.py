@@ -1,7 +1,5 @@
-"""Command-line plumbing shared by `jobs/*.py` and the `rayhpc` command.
-
-Bad input never produces a traceback: `ConfigError`s and argparse errors are
-printed as one `error: ...` line on stderr and the process exits with status 2.
+"""The job commands, shared by `jobs/*.py` and the `rayhpc` command, and their flags (run through
+`rayhpc.entry.run_main`: bad input is one `error: ...` line on stderr and exit status 2).
 
 Each command imports its own job's modules inside its function: `rayhpc status`, `--help` or a bad flag
 answer without importing torch, Ray Train or Ray Tune (seconds each), and no command pays for another's.
@@ -10,7 +8,6 @@ answer without importing torch, Ray Train or Ray Tune (seconds each), and no com
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import os
 import shutil
@@ -24,12 +21,10 @@ import yaml
 from pydantic import BaseModel
 
 from rayhpc import cluster, interrupt
-from rayhpc import log as rayhpc_log
 from rayhpc.config import ConfigError, explicit_keys, field_at, is_model, load_yaml, merge, unwrap_annotation, validate
+from rayhpc.entry import USAGE_ERROR, run_main
 from rayhpc.monitor.startup import mark
-from rayhpc.slurm.private import UnsafePath, private_tmpdir
 
-USAGE_ERROR = 2
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -122,69 +117,6 @@ def _kind(annotation) -> type | None:
         if a is bool or typing.get_origin(a) in (list, dict):
             return bool if a is bool else typing.get_origin(a)
     return None
-
-
-def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None, *,
-             quick_exit: bool = True, warm: bool = True) -> NoReturn:
-    """Run `main`, turning user-input errors into `error: ...` and exit status 2, and a stop signal
-    (Ctrl-C, SIGTERM, Slurm's SIGUSR1 warning: `rayhpc.interrupt`) into one line and 128 + its number;
-    checkpoints already written are kept, and a resumed run continues from them. `quick_exit`: the
-    process ends once its exit handlers ran (`_quick_exit`); False where the caller goes on after it.
-    `warm`: a job command is handed to the warm starter of the user's cluster where one is up
-    (`rayhpc.up.warm`), which runs it without the seconds of imports."""
-    if quick_exit:
-        atexit.register(_quick_exit)
-    rayhpc_log.show()  # the platform's progress lines, as plain lines on stdout
-    # what the job writes (results, checkpoints, logs, a local Ray's files: its processes inherit this) is
-    # the user's alone, 0600 files in 0700 folders, on nodes and filesystems other users share
-    os.umask(0o077)
-    try:
-        private_tmpdir()  # before torch is imported: its compile caches live in TMPDIR
-    except UnsafePath as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        _exit_status[:] = [USAGE_ERROR]
-        sys.exit(USAGE_ERROR)
-    if warm and quick_exit and main.__name__ in WARM_COMMANDS:
-        from rayhpc.up import warm as starter  # standard library only: no seconds of imports here
-
-        code = starter.run(main.__name__, None if argv is None else list(argv))
-        if code is not None:
-            _exit_status[:] = [code]
-            sys.exit(code)
-    try:
-        try:
-            interrupt.install()
-            cluster.use_token_if_present()
-            code = main(argv)
-        except (ConfigError, UnsafePath) as exc:  # UnsafePath: a folder or file another user may control
-            print(f"error: {exc}", file=sys.stderr)
-            code = USAGE_ERROR
-        except KeyboardInterrupt:
-            code = interrupt.report()
-    except SystemExit as exc:  # argparse's errors and --help; a status as the interpreter makes it
-        _exit_status[:] = [exc.code if isinstance(exc.code, int) else int(exc.code is not None)]
-        raise
-    except BaseException:  # an uncaught error: its traceback, status 1
-        _exit_status[:] = [1]
-        raise
-    _exit_status[:] = [code or 0]
-    sys.exit(code or 0)
-
-
-def _quick_exit() -> None:
-    """The last exit handler (registered before Ray and torch are imported, so it runs after theirs, which
-    stop Ray and remove its folders): end the process with the status it is exiting with, without the
-    interpreter's own teardown. Freeing torch's and Ray's modules one by one takes 0.7-1 s of every
-    command's wall and does nothing a job needs: its files are closed and its Ray stopped by then."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(_exit_status[0] if _exit_status else 0)
-
-
-_exit_status: list[int] = []  # the status this process exits with, once known
-# the job commands: the warm starter of the user's cluster runs them (the others import little)
-WARM_COMMANDS = {"tune_main", "train_main", "parallel_main", "ps_main", "collectives_main", "scaling_main"}
 
 
 def parse_config(parser: ArgParser, model: type[M], argv) -> tuple[M, set[str]]:

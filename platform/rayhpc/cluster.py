@@ -444,6 +444,9 @@ def remove_local_temp() -> None:
         _stop_and_remove(_local.pop())
 
 
+interrupt.at_forced_exit(remove_local_temp)
+
+
 @contextlib.contextmanager
 def environment(**values: str | None):
     """`values` in os.environ inside (what processes started inside inherit; None: unset), as before outside."""

@@ -4,7 +4,7 @@ Each job has one config tree: strict pydantic models (unknown keys are
 rejected by name), filled from an optional YAML file and then overridden by
 command-line flags, validated once and passed down. Any problem with user
 input becomes a `ConfigError` whose message is a single line naming the
-offending key and what is allowed; `rayhpc.cli.run_main` prints it as
+offending key and what is allowed; `rayhpc.entry.run_main` prints it as
 `error: ...` and exits with status 2.
 """
 

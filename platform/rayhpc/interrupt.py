@@ -162,10 +162,18 @@ def _force_exit() -> None:
     if _reported.acquire(blocking=False):
         os.write(2, f"{line}\n".encode())
     processes.kill_gcs_last(processes.descendants(os.getpid()), timeout_s=2.0)
-    from rayhpc import cluster  # imported here: cluster imports this module
-
-    cluster.remove_local_temp()
+    for clean_up in _at_forced_exit:
+        clean_up()
     os._exit(exit_code())
+
+
+_at_forced_exit: list[Callable[[], None]] = []
+
+
+def at_forced_exit(clean_up: Callable[[], None]) -> None:
+    """Call `clean_up` on a forced exit, after the job's processes are killed (the modules that start
+    things register here: this module imports none of them)."""
+    _at_forced_exit.append(clean_up)
 
 
 _reported = threading.Lock()  # held once the line is printed: one line, whoever prints it

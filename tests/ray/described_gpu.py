@@ -15,6 +15,7 @@ import ray
 
 from rayhpc import cli, cluster
 from rayhpc.config import validate
+from rayhpc.entry import run_main
 from rayhpc.ps.config import PSConfig
 from rayhpc.ps.driver import fleet_resources
 from rayhpc.tune.trainable import _device
@@ -25,7 +26,7 @@ def job(main, argv: list[str]) -> tuple[int, str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            cli.run_main(main, argv, quick_exit=False)
+            run_main(main, argv, quick_exit=False)
         except SystemExit as exc:
             return exc.code, err.getvalue()
     return 0, err.getvalue()

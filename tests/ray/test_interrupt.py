@@ -217,7 +217,7 @@ def process_name(pid: int) -> str | None:
 
 HANGING_CLEAN_UP = """
 import time
-from rayhpc.cli import run_main
+from rayhpc.entry import run_main
 
 def main(argv):
     try:

@@ -155,6 +155,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from rayhpc.cli import run_main
+    from rayhpc.entry import run_main
 
     run_main(main)  # bad input: one `error:` line in the task's log, exit 2

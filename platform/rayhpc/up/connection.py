@@ -48,7 +48,7 @@ def log_path() -> Path:
 
 
 def socket_path() -> Path:
-    """Where the cluster's warm starter listens (`rayhpc.up.warm`)."""
+    """Where the cluster's warm starter listens (`rayhpc.up.starter`)."""
     return path().with_suffix(".sock")
 
 

@@ -4,7 +4,7 @@
 
 It holds the cluster in a child of its own (`hold`), which starts a local Ray as every job does
 (`cluster.start_local`: private temp folder, a token of its own, ports its processes choose), starts the
-warm starter (`rayhpc.up.warm`: job commands run in children of one interpreter that has imported torch
+warm starter (`rayhpc.up.starter`: job commands run in children of one interpreter that has imported torch
 and Ray already), writes the connection file, and waits. On SIGTERM, SIGINT or SIGHUP (`rayhpc down`), and
 when the holder is killed, the child removes the connection file first (no new job joins), stops Ray (its
 GCS last), and kills whatever process of the cluster is left: every process Ray started carries MARKER in
@@ -55,7 +55,7 @@ WARM_STOP_TIMEOUT_S = 30.0  # its jobs' statuses sent to their commands: at once
 def start_warm() -> subprocess.Popen | None:
     """The warm starter, once it listens (the cluster is announced after it: the first command is warm too);
     None, with a line in the log, where it did not start."""
-    starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.warm"], stdin=subprocess.DEVNULL)
+    starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter"], stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + WARM_START_TIMEOUT_S
     while not connection.socket_path().exists():
         if starter.poll() is not None or time.monotonic() > deadline:
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=float)
     parser.add_argument("--num-gpus", type=float)
     parser.add_argument("--no-dashboard", action="store_true")
-    parser.add_argument("--no-warm", action="store_true", help="without the warm starter (rayhpc.up.warm)")
+    parser.add_argument("--no-warm", action="store_true", help="without the warm starter (rayhpc.up.starter)")
     args = parser.parse_args(argv)
     os.umask(0o077)
     holder = os.getpid()

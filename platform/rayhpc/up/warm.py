@@ -1,5 +1,6 @@
-"""The warm starter of the user's cluster: one interpreter that has imported the platform, torch and Ray once,
-and forks a child for each job command run on this machine while the cluster is up.
+"""The warm starter of the user's cluster, the command's side: one interpreter that has imported the platform,
+torch and Ray once (`rayhpc.up.starter`) forks a child for each job command run on this machine while the
+cluster is up.
 
 A command otherwise spends about 2 s importing torch, Ray Tune and Ray Train before its first line. With the
 cluster up, `run_main` hands the command over instead (`run`): its arguments, environment, working folder,
@@ -23,20 +24,15 @@ import hashlib
 import json
 import logging
 import os
-import selectors
 import signal
 import socket
 import struct
 import sys
-import threading
 from pathlib import Path
 
 from rayhpc.up import connection
 
 log = logging.getLogger(__name__)
-# what the job commands import (rayhpc.cli imports each command's modules only when it runs)
-MODULES = ("rayhpc.cli", "rayhpc.tune.sweep", "rayhpc.train.trainer", "rayhpc.parallel.trainer", "rayhpc.ps.driver",
-           "rayhpc.collectives.bench", "rayhpc.scaling.study")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 MAX_REQUEST = 1 << 20
 
@@ -48,12 +44,12 @@ def fingerprint() -> str:
     return hashlib.sha256(json.dumps([sys.executable, sys.version, files]).encode()).hexdigest()
 
 
-def _peer_uid(conn: socket.socket) -> int:
+def peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
 
 
-def _send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
     data = json.dumps(message).encode() + b"\n"
     if fds:
         conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
@@ -61,7 +57,7 @@ def _send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
         conn.sendall(data)
 
 
-def _receive(conn: socket.socket) -> tuple[dict | None, list[int]]:
+def receive(conn: socket.socket) -> tuple[dict | None, list[int]]:
     """One message (a JSON line) and the file descriptors that came with it; None at the end of the stream."""
     data, fds = b"", []
     while not data.endswith(b"\n") and len(data) < MAX_REQUEST:
@@ -84,11 +80,11 @@ def run(main: str, argv) -> int | None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(path))
-        if _peer_uid(conn) != os.getuid():
+        if peer_uid(conn) != os.getuid():
             raise OSError("not this user's")
-        _send(conn, {"main": main, "argv": argv, "sys_argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
+        send(conn, {"main": main, "argv": argv, "sys_argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
                      "path": sys.path, "fingerprint": fingerprint()}, [0, 1, 2])
-        reply, _ = _receive(conn)
+        reply, _ = receive(conn)
     except OSError:  # gone meanwhile: this process runs the command
         conn.close()
         return None
@@ -109,133 +105,6 @@ def _wait(conn: socket.socket, pid: int) -> int:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    reply, _ = _receive(conn)  # a signal handler runs meanwhile; the call resumes after it (PEP 475)
+    reply, _ = receive(conn)  # a signal handler runs meanwhile; the call resumes after it (PEP 475)
     conn.close()
     return 1 if reply is None else int(reply["status"])
-
-
-def serve() -> None:
-    """The starter's loop (`python -m rayhpc.up.warm`): a child per request, its status back when it ends."""
-    import importlib
-
-    for name in MODULES:
-        importlib.import_module(name)
-    if threading.active_count() != 1:
-        raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
-                         f"({threading.enumerate()}); fork is not safe")
-    ours = fingerprint()
-    path = connection.socket_path()
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))  # in the user's 0700 folder; the umask (077) makes it 0600
-    listener.listen(16)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    print(f"rayhpc up: warm starter on {path}", flush=True)
-    stopping: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
-    # once told to stop (SIGTERM): no new command, and on until every running command's status is sent
-    while not stopping or any(key.fileobj is not listener for key in selector.get_map().values()):
-        if stopping and listener.fileno() >= 0:  # those running end as `rayhpc down` tells them
-            selector.unregister(listener)
-            listener.close()
-        for key, _ in selector.select(timeout=0.2):
-            if key.fileobj is not listener:
-                key.data(key.fileobj)
-                continue
-            child = _accept(listener, selector, ours)
-            if child is not None:  # in the forked child: nothing of the starter's stays open in it
-                for other in list(selector.get_map().values()):
-                    with contextlib.suppress(OSError):
-                        other.fileobj.close() if hasattr(other.fileobj, "close") else os.close(other.fileobj)
-                selector.close()
-                _child(*child)  # ends the process (the command's exit)
-
-
-def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str):
-    """Serve one request: fork its child and watch it. In the child: (request, fds, connection)."""
-    conn, _ = listener.accept()
-    fds: list[int] = []
-    try:
-        if _peer_uid(conn) != os.getuid():
-            raise OSError("another user")
-        request, fds = _receive(conn)
-        if request is None or request.get("fingerprint") != ours or len(fds) != 3:
-            _send(conn, {"stale": True})
-            raise OSError("not this code")
-        pid = os.fork()
-        if pid == 0:
-            return request, fds, conn
-        _send(conn, {"pid": pid})
-    except OSError:
-        conn.close()
-        pid = None
-    for fd in fds:  # the child has its copies
-        os.close(fd)
-    if pid is not None:
-        _watch(selector, conn, pid)
-    return None
-
-
-def _watch(selector: selectors.BaseSelector, conn: socket.socket, pid: int) -> None:
-    """The child's status to the command's process when it exits; SIGTERM to it if that process ends first."""
-    pidfd = os.pidfd_open(pid)
-
-    def ended(_fd) -> None:
-        selector.unregister(pidfd)
-        with contextlib.suppress(KeyError):
-            selector.unregister(conn)
-        os.close(pidfd)
-        _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N, which a shell reports as 128 + N
-        with contextlib.suppress(OSError):
-            _send(conn, {"status": code if code >= 0 else 128 - code})
-        conn.close()
-
-    def hung_up(_conn) -> None:
-        if not conn.recv(1):  # the command's process ended (killed): the job stops as on SIGTERM
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGTERM)
-            selector.unregister(conn)
-
-    selector.register(pidfd, selectors.EVENT_READ, ended)
-    selector.register(conn, selectors.EVENT_READ, hung_up)
-
-
-def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
-    """In the forked child: become the command's process (its files, folder, environment, path, argv) and run
-    it; its exit (status, exit handlers) is the command's own."""
-    conn.close()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the command's own handlers come with it (run_main)
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    sys.path[:] = request["path"]
-    sys.argv[:] = request["sys_argv"]
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
-    for stream in (sys.stdout, sys.stderr):  # buffered as Python buffers a terminal or a file
-        stream.reconfigure(line_buffering=stream.isatty(), write_through=unbuffered)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from rayhpc import cli
-
-    cli.run_main(getattr(cli, request["main"]), request["argv"], warm=False)
-
-
-def main() -> None:
-    """`python -m rayhpc.up.warm`, started by the process that holds the cluster; it ends with that process."""
-    import ctypes
-
-    os.umask(0o077)
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the cluster's holder gone, this goes too
-    from rayhpc.slurm.private import private_tmpdir
-
-    private_tmpdir()  # before torch is imported, as every command does
-    serve()
-
-
-if __name__ == "__main__":
-    main()

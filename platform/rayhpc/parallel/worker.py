@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import time
 import warnings
+from pathlib import Path
 
 import ray
 import torch
@@ -30,6 +31,7 @@ from rayhpc.parallel.parallelize import full_state, parallelize
 from rayhpc.parallel.pp import build_schedule, rank_stages
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.precision import autocast, set_matmul_precision
+from rayhpc.train import checkpoint
 from rayhpc.workers.group import WorkerContext
 
 
@@ -295,15 +297,16 @@ def _merged(states: list[dict]) -> dict:
 
 def save_checkpoint(ctx: WorkerContext, path: str) -> None:
     """Each rank writes its own shards of the weights and the optimizer state (torch.distributed.checkpoint);
-    no rank holds the whole model."""
+    no rank holds the whole model. Every rank's RNG states go to `rng.pt` (`rayhpc.train.checkpoint`)."""
     import torch.distributed.checkpoint as dcp  # DCP: about 1 s to import, only for sharded checkpoints
 
     dcp.save(_merged(_states(ctx.state["run"])), checkpoint_id=path)
+    checkpoint.save_rng(Path(path), ctx.device, ctx.rank, ctx.world_size)  # dropout goes on as it would have
 
 
 def load_checkpoint(ctx: WorkerContext, path: str, step: int) -> None:
-    """Read this rank's shards back in place (the layout may differ from the one that saved them); the
-    task's own schedulers (if any) continue from optimizer step `step`."""
+    """Read this rank's shards back in place (the layout may differ from the one that saved them), and its
+    RNG states; the task's own schedulers (if any) continue from optimizer step `step`."""
     import torch.distributed.checkpoint as dcp  # DCP: about 1 s to import, only for sharded checkpoints
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -317,3 +320,4 @@ def load_checkpoint(ctx: WorkerContext, path: str, step: int) -> None:
                        options=StateDictOptions(flatten_optimizer_state_dict=True))
     run.schedulers = [run.recipe.task.scheduler(optimizer, run.recipe.hp, step) if scheduler is not None else None
                       for optimizer, scheduler in zip(run.optimizers, run.schedulers)]
+    checkpoint.load_rng(Path(path), ctx.device, ctx.rank)

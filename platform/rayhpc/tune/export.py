@@ -17,7 +17,7 @@ import torch
 
 from rayhpc.config import ConfigError, load_yaml, validate
 from rayhpc.slurm.private import UnsafePath, check_trusted, private_dir
-from rayhpc.train.checkpoint import PROGRESS_FILE
+from rayhpc.train.checkpoint import complete_checkpoints
 from rayhpc.tune.trainable import PACK_FILE
 from rayhpc.tune.weights import checkpoint_weights, trial_weights
 
@@ -77,7 +77,7 @@ def write_checkpoint_artifact(trial_dir: Path, member: int, hp: dict, which: str
     """A run's artifact (`tracking.log_checkpoint`): member `member`'s weights (`hp`: its hyperparameters) from
     the trial's last checkpoint, or (`best`) from the kept checkpoint where its objective was best, in a new
     private temporary folder (the tracker removes it once uploaded)."""
-    kept = sorted(c for c in trial_dir.glob("checkpoint_*") if (c / PROGRESS_FILE).exists())
+    kept = complete_checkpoints(trial_dir)
     if not kept:
         return None
     chosen, metrics = kept[-1], {}

@@ -275,7 +275,7 @@ def relink_pruned_checkpoints(exp_dir: Path) -> None:
     written last) is what that trial would resume from anyway; the trainables restore from what a
     folder holds, not from its name."""
     for trial_dir in (p for p in exp_dir.iterdir() if p.is_dir() and (p / "params.json").exists()):
-        done = [c for c in sorted(trial_dir.glob("checkpoint_*")) if (c / checkpoint.PROGRESS_FILE).exists()]
+        done = checkpoint.complete_checkpoints(trial_dir)
         if not done or done[-1].name == "checkpoint_000000":
             continue
         newest = done[-1]

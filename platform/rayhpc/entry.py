@@ -73,6 +73,7 @@ def _quick_exit() -> None:
     stop Ray and remove its folders): end the process with the status it is exiting with, without the
     interpreter's own teardown. Freeing torch's and Ray's modules one by one takes 0.7-1 s of every
     command's wall and does nothing a job needs: its files are closed and its Ray stopped by then."""
+    interrupt.await_forced_exit()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -155,6 +155,7 @@ def _force_exit() -> None:
     """The job did not end within the grace period of the stop signal: its line (unless `report` printed
     it and the exit itself hangs), every process it started killed (a local Ray: raylet, GCS, agents,
     workers), and exit. Ray removes the actors and placement groups of a driver that is gone."""
+    _forcing.set()
     line = stop_line(forced=True)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -168,6 +169,14 @@ def _force_exit() -> None:
 
 
 _at_forced_exit: list[Callable[[], None]] = []
+_forcing = threading.Event()  # set once the forced exit began: it ends the process itself
+
+
+def await_forced_exit() -> None:
+    """Where the forced exit (another thread) has begun, wait for it to end the process rather than exit
+    first: an exit meanwhile would cut its clean-up short (the local Ray's folder left behind)."""
+    if _forcing.is_set():
+        threading.Event().wait()
 
 
 def at_forced_exit(clean_up: Callable[[], None]) -> None:

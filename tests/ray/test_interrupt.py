@@ -7,9 +7,11 @@ import contextlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -189,9 +191,12 @@ def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_addres
 # at once, the processes of its Ray killed with it
 @pytest.mark.parametrize("kind, grace_s", [("tune", None), ("ps", 0)])
 def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, grace_s, tmp_path):
-    """Without --address the job starts its own Ray: Ctrl-C ends the job and that Ray with it."""
+    """Without --address the job starts its own Ray: Ctrl-C ends the job and that Ray with it, its folder
+    removed (by the forced exit too)."""
     (script, *flags), checkpoints = JOBS[kind]
-    env = {} if grace_s is None else {GRACE_VARIABLE: str(grace_s)}
+    # the job's TMPDIR, where its private folder and its Ray's are made: short (Ray's socket paths must fit)
+    tmp = Path(tempfile.mkdtemp(prefix="ri-"))
+    env = {"TMPDIR": str(tmp), **({} if grace_s is None else {GRACE_VARIABLE: str(grace_s)})}
     job = start([script, *flags, "--name", kind, "--storage-path", str(tmp_path)], tmp_path / "out", env)
     wait_for(job, tmp_path / kind, checkpoints, tmp_path / "out")
     started = {pid: process_name(pid) for pid in descendants(job.pid)}
@@ -203,6 +208,9 @@ def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, gr
     while alive := {pid: name for pid, name in started.items() if name and process_name(pid) == name}:
         assert time.monotonic() < deadline, f"left running {STOP_WITHIN_S} s after the job ended: {alive}"
         time.sleep(0.2)
+    left = list(tmp.rglob("session_*"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert not left, f"the job's Ray folder was left behind: {left}"
 
 
 def process_name(pid: int) -> str | None:

@@ -195,7 +195,7 @@ def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, gr
     removed (by the forced exit too)."""
     (script, *flags), checkpoints = JOBS[kind]
     # the job's TMPDIR, where its private folder and its Ray's are made: short (Ray's socket paths must fit)
-    tmp = Path(tempfile.mkdtemp(prefix="ri-"))
+    tmp = Path(tempfile.mkdtemp(prefix="ri-", dir="/tmp"))
     env = {"TMPDIR": str(tmp), **({} if grace_s is None else {GRACE_VARIABLE: str(grace_s)})}
     job = start([script, *flags, "--name", kind, "--storage-path", str(tmp_path)], tmp_path / "out", env)
     wait_for(job, tmp_path / kind, checkpoints, tmp_path / "out")

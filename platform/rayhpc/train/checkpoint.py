@@ -96,10 +96,11 @@ def set_rng_state(states: dict[str, torch.Tensor], device: torch.device) -> None
 def save_rng(folder: Path, device: torch.device, rank: int = 0, world: int = 1) -> None:
     """Every rank's RNG states into `folder`'s `rng.pt`, a list by rank, written by rank 0 (a collective
     where `world` > 1: every rank calls it)."""
-    states = [rng_state(device)]
+    mine = rng_state(device)
+    states = [mine]
     if world > 1 and dist.is_initialized():
         states = [None] * world
-        dist.all_gather_object(states, rng_state(device))
+        dist.all_gather_object(states, mine)
     if rank == 0:
         torch.save(states, Path(folder) / RNG_FILE)
 

@@ -13,7 +13,7 @@ import sys
 import threading
 
 from rayhpc.up import connection
-from rayhpc.up.warm import peer_uid, receive, send, fingerprint
+from rayhpc.up.warm import fingerprint, peer_uid, receive, send
 
 # what the job commands import (rayhpc.cli imports each command's modules only when it runs)
 MODULES = ("rayhpc.cli", "rayhpc.tune.sweep", "rayhpc.train.trainer", "rayhpc.parallel.trainer", "rayhpc.ps.driver",

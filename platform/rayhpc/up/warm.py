@@ -83,7 +83,7 @@ def run(main: str, argv) -> int | None:
         if peer_uid(conn) != os.getuid():
             raise OSError("not this user's")
         send(conn, {"main": main, "argv": argv, "sys_argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
-                     "path": sys.path, "fingerprint": fingerprint()}, [0, 1, 2])
+                    "path": sys.path, "fingerprint": fingerprint()}, [0, 1, 2])
         reply, _ = receive(conn)
     except OSError:  # gone meanwhile: this process runs the command
         conn.close()

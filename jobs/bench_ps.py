@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=None, help="async bound K (default: unbounded)")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size-per-worker", type=int, default=32)
+    p.add_argument("--optimizer", default="sgd", help="the optimizer of both runs (SGD: Downpour's)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--hp", default="hidden=256,depth=3", help="the task's hyperparameters")
     p.add_argument("--task", default="mlp")
@@ -36,7 +37,7 @@ def main() -> None:
     workers = [int(n) for n in a.workers.split(",")]
     gpu_counts = [n for n in workers if n <= res.gpus]
     base = {"task": a.task, "epochs": a.epochs, "batch_size_per_worker": a.batch_size_per_worker,
-            "optim": {"lr": a.lr}, "hparams": key_value_pairs("--hp", [a.hp]), "address": address}
+            "optim": {"optimizer": a.optimizer, "lr": a.lr}, "hparams": key_value_pairs("--hp", [a.hp]), "address": address}
     table, target = compare(workers, base, a.servers, a.staleness, gpu_counts, a.target)
     print(f"{res.describe()}; task {a.task} {a.hp}, {a.epochs} epochs of {a.batch_size_per_worker} samples per "
           f"worker per step, {a.servers} server(s), async staleness {a.staleness if a.staleness is not None else 'unbounded'}")

@@ -349,7 +349,8 @@ def assert_speedup_and_efficiency(rows: pd.DataFrame) -> None:
 
 
 def plain_trial(model, train, val, hp: dict, epochs: int, loss_fn, metric_fn=None):
-    """One trial the plain PyTorch way; returns (final weights, validation loss and metric after each epoch)."""
+    """One trial the plain PyTorch way; returns (final weights, (validation loss, metric, the epoch's training loss
+    as the mean over its samples) after each epoch)."""
     if hp["optimizer"] == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
     else:
@@ -364,8 +365,10 @@ def plain_trial(model, train, val, hp: dict, epochs: int, loss_fn, metric_fn=Non
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         model.train()
+        trained, samples = 0.0, 0
         for x, y in DataLoader(train, batch_size=hp["batch_size"], sampler=sampler):
             loss = loss_fn(model(x), y)
+            trained, samples = trained + loss.item() * len(x), samples + len(x)
             opt.zero_grad()
             loss.backward()
             if hp["clip_grad_norm"]:
@@ -378,7 +381,7 @@ def plain_trial(model, train, val, hp: dict, epochs: int, loss_fn, metric_fn=Non
             batches = list(DataLoader(val, batch_size=1000))
             out = [(loss_fn(model(x), y), metric_fn(model(x), y) if metric_fn else 0.0, len(x)) for x, y in batches]
         n = sum(b[2] for b in out)
-        history.append((sum(b[0] * b[2] for b in out) / n, sum(b[1] * b[2] for b in out) / n))
+        history.append((sum(b[0] * b[2] for b in out) / n, sum(b[1] * b[2] for b in out) / n, trained / samples))
     return model.state_dict(), history
 
 

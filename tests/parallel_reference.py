@@ -4,28 +4,28 @@ tests compare every parallel layout against."""
 from __future__ import annotations
 
 import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from rayhpc.data import step_indices
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.trainer import make_recipe
 
 
 def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Tensor], dict[str, float] | None]:
     """(loss per step, final weights by name, final validation loss and task metrics or None): same seed,
-    same batches, the same optimizer, schedule and clipping from torch's own classes, the whole global
-    batch at once (what `accumulate` micro-batches must add up to)."""
+    the same optimizer, schedule and clipping from torch's own classes, the whole global batch at once
+    (what `accumulate` micro-batches must add up to), the batches of a plain script's
+    `DataLoader(sampler=DistributedSampler(shuffle=True, seed=seed))` with `set_epoch`, the last partial
+    (for data-parallel layouts, tests use training data that the replicas divide evenly)."""
     recipe, data = make_recipe(cfg)
     cfg = recipe.cfg  # its steps resolved
-    x, y = data["train"]
     torch.manual_seed(cfg.seed)
     model = recipe.build()
     optimizer = plain_optimizer(cfg, model.parameters())
     schedule = plain_schedule(cfg, optimizer)
     losses = []
-    for step in range(cfg.steps):
-        idx = step_indices(len(x), cfg.global_batch_size, cfg.seed, step)
+    for x, y in batches(TensorDataset(*data["train"]), cfg.global_batch_size, cfg.seed, cfg.steps):
         optimizer.zero_grad()
-        loss = recipe.loss(model(x[idx]), y[idx])
+        loss = recipe.loss(model(x), y)
         loss.backward()
         if cfg.optim.clip_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
@@ -34,6 +34,20 @@ def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Ten
         losses.append(loss.item())
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     return losses, weights, validation(recipe, model, data["val"])
+
+
+def batches(dataset, batch_size: int, seed: int, steps: int):
+    """The first `steps` batches of a plain epoch loop over `dataset`."""
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        for batch in DataLoader(dataset, batch_size=batch_size, sampler=sampler):
+            if steps == 0:
+                return
+            steps -= 1
+            yield batch
+        epoch += 1
 
 
 def plain_optimizer(cfg: ParallelConfig, params) -> torch.optim.Optimizer:
@@ -63,16 +77,10 @@ def plain_schedule(cfg: ParallelConfig, optimizer) -> torch.optim.lr_scheduler.L
 
 @torch.no_grad()
 def validation(recipe, model, val) -> dict[str, float] | None:
-    """Mean loss and task metrics over the whole batches of the validation data."""
+    """Mean loss and task metrics over every validation sample (all at once: the loss is a mean)."""
     if val is None:
         return None
     xv, yv = val
-    batch = recipe.cfg.global_batch_size
-    sums: dict[str, float] = {}
-    for start in range(0, len(xv) - batch + 1, batch):
-        output = model(xv[start:start + batch])
-        scores = {"val_loss": recipe.loss(output, yv[start:start + batch]),
-                  **recipe.metrics(output, yv[start:start + batch])}
-        for name, value in scores.items():
-            sums[name] = sums.get(name, 0.0) + float(value)
-    return {name: value / (len(xv) // batch) for name, value in sums.items()}
+    output = model(xv)
+    scores = {"val_loss": recipe.loss(output, yv), **{f"val_{k}": v for k, v in recipe.metrics(output, yv).items()}}
+    return {name: float(value) for name, value in scores.items()}

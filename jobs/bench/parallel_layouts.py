@@ -87,6 +87,6 @@ def print_gpt_table(task: str, hparams: dict, steps: int, batch_size: int, micro
                                  compute={"gpu": gpu, "cpus_per_worker": 1.0})
             result = run_parallel(cfg, log_level=logging.DEBUG)
             median = statistics.median(result.step_seconds[1:] or result.step_seconds)
-            bits = result.validation.get("bits_per_byte", float("nan")) if result.validation else float("nan")
+            bits = result.validation.get("val_bits_per_byte", float("nan")) if result.validation else float("nan")
             print(f"{name:>20} {ranks:>5} {median * 1e3:>8.1f} {batch_size * per_sample / median:>10,.0f} "
                   f"{bits:>14.3f}", flush=True)

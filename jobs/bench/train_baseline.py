@@ -73,7 +73,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = MLP(args.in_features, args.hidden, args.in_features, args.depth).to(device)
     model = DistributedDataParallel(model) if distributed else model
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)  # every job's default optimizer
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
     # on a GPU the training rows (a Subset of a TensorDataset) go there once
     rows = [t[train.indices].to(device) for t in train.dataset.tensors] if device.type == "cuda" else None

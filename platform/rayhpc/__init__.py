@@ -8,7 +8,7 @@ What to import (each name has its own help):
     from rayhpc.parallel import ParallelConfig, run_parallel    # TP, PP and sharded DP on the worker group
     from rayhpc.ps.config import PSConfig                       # the parameter server's config ...
     from rayhpc.ps.driver import run_ps                         # ... and its run
-    from rayhpc.train.checkpoint import load_full_state_dict    # any job's checkpoint as one state dict
+    from rayhpc.engine.checkpoint import load_full_state_dict    # any job's checkpoint as one state dict
 
 A config is the same tree as the job's YAML file (every command-line flag is one of its keys) and is checked
 when it is built; every run starts a local Ray of its own unless the config names a cluster (`address`) or

@@ -17,6 +17,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -397,8 +398,7 @@ def disconnect() -> None:
 
     with gcs_stopped_last():
         ray.shutdown()
-    while _local:
-        _stop_and_remove(_local.pop())
+    remove_local_temp()
 
 
 @contextlib.contextmanager
@@ -438,10 +438,18 @@ def _stop_and_remove(local: LocalCluster) -> None:
             os.environ[key] = value
 
 
+_removing = threading.Lock()  # one thread removes at a time: a forced exit waits for a removal under way
+
+
 def remove_local_temp() -> None:
-    """Stop what is left of the local Ray this process started and remove its folder (a forced exit)."""
-    while _local:
-        _stop_and_remove(_local.pop())
+    """Stop what is left of the local Ray this process started and remove its folder (on leaving Ray, and
+    on a forced exit). A cluster leaves `_local` only once it is removed: a forced exit (another thread)
+    that begins while the main thread removes it waits for that, rather than finding `_local` empty and
+    ending the process halfway through the removal (the folder left behind)."""
+    with _removing:
+        while _local:
+            _stop_and_remove(_local[-1])
+            _local.pop()
 
 
 interrupt.at_forced_exit(remove_local_temp)

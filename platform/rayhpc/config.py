@@ -83,7 +83,7 @@ PRECISION_HELP = ("fp32; tf32: fp32 with TF32 matmuls on GPUs (as fp32 on CPUs);
 
 class ModelOptions(StrictModel):
     """How every job that runs the task's model as a module runs it: compiled and activation-checkpointed per
-    block (`rayhpc.train.parallelize`), in torchtitan's order, before FSDP or DDP wraps it."""
+    block (`rayhpc.engine.parallelize`), in torchtitan's order, before FSDP or DDP wraps it."""
 
     compile: Literal["none", "blocks", "model"] = Field("none", description="torch.compile each block (the task's "
                                                         "blocks(model), else its ModuleLists' entries) or the model")
@@ -119,8 +119,8 @@ OptimizerName = Annotated[str, AfterValidator(_optimizer_name)]
 class Optim(StrictModel):
     """The optimiser and its step (the `optim:` section; `rayhpc.optim`)."""
 
-    optimizer: OptimizerName = Field("sgd", description="sgd, adam, adamw, or a torch.optim class by name")
-    lr: float = Field(0.05, gt=0, description="learning rate (the peak, after the warm-up)")
+    optimizer: OptimizerName = Field("adam", description="sgd, adam, adamw, or a torch.optim class by name")
+    lr: float = Field(0.01, gt=0, description="learning rate (the peak, after the warm-up)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum (ignored by Adam)")
     weight_decay: float = Field(0.0, ge=0, description="weight decay (L2 in SGD and Adam, decoupled in AdamW)")
     beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first beta")

@@ -112,15 +112,3 @@ def _numeric_matrix(table, names: list[str], path: Path) -> torch.Tensor:
             raise ConfigError(f"data {path}: column {name!r} has {column.null_count} missing values")
         cols.append(torch.from_numpy(column.to_numpy().astype("float32")))
     return torch.stack(cols, dim=1)
-
-
-def step_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
-    """The samples of the model-parallel job's global step `step` (0-based): consecutive slices of each
-    epoch's shuffled order, the incomplete tail dropped. A function of its arguments only, so every
-    rank, a resumed run and a single-process reference all draw the same batches."""
-    per_epoch = n // batch_size
-    if per_epoch == 0:
-        raise ConfigError(f"batch_size {batch_size}: larger than the dataset's {n} training samples")
-    start = step % per_epoch * batch_size
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + step // per_epoch))
-    return order[start:start + batch_size]

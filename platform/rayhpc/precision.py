@@ -23,8 +23,9 @@ def set_matmul_precision(precision: str) -> None:
     torch.backends.cudnn.conv.fp32_precision = fp32
 
 
-def autocast(precision: str, device: torch.device):
-    """The forward's context: bf16 autocast on `device` for `bf16`, else nothing."""
-    if precision != "bf16":
+def autocast(precision: str, device: torch.device, fsdp: bool = False):
+    """The forward's context: bf16 autocast on `device` for `bf16`, else nothing. Nothing under FSDP
+    (`fsdp`) either: its mixed-precision policy casts the sharded model itself, the one rule of every job."""
+    if precision != "bf16" or fsdp:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import shutil
-import statistics
 import sys
 import time
 
+import pandas as pd
 import pytest
 import ray
 import torch
@@ -66,16 +66,16 @@ def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address,
 
 
 def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
-    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 2 steps, the latest 2 kept; the run
-    is resumed from step 4 as if it had been stopped before step 6 was saved."""
-    cfg = parallel_cfg(storage_path=tmp_path, steps=6, fsdp=2, tp=2, checkpoint={"every": 2, "keep": 2})
+    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 3 steps and at the run's last (7), the
+    latest 2 kept; the run is resumed from step 6 as if it had been stopped before step 7 was saved."""
+    cfg = parallel_cfg(storage_path=tmp_path, steps=7, fsdp=2, tp=2, checkpoint={"every": 3, "keep": 2})
     full = run_parallel(cfg, log_level=logging.DEBUG)
-    assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000006"
-    assert sorted(p.name for p in (tmp_path / cfg.name).glob("checkpoint_*")) == ["checkpoint_000004",
-                                                                                  "checkpoint_000006"]
+    assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000007"
+    assert sorted(p.name for p in (tmp_path / cfg.name).glob("checkpoint_*")) == ["checkpoint_000006",
+                                                                                  "checkpoint_000007"]
     shutil.rmtree(full.checkpoint)
     resumed = run_parallel(cfg.model_copy(update={"resume": True}), log_level=logging.DEBUG)
-    assert len(resumed.step_seconds) == 2, "the resumed run did not start from step 4"
+    assert len(resumed.step_seconds) == 1, "the resumed run did not start from step 6"
     assert resumed.losses == pytest.approx(full.losses, rel=1e-6)
     assert_equal_to_reference(resumed, cfg)
 
@@ -96,15 +96,36 @@ def test_a_run_with_dropout_resumed_from_a_checkpoint_goes_on_with_the_masks_it_
         torch.testing.assert_close(resumed.weights[name], tensor)
 
 
-def test_the_job_script_trains_and_prints_loss_and_throughput(ray_address, tmp_path):
-    proc = run_job("train_parallel.py", "--tp", "2", "--pp", "2", "--microbatches", "8", "--schedule", "1f1b",
-                   "--hp", "hidden=32,depth=4", "--storage-path", str(tmp_path), "--address", ray_address)
+def test_the_job_script_trains_and_prints_an_epoch_line_and_a_metrics_row_each(ray_address, tmp_path):
+    """Two epochs of 52 steps (the last batch of each 6 samples, which 2 microbatches split): a line and a
+    `metrics.parquet` row per epoch (as the training job's), the loss of each the epoch's mean; no line per step."""
+    proc = run_job("train_parallel.py", "--tp", "2", "--pp", "2", "--microbatches", "2", "--schedule", "1f1b",
+                   "--hp", "hidden=32,depth=4", "--epochs", "2", "--name", "run", "--storage-path", str(tmp_path),
+                   "--address", ray_address)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "mesh pp(2) x dp(1) x fsdp(1) x tp(2)" in proc.stdout and "1f1b, 8 microbatches of 4 samples" in proc.stdout
-    losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines()
-              if line.startswith("step ")]
-    assert len(losses) == 20 and "samples/s" in proc.stdout
-    assert statistics.mean(losses[-5:]) < 0.7 * losses[0], losses
+    assert "mesh pp(2) x dp(1) x fsdp(1) x tp(2)" in proc.stdout and "1f1b, 2 microbatches of 16 samples" in proc.stdout
+    epochs = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"], proc.stdout
+    assert not any(line.startswith("step ") for line in proc.stdout.splitlines()), proc.stdout
+    rows = pd.read_parquet(tmp_path / "run" / "metrics.parquet")
+    assert rows["epoch"].tolist() == [1, 2] and rows["global_step"].tolist() == [52, 104], rows
+    assert rows["loss"].iloc[1] < 0.5 * rows["loss"].iloc[0] and (rows["val_loss"] > 0).all(), rows
+    for line, (_, row) in zip(epochs, rows.iterrows()):
+        assert f"loss {row['loss']:.4g}, val_loss {row['val_loss']:.4g}" in line, (line, row)
+
+
+def test_an_epochs_row_is_the_mean_of_its_steps_losses_weighted_by_their_samples(ray_address, tmp_path):
+    """dp 2 over the MLP's 1638 samples in batches of 32: 51 steps of 32 and one of 6; the epoch's row is
+    the samples' mean of the per-step losses, with the schedule's lr of its last step."""
+    cfg = parallel_cfg(dp=2, epochs=1, global_batch_size=32, name="rows", storage_path=tmp_path,
+                       lr_schedule={"warmup_steps": 5, "decay": "cosine", "min_lr_ratio": 0.1})
+    result = run_parallel(cfg, log_level=logging.DEBUG)
+    (row,) = pd.read_parquet(tmp_path / "rows" / "metrics.parquet").to_dict("records")
+    sizes = [32] * 51 + [6]
+    assert row["global_step"] == 52 and row["world_size"] == 2 and row["global_batch_size"] == 32
+    torch.testing.assert_close(row["loss"], sum(l * n for l, n in zip(result.losses, sizes)) / sum(sizes))
+    torch.testing.assert_close(row["val_loss"], result.validation["val_loss"])
+    torch.testing.assert_close(row["lr"], 0.1 * cfg.optim.lr)  # the cosine's floor, at the last step
 
 
 def boom_on_rank_1(ctx):
@@ -156,9 +177,25 @@ def test_a_silent_rank_is_named_after_the_timeout(ray_address):
     assert err.value.silent == [1] and placement_groups_left() == 0
 
 
-def test_epochs_are_counted_in_steps_of_the_tasks_training_data():
+LAYOUTS_TWO_EPOCHS = {"dp2 accumulate 2": dict(dp=2, accumulate=2), "pp2 gpipe": dict(pp=2, microbatches=2, schedule="gpipe")}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_TWO_EPOCHS)
+def test_each_epoch_ends_with_its_partial_last_batch_as_in_a_plain_loop(layout, ray_address, tmp_path):
+    """Two epochs, each reshuffled, of the MLP's 1638 training samples in batches of 32: 51 whole batches,
+    then one of 6 (3 per replica under dp 2, in micro-batches of 2 and 1 weighted by their samples; 2
+    microbatches of 3 under the pipeline, which runs a schedule of that size for it)."""
+    cfg = parallel_cfg(**LAYOUTS_TWO_EPOCHS[layout], epochs=2, global_batch_size=32, storage_path=tmp_path)
+    result = run_parallel(cfg, log_level=logging.DEBUG)
+    assert len(result.losses) == 2 * 52, len(result.losses)
+    assert_equal_to_reference(result, cfg)
+
+
+def test_epochs_are_counted_in_steps_of_the_tasks_training_data_the_last_batch_partial():
     recipe, data = make_recipe(parallel_cfg(epochs=3, global_batch_size=64))
-    assert recipe.cfg.steps == 3 * (len(data["train"][0]) // 64) > 3, recipe.cfg.steps
+    n = len(data["train"][0])
+    assert n % 64, f"{n} training samples fill every batch: no partial last batch to count"
+    assert recipe.cfg.steps == 3 * (n // 64 + 1), recipe.cfg.steps
 
 
 def test_mesh_mismatch_names_every_factor():
@@ -194,6 +231,10 @@ def test_mesh_mismatch_names_every_factor():
     (["--fsdp", "2", "--accumulate", "3"],
      "error: accumulate (--accumulate) 3: does not divide the per-replica batch 16 (global_batch_size 32 / dp 1 x "
      "fsdp 2)"),
+    (["--pp", "2", "--microbatches", "4", "--epochs", "1"],  # 1638 samples: 51 batches of 32, then one of 6
+     "error: global_batch_size (--global-batch-size) 32: an epoch of 1638 training samples ends with a batch of 6 "
+     "per replica, which the pipeline cannot split into accumulate 1 x parallelism.microbatches 4 equal "
+     "microbatches"),
     (["--steps", "5", "--epochs", "2"], "error: steps (--steps) 5 and epochs (--epochs) 2: give one, not both"),
     (["--optimizer", "adamx"], "error: optim.optimizer (--optimizer): unknown optimizer 'adamx': expected sgd, adam, "
                                "adamw or a torch.optim class"),
@@ -242,7 +283,7 @@ def test_the_parallel_benchmark_prints_the_bubble_of_every_schedule_and_the_gpt_
     # every layout trains the same model to the bits/byte of the one-process reference
     _, _, validation = reference_run(parallel_cfg(task=GPT, hparams=BENCH_GPT_HP, optimizer="adam", lr=1e-3,
                                                   steps=2, global_batch_size=8))
-    assert {name: row[3] for name, row in gpt.items()} == {name: f"{validation['bits_per_byte']:.3f}" for name in gpt}
+    assert {name: row[3] for name, row in gpt.items()} == {name: f"{validation['val_bits_per_byte']:.3f}" for name in gpt}
 
 
 def shard_report(ctx) -> dict:

@@ -3,6 +3,7 @@ with K = 0 equals sync, bounded staleness holds and converges, and killed worker
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,17 +19,21 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from helpers import ROOT, run_job, run_job_warm, tensorboard_scalars
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
+from rayhpc.engine.checkpoint import load_full_state_dict
 from rayhpc.models import MLP
 from rayhpc.ps.config import PSConfig
 from rayhpc.ps.driver import run_ps
 from rayhpc.ps.shards import plan
-from rayhpc.train.checkpoint import load_full_state_dict
 
 EPOCHS = 2
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # the shipped example whose last worker sleeps in every training step, so that async workers drift apart
 STRAGGLER = f"{ROOT / 'jobs' / 'tasks' / 'straggler.py'}:Straggler"
 SLOW = {"hidden": 16, "straggler_ms": 30}
+DROPOUT = f"{ROOT / 'tests' / 'tasks' / 'dropout.py'}:Dropout"
+
+
+SGD = {"optimizer": "sgd", "lr": 0.05}  # Downpour's optimizer: async applies each worker's gradient as it comes
 
 
 def ps_cfg(tmp_path, **kw) -> PSConfig:
@@ -61,7 +66,7 @@ def two_ranks(cfg: PSConfig) -> dict:
         model.parameters())
     samplers = [DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=cfg.seed) for r in (0, 1)]
     per_epoch = -(-len(samplers[0]) // 32)
-    total = cfg.steps or cfg.epochs * per_epoch
+    total, clipped = cfg.steps or cfg.epochs * per_epoch, []
     for step in range(total):
         if step % per_epoch == 0:
             for s in samplers:
@@ -75,7 +80,10 @@ def two_ranks(cfg: PSConfig) -> dict:
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, g0, g1 in zip(model.parameters(), *grads):
             p.grad = (g0 + g1) / 2
+        if o.clip_grad_norm:
+            clipped.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad_norm)) > o.clip_grad_norm)
         opt.step()
+    assert not o.clip_grad_norm or 0 < sum(clipped) < total, f"clipping bit on {sum(clipped)} of {total} steps"
     return dict(model.named_parameters())
 
 
@@ -93,10 +101,11 @@ def test_sync_equals_ddp_with_the_same_data_order(ray_address, tmp_path):
     assert (result.steps["staleness"] == 0).all() and len(result.steps) == 2 * result.metrics["global_step"].iloc[-1]
 
 
-def test_sync_with_adamw_warm_up_cosine_accumulation_and_steps_equals_ddp(ray_address, tmp_path):
-    """40 steps of 26 an epoch: the second epoch is cut short; accumulation 2 leaves the step as it is."""
+def test_sync_with_adamw_warm_up_cosine_clipping_accumulation_and_steps_equals_ddp(ray_address, tmp_path):
+    """40 steps of 26 an epoch: the second epoch is cut short; accumulation 2 leaves the step as it is; the
+    mean gradient is clipped by its norm over both servers' shards on some steps, not all."""
     cfg = ps_cfg(tmp_path, epochs=None, steps=40, accumulate=2, compute={"num_workers": 2, "num_servers": 2},
-                 optim={"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1},
+                 optim={"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1, "clip_grad_norm": 0.5},
                  schedule={"warmup_steps": 5, "decay": "cosine"})
     result = run_ps(cfg)
     want = two_ranks(cfg)
@@ -116,7 +125,7 @@ def test_sync_with_adamw_warm_up_cosine_accumulation_and_steps_equals_ddp(ray_ad
 def test_async_without_staleness_equals_sync(ray_address, tmp_path):
     """With K = 0 every worker pulls the weights after every gradient of the step before; each gradient,
     a worker's share of the batch, is applied as it arrives: with plain SGD that is sync's mean step."""
-    cfg = ps_cfg(tmp_path, mode="async", staleness=0, compute={"num_workers": 2, "num_servers": 2})
+    cfg = ps_cfg(tmp_path, mode="async", staleness=0, compute={"num_workers": 2, "num_servers": 2}, optim=SGD)
     result = run_ps(cfg)
     assert_same_weights(result.weights, two_ranks(cfg))
     assert (result.steps["staleness"] == 0).all()
@@ -124,12 +133,12 @@ def test_async_without_staleness_equals_sync(ray_address, tmp_path):
 
 @pytest.fixture(scope="module")
 def sync_slow(ray_address, tmp_path_factory):
-    return run_ps(ps_cfg(tmp_path_factory.mktemp("sync"), task=STRAGGLER, epochs=4, hparams=SLOW))
+    return run_ps(ps_cfg(tmp_path_factory.mktemp("sync"), task=STRAGGLER, epochs=4, hparams=SLOW, optim=SGD))
 
 
 @pytest.mark.parametrize("staleness", [2, None])
 def test_async_staleness_stays_within_its_bound_and_converges_near_sync(sync_slow, tmp_path, staleness):
-    cfg = ps_cfg(tmp_path, task=STRAGGLER, epochs=4, mode="async", staleness=staleness, hparams=SLOW)
+    cfg = ps_cfg(tmp_path, task=STRAGGLER, epochs=4, mode="async", staleness=staleness, hparams=SLOW, optim=SGD)
     result = run_ps(cfg)
     seen = int(result.steps["staleness"].max())
     if staleness is None:
@@ -217,6 +226,18 @@ def test_resume_after_the_driver_is_killed(ray_address, tmp_path):
     assert_same_weights(layout.gather([s["param"] for s in shards]), want)  # as if never killed
 
 
+def test_a_run_with_dropout_resumed_from_a_checkpoint_draws_the_masks_it_would_have(ray_address, tmp_path):
+    """The dropout task, sync on 2 workers and 2 servers, resumed from its step-16 checkpoint of 20: the
+    workers are new processes, and each step's masks are those of the uninterrupted run."""
+    cfg = ps_cfg(tmp_path, task=DROPOUT, hparams={}, epochs=None, steps=20, optim={"optimizer": "adam", "lr": 0.01},
+                 checkpoint={"every": 8, "keep": 3}, compute={"num_workers": 2, "num_servers": 2})
+    full = run_ps(cfg)
+    shutil.rmtree(cfg.experiment_dir / "checkpoint_000020")
+    resumed = run_ps(cfg.model_copy(update={"resume": True}))
+    assert len(resumed.steps) == 2 * 20 and resumed.steps["step"].max() == 19
+    assert_same_weights(resumed.weights, full.weights)
+
+
 def test_resume_writes_the_row_of_an_epoch_that_ended_in_the_checkpoint(ray_address, tmp_path):
     """A driver killed after the servers' epoch-end checkpoint but before the epoch's row: the resumed
     run validates that checkpoint and writes the row (here: the row cut from a finished run)."""
@@ -271,7 +292,8 @@ def test_workers_and_servers_export_their_series(ray_cluster, tmp_path):
     (["--num-servers", "1000000"], "error: compute.num_servers (--num-servers) 1000000: more than the model's"),
     (["--mode", "downpour"], "error: mode (--mode): Input should be 'sync' or 'async' (got 'downpour')"),
     (["--hp", "lr=0.1"], "error: hparams.lr (--hp): a platform hyperparameter; set it with --lr"),
-    (["--clip-grad-norm", "1"], "error: optim.clip_grad_norm (--clip-grad-norm) 1.0: the parameter server does not"),
+    (["--clip-grad-norm", "1", "--mode", "async"],
+     "error: optim.clip_grad_norm (--clip-grad-norm) 1.0: only for mode sync, which clips each step's mean gradient"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
     proc = run_job_warm("train_ps.py", "--storage-path", str(tmp_path), *args)

@@ -41,7 +41,7 @@ def wait_for_checkpoint(study: Path, slice_name: str, proc: subprocess.Popen) ->
             claimed = {e["pack"] for e in events(study) if e["event"] == "claim" and e["slice"] == slice_name}
             done = {e["pack"] for e in events(study) if e["event"] == "finish"}
             for pack in sorted(claimed - done):
-                if list((study / PACKS_DIR / str(pack)).glob("epoch-*")):
+                if list((study / PACKS_DIR / str(pack)).glob("checkpoint_*")):
                     return pack
         time.sleep(0.05)
     raise AssertionError(f"slice {slice_name} checkpointed no pack in 180 s")
@@ -78,7 +78,7 @@ def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_a
     assert len(table) == 64 and table["trial_id"].is_unique and set(table["status"]) == {"finished"}
     # no pack was trained to its end twice: one checkpoint of the last epoch each; the orphan resumed from its own
     for pack in finished:
-        assert len(list((study / PACKS_DIR / str(pack)).glob("epoch-000004-*"))) == 1, pack
+        assert len(list((study / PACKS_DIR / str(pack)).glob("checkpoint_000004-*"))) == 1, pack
     resumed = [json.loads(r.read_text().splitlines()[0]) for r in (study / SLICES_DIR).glob("*/*/result.json")
                if json.loads((r.parent / "params.json").read_text())["pack"] == orphan]
     assert [r["resumed_from_epoch"] >= 1 for r in resumed] == [True], resumed

@@ -183,7 +183,8 @@ def test_packed_trials_equal_unpacked_trials(ray_address, tmp_path):
 
 def test_a_sweep_of_steps_cuts_each_trials_last_epoch_and_spans_its_schedule(ray_address, tmp_path):
     """`steps` instead of `epochs`: 70 steps of 52 per epoch are 2 epochs, the second cut after 18, and
-    the linear decay reaches 0.1 x lr at step 70. Each packed member's weights (read as --init-from reads them)
+    the linear decay reaches 0.1 x lr at step 70 (the optimizer and the decay given in the `optim:` and
+    `schedule:` sections, not in the space). Each packed member's weights (read as --init-from reads them)
     equal a plain SGD loop under torch's LambdaLR over the same 70 steps. Checked: the cut removed, or
     the schedule spanning whole epochs, fail."""
     from torch.nn.functional import mse_loss
@@ -193,8 +194,9 @@ def test_a_sweep_of_steps_cuts_each_trials_last_epoch_and_spans_its_schedule(ray
     from rayhpc.tune.weights import trial_weights
 
     steps, fixed = 70, {"optimizer": "sgd", "decay": "linear", "min_lr_ratio": 0.1, "hidden": 16}
-    cfg = sweep(tmp_path, name="steps", search="grid", steps=steps, pack=2,
-                space={"lr": {"grid": [0.02, 0.05]}, **fixed})
+    cfg = sweep(tmp_path, name="steps", search="grid", steps=steps, pack=2, optim={"optimizer": "sgd"},
+                schedule={"decay": "linear", "min_lr_ratio": 0.1},  # the sections every job takes
+                space={"lr": {"grid": [0.02, 0.05]}, "hidden": 16})
     table = run_sweep(cfg)
     assert set(table["iterations"]) == {2} and set(table["pack_size"]) == {2}
     task = task_for("mlp", cfg.data)

@@ -19,7 +19,7 @@ import ray
 from ray.tune import Callback
 
 from helpers import FIXED, ROOT, assert_same_weights, kill_driver_after, run_job, sweep, two_ranks
-from rayhpc.train.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
+from rayhpc.engine.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.tune.sweep import run_sweep
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -5,6 +5,7 @@ in one plain process on the whole batch."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 
@@ -15,11 +16,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from helpers import ROOT, KillWorkerOnce, assert_same_weights, run_job_warm
 from rayhpc.config import validate
-from rayhpc.data import DataConfig, step_indices
+from rayhpc.data import DataConfig
+from rayhpc.engine.checkpoint import load_full_state_dict
 from rayhpc.parallel import ParallelConfig, run_parallel
 from rayhpc.task import task_for
 from rayhpc.task.batches import batch_size_of
-from rayhpc.train.checkpoint import load_full_state_dict
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.trainer import run_training
 from rayhpc.tune.packing import SinglePack, packing_problem
@@ -74,11 +75,10 @@ def test_the_model_parallel_job_steps_them_and_resumes_them(ray_address, tmp_pat
     shutil.rmtree(full.checkpoint)
     resumed = run_parallel(cfg.model_copy(update={"resume": True}), log_level=logging.DEBUG)
     assert len(resumed.step_seconds) == 4, "the resumed run did not start from step 4"
-    x, y = (torch.stack(t) for t in zip(*dataset()))
     model, optimizer, scheduler = plain()
-    for step in range(8):
-        idx = step_indices(len(x), 32, 0, step)
-        plain_step(model, optimizer, scheduler, x[idx], y[idx])
+    sampler = DistributedSampler(dataset(), num_replicas=1, rank=0, shuffle=True, seed=0)
+    for x, y in itertools.islice(DataLoader(dataset(), batch_size=32, sampler=sampler), 8):  # epoch 0: 10 batches
+        plain_step(model, optimizer, scheduler, x, y)
     assert_same_weights(resumed.weights, dict(model.named_parameters()))
 
 

@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from helpers import ROOT, run_job, run_job_warm
 from rayhpc.config import validate
 from rayhpc.data import DataConfig
+from rayhpc.engine.checkpoint import complete_checkpoints, latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.task import task_for
-from rayhpc.train.checkpoint import complete_checkpoints, latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.trainer import run_training
 from rayhpc.tune.config import SweepConfig

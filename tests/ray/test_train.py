@@ -23,11 +23,11 @@ from helpers import (
     too_many_gpu_workers,
     two_ranks,
 )
-from rayhpc.config import validate
+from rayhpc.config import Optim, validate
 from rayhpc.data import synthetic_tensors
+from rayhpc.engine.checkpoint import complete_checkpoints, latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.models import MLP
 from rayhpc.task.batches import epoch_indices
-from rayhpc.train.checkpoint import complete_checkpoints, latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.trainer import run_training
 
@@ -49,7 +49,8 @@ def one_process(cfg: TrainConfig, batch: int) -> dict:
     keep = order[round(0.2 * len(x)):]
     torch.manual_seed(cfg.seed)
     model = MLP(6, 16, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
+    assert cfg.optim == Optim()  # the run takes every job's default optimizer: Adam, lr 0.01
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
     train = TensorDataset(x[keep], y[keep])
     sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed)
     for epoch in range(cfg.epochs):

@@ -24,12 +24,13 @@ from helpers import (
 )
 from rayhpc.config import validate
 from rayhpc.data import synthetic_tensors
+from rayhpc.engine import Module, train_step
+from rayhpc.engine.checkpoint import load_full_state_dict, load_progress
+from rayhpc.engine.parallelize import apply_ac, apply_compile, model_blocks
 from rayhpc.models import MLP
-from rayhpc.optim import lr_factor, optimizer_step
+from rayhpc.optim import lr_factor
 from rayhpc.task.hparams import full_hparams
-from rayhpc.train.checkpoint import load_full_state_dict, load_progress
 from rayhpc.train.config import TrainConfig
-from rayhpc.train.parallelize import apply_ac, apply_compile, model_blocks
 from rayhpc.train.trainer import run_training
 
 # every option away from its default: a test that ignored one would differ
@@ -105,7 +106,7 @@ def test_a_warm_up_given_as_a_fraction_is_that_share_of_the_steps():
 
 
 @pytest.mark.parametrize("clip", [0.5, None])
-def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step(clip):
+def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step(clip):  # rayhpc.engine.train_step
     """Four micro-batches of 8 (the loss sees each) make the step one batch of 32 makes, clipped or not (clipping
     alone would hide a gradient four times too large: it rescales both to the same norm)."""
     torch.manual_seed(0)
@@ -120,7 +121,7 @@ def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step(clip):
 
     hp = {"lr": 0.1, "optimizer": "sgd", "accumulate": 4, "clip_grad_norm": clip}
     opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
-    optimizer_step(models[0], opt, loss_fn, (x, y), hp, 0, 1, lambda b: len(b[0]))
+    train_step(Module(models[0], opt, loss_fn, hp), (x, y), hp["accumulate"], 0, 1)
     plain = torch.optim.SGD(models[1].parameters(), lr=0.1)
     F.mse_loss(models[1](x), y).backward()
     if clip:
@@ -334,9 +335,10 @@ def test_every_job_takes_one_precision_vocabulary_and_bf16_computes_in_bf16():
     from rayhpc.config import Precision
     from rayhpc.parallel.config import ParallelConfig
     from rayhpc.precision import autocast, set_matmul_precision
+    from rayhpc.ps.config import PSConfig
     from rayhpc.tune.config import SweepConfig
 
-    for job in (TrainConfig, ParallelConfig, SweepConfig):
+    for job in (TrainConfig, ParallelConfig, SweepConfig, PSConfig):
         assert job.model_fields["precision"].annotation is Precision, job
     torch.manual_seed(0)
     model, x = MLP(64, 256, 8), torch.randn(128, 64)
@@ -361,3 +363,34 @@ def test_every_job_takes_one_precision_vocabulary_and_bf16_computes_in_bf16():
     for value in ("train_loss", "val_loss"):
         runs = {p: train_single(task, hp, 1, precision=p)[value] for p in ("fp32", "tf32", "bf16")}
         assert runs["fp32"] == runs["tf32"] != runs["bf16"] and abs(runs["bf16"] / runs["fp32"] - 1) < 0.05, runs
+    # a parameter-server worker computes its loss (and so its gradient) in what it is told
+    from rayhpc.ps.worker import PSWorker
+    from rayhpc.task.batches import collate
+
+    batch = collate(task.split_data(hp, validate(TrainConfig, {}).data)[0], range(64))
+    losses = {p: PSWorker(0, 1, validate(PSConfig, {"precision": p, "compute": {"cpus_per_worker": 1}}), task, hp,
+                          layout=None, servers=[], device="cpu").loss(batch) for p in ("fp32", "bf16")}
+    assert losses["bf16"].item() != losses["fp32"].item(), losses
+    torch.testing.assert_close(losses["bf16"].float(), losses["fp32"], rtol=5e-2, atol=0)
+    set_matmul_precision("fp32")
+
+
+@pytest.mark.parametrize("layout, fsdp", [({"dp": 2}, True), ({"fsdp": 2}, True), ({"pp": 2, "microbatches": 2}, False)])
+def test_model_parallel_bf16_is_fsdps_policy_under_fsdp_and_autocast_elsewhere(ray_address, tmp_path, layout, fsdp):
+    """One precision rule in every job: where the model-parallel job's replicas shard the stages with FSDP2,
+    bf16 is its mixed-precision policy (the parameters cast: the probe's output is bf16); elsewhere it is
+    autocast (the probe's last product is promoted to fp32). Either way the run trains in bf16: its losses
+    differ from fp32's by bf16's rounding only. Checked: FSDP's policy left off fails the first two."""
+    from rayhpc.parallel import ParallelConfig, run_parallel
+
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        cfg = ParallelConfig(task=f"{ROOT}/tests/tasks/bf16_probe.py:BF16Probe", parallelism=layout, steps=6,
+                             global_batch_size=32, precision=precision, storage_path=tmp_path, name=precision,
+                             compute={"cpus_per_worker": 0.5})
+        runs[precision] = run_parallel(cfg)
+    assert runs["fp32"].validation["val_bf16_output"] == 0.0
+    assert runs["bf16"].validation["val_bf16_output"] == (1.0 if fsdp else 0.0), runs["bf16"].validation
+    fp32, bf16 = torch.tensor(runs["fp32"].losses), torch.tensor(runs["bf16"].losses)
+    assert not torch.equal(fp32, bf16), "bf16 computed in fp32"
+    torch.testing.assert_close(bf16, fp32, rtol=5e-2, atol=0)

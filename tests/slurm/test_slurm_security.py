@@ -477,6 +477,30 @@ def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_nex
     assert_nothing_left(job)
 
 
+@pytest.mark.parametrize("head", ["gone", "up"])
+def test_a_worker_nodes_ray_that_ends_by_itself_removes_the_token_only_when_the_head_is_gone(slurm, tmp_path,
+                                                                                               head):
+    """The lost-head test above may see the job end before the surviving node's Ray notices; here the node's
+    Ray (a stand-in that exits 1) ends first. With the head's port refusing, its token and targets go; with
+    the head up (a listening socket), they stay for the command still running there."""
+    job, job_dir = "990001", tmp_path / "990001"
+    job_dir.mkdir(mode=0o700)
+    (tmp_path / "prometheus").mkdir(mode=0o700)
+    secrets = [job_dir / "auth_token", job_dir / "cluster.json", tmp_path / "prometheus" / f"{job}.json"]
+    for path in secrets:
+        path.write_text("x")
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        if head == "up":  # else bound and not listening: connections are refused
+            gcs.listen()
+        env = {**os.environ, "SLURM_JOB_ID": job, "RAY_ADDRESS": f"127.0.0.1:{gcs.getsockname()[1]}"}
+        node = subprocess.run([sys.executable, "-m", "rayhpc.slurm.node", "run", str(job_dir), "--", "sh", "-c",
+                               "exit 1"], env=env, capture_output=True, text=True, timeout=60)
+    assert node.returncode == 1, node.stderr
+    assert [path.exists() for path in secrets] == [head == "up"] * 3, (head, node.stdout, node.stderr)
+    assert not glob.glob(f"/tmp/rh-{job}-*"), "the node's temp folder outlived its Ray"
+
+
 def test_stop_of_another_users_job_is_one_error_line_and_the_job_runs_on(slurm, attacker):
     job = subprocess.run(["sbatch", "--parsable", "--job-name=rayhpc-theirs", "--output=/dev/null", "--wrap=sleep 600"],
                          capture_output=True, text=True, check=True).stdout.strip()

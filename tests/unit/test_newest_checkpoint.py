@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+from rayhpc.engine.checkpoint import PROGRESS_FILE, SERVER_FILE, Progress, latest_checkpoint, prune, write_progress
 from rayhpc.ps.progress import latest_checkpoint as ps_latest
-from rayhpc.study.folder import latest_pack_checkpoint, save_pack_checkpoint
-from rayhpc.train.checkpoint import PROGRESS_FILE, SERVER_FILE, Progress, latest_checkpoint, write_progress
+from rayhpc.study.folder import save_pack_checkpoint
 from rayhpc.tune.weights import _checkpoint as init_from_checkpoint
 
 STEPS = (10, 20, 30)  # the complete ones; a fourth, at 40, is half written
@@ -54,10 +54,29 @@ def test_init_from_starts_from_the_trials_newest_complete_checkpoint(tmp_path):
 
 
 def test_a_study_pack_resumes_from_its_newest_checkpoint_and_never_sees_one_being_written(tmp_path):
+    """A study's packs are checkpointed in the layout and found by the finder of every job (the slices of
+    several allocations read them): a folder renamed into place whole, the older ones pruned."""
+    def write(epoch):
+        return lambda folder: (folder.joinpath("model.pt").write_bytes(b"weights"),
+                               write_progress(folder, Progress(epoch=epoch, global_step=10 * epoch)))
+
     for epoch in (1, 2):
-        save_pack_checkpoint(tmp_path, epoch, lambda folder: (folder / "model.pt").write_bytes(b"weights"))
-    assert [p.name[:12] for p in tmp_path.glob("epoch-*")] == ["epoch-000002"]  # the older one removed
-    (tmp_path / "epoch-000001-0000dead").mkdir()  # a slice killed after its rename, before the removal
+        save_pack_checkpoint(tmp_path, epoch, write(epoch))
+    assert [p.name[:17] for p in tmp_path.glob("checkpoint_*")] == ["checkpoint_000002"]  # the older one removed
+    saved(tmp_path / "checkpoint_000001-0000dead", 10)  # a slice killed after its rename, before the removal
     (tmp_path / ".tmp-half").mkdir()  # and one killed while it wrote epoch 3's
-    newest = latest_pack_checkpoint(tmp_path)
-    assert newest is not None and newest.name.startswith("epoch-000002-"), sorted(tmp_path.iterdir())
+    newest = latest_checkpoint(tmp_path)
+    assert newest is not None and newest.name.startswith("checkpoint_000002-"), sorted(tmp_path.iterdir())
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_and_the_one_being_written(tmp_path):
+    """The model-parallel job's and the parameter server's pruner: of complete checkpoints at 10, 20 and 30, a
+    save at 5 that a failure cut short and one at 40 being written, keeping 2 leaves 20, 30 and 40."""
+    for step in STEPS:
+        saved(tmp_path / f"checkpoint_{step:06d}", step)
+    for step in (5, 40):
+        saved(tmp_path / f"checkpoint_{step:06d}", step, complete=False)
+    prune(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"checkpoint_{s:06d}" for s in (20, 30, 40)]
+    prune(tmp_path, 3)  # as many as there are: nothing goes
+    assert len(list(tmp_path.iterdir())) == 3

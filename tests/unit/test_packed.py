@@ -37,8 +37,8 @@ def packed_trials(task, members, train, val, epochs: int):
     train_batches, val_batches = Batches(train, CPU), Batches(val, CPU)
     history = []
     for epoch in range(epochs):
-        train_epoch(pack, opt, train_batches, members, epoch, steps(train, members, epochs))
-        history.append(pack.evaluate(val_batches.all(1000)))
+        loss = train_epoch(pack, opt, train_batches, members, epoch, steps(train, members, epochs))
+        history.append({"train_loss": loss, **pack.evaluate(val_batches.all(1000))})
     return pack, history
 
 
@@ -52,7 +52,7 @@ def mlp():
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_padded_mlp_members_equal_plain_trials(mlp, optimizer):
     members = [full_hparams(mlp.hp_model, dict(hidden=h, lr=lr, momentum=mom, weight_decay=wd, optimizer=optimizer,
-                                               batch_size=16, seed=7))
+                                               batch_size=14, seed=7))  # 240 samples: a partial last batch
                for h, lr, mom, wd in [(4, 0.05, 0.0, 0.0), (16, 0.01, 0.9, 1e-3), (9, 0.002, 0.5, 0.0)]]
     train, val = mlp_split(mlp)
     pack, history = packed_trials(mlp, members, train, val, epochs=3)
@@ -64,8 +64,9 @@ def test_padded_mlp_members_equal_plain_trials(mlp, optimizer):
         got = pack.member(i).state_dict()
         for key in want:
             torch.testing.assert_close(got[key.replace("0.", "layers.0.").replace("2.", "layers.2.")], want[key])
-        torch.testing.assert_close(torch.stack([h["val_loss"][i] for h in history]),
-                                   torch.tensor([p[0] for p in plain]), rtol=1e-5, atol=1e-6)
+        for name, at in (("val_loss", 0), ("train_loss", 2)):  # the epoch's train_loss: the mean over its samples
+            torch.testing.assert_close(torch.stack([h[name][i] for h in history]),
+                                       torch.tensor([p[at] for p in plain]), rtol=1e-5, atol=1e-6)
 
 
 def test_padded_units_do_not_change_outputs(mlp):
@@ -239,14 +240,18 @@ def test_a_trial_trained_alone_takes_the_same_options(mlp):
     clipping, four micro-batches per step, equal to torch's own."""
     from rayhpc.tune.single import train_single
 
-    hp = full_hparams(mlp.hp_model, dict(hidden=8, optimizer="adamw", lr=0.02, weight_decay=0.05, batch_size=16, seed=7,
+    # 240 samples in batches of 28: the last of each epoch holds 16, in 4 micro-batches of 4
+    hp = full_hparams(mlp.hp_model, dict(hidden=8, optimizer="adamw", lr=0.02, weight_decay=0.05, batch_size=28, seed=7,
                                          warmup_steps=8, decay="cosine", min_lr_ratio=0.1, clip_grad_norm=0.1,
                                          accumulate=4))
     train, val = mlp_split(mlp)
-    got = train_single(mlp, hp, 2, mlp.obj.data_cfg)["model"].state_dict()
-    want = plain_member(mlp, hp, train, val, 2)
-    for key, value in got.items():
+    got = train_single(mlp, hp, 2, mlp.obj.data_cfg)
+    want, history = plain_trial(mlp.initial_model(hp), train, val, hp, 2, F.mse_loss)
+    for key, value in got["model"].state_dict().items():
         torch.testing.assert_close(value, want[key], msg=lambda m: f"{key}: {m}")
+    torch.testing.assert_close(torch.tensor([got["val_loss"], got["train_loss"]]),
+                               torch.tensor([history[-1][0], history[-1][2]]).float())
+    assert got["best_val_loss"] == pytest.approx(min(float(h[0]) for h in history), rel=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["padded mlp", "func"])

@@ -25,7 +25,7 @@ import json, os, sys, tempfile
 from rayhpc.slurm.private import private_tmpdir, UnsafePath
 if sys.argv[1] == "private":
     private_tmpdir()
-from rayhpc.train.parallelize import private_compile_caches
+from rayhpc.engine.parallelize import private_compile_caches
 from torch._inductor.codecache import _HEADER_DIR
 try:
     private_compile_caches()

@@ -132,3 +132,18 @@ def test_flags_are_derived_from_the_config_fields():
     for model in (CollectivesConfig, ScalingConfig):
         flags = derived_flags(model)
         assert flags["--cpus-per-worker"] == "compute.cpus_per_worker" and flags["--name"] == "name"
+
+
+def test_the_optim_and_schedule_sections_fix_every_trials_values_and_leave_the_rest_to_the_space():
+    task = task_for("mlp", SweepConfig().data)
+    given = validate(SweepConfig, {"optim": {"optimizer": "adamw", "lr": 0.003}, "schedule": {"warmup_steps": 5},
+                                   "num_samples": 6})
+    bound, _ = bind_sweep(given, task)
+    assert "lr" not in bound.space and "hidden" in bound.space, bound.space  # the task's space, less lr
+    configs = bound.configs(task.hp_model)
+    assert {(c["optimizer"], c["lr"], c["warmup_steps"]) for c in configs} == {("adamw", 0.003, 5)}
+    assert len({c["hidden"] for c in configs}) > 1
+    plain, _ = bind_sweep(validate(SweepConfig, {"num_samples": 6}), task)  # no section: the defaults, lr searched
+    configs = plain.configs(task.hp_model)
+    assert {(c["optimizer"], c["warmup_steps"]) for c in configs} == {("adam", 0)}
+    assert len({c["lr"] for c in configs}) == 6

@@ -83,6 +83,16 @@ CASES = {
     "micro-batches that do not divide": (lambda d: ["--config", write(d / "s.yaml", "space: {batch_size: 32, "
                                                                    "accumulate: {grid: [2, 3]}}\n")],
                                          "error: space.accumulate: 3 does not divide the batch per worker 32"),
+    "a section key the space searches too": (lambda d: ["--lr", "0.1", "--config", write(
+                                                 d / "s.yaml", "space: {lr: {loguniform: [0.001, 0.1]}}\n")],
+                                             "error: optim.lr (--lr) 0.1: space.lr sets it too; give it in one place"),
+    "a schedule section key the space searches too": (lambda d: ["--config", write(
+                                                          d / "s.yaml", "schedule: {decay: cosine}\n"
+                                                          "space: {decay: {choice: [linear, step]}}\n")],
+                                                      "error: schedule.decay (--decay) cosine: space.decay sets it "
+                                                      "too"),
+    "an unknown optimizer in the section": (lambda d: ["--optimizer", "lion"],
+                                            "error: optim.optimizer (--optimizer): unknown optimizer 'lion'"),
     "an unknown optimizer": (lambda d: ["--config", write(d / "s.yaml", "space: {optimizer: {choice: [adamw, lion]}}\n")],
                              "error: space.optimizer: unknown optimizer 'lion'"),
 }

@@ -1,5 +1,5 @@
-"""The training options every runner takes: the optimizer, the learning-rate schedule, gradient
-clipping and accumulation, and the one optimizer step that applies them.
+"""The training options every runner takes: the optimizer and the learning-rate schedule (gradient
+clipping and accumulation are `rayhpc.engine.train_step`'s).
 
 All of them are hyperparameters (`rayhpc.task.hparams.PlatformHParams`), so a training run
 sets them from its `optim:`/`schedule:` sections and a sweep can search them. The schedule
@@ -9,10 +9,8 @@ run sets the same learning rate as the uninterrupted one without saving schedule
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
-from typing import Any, Callable
 
 import torch
 
@@ -81,59 +79,3 @@ def set_lr(optimizer, hp: dict, step: int, total_steps: int) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
-
-
-def split_batch(batch: Any, parts: int) -> list:
-    """`batch` as `parts` micro-batches of near-equal size along the first dimension of every tensor
-    (tensors, or tuples, lists and dicts of them); fewer where the batch has fewer samples."""
-    if parts == 1:
-        return [batch]
-    if isinstance(batch, torch.Tensor):
-        return list(torch.tensor_split(batch, min(parts, batch.shape[0])))
-    if isinstance(batch, dict):
-        split = {k: split_batch(v, parts) for k, v in batch.items()}
-        return [{k: v[i] for k, v in split.items()} for i in range(len(next(iter(split.values()))))]
-    if isinstance(batch, (list, tuple)):
-        split = [split_batch(v, parts) for v in batch]
-        return [type(batch)(v[i] for v in split) for i in range(len(split[0]))]
-    raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")
-
-
-def optimizer_step(model: torch.nn.Module, optimizer, loss_fn: Callable, batch: Any, hp: dict, step: int,
-                   total_steps: int, size_of: Callable[[Any], int], scheduler=None) -> torch.Tensor:
-    """One optimizer step on `batch`: the lr of the schedule (or of the task's own `scheduler`, stepped
-    after it), the gradient over `accumulate` micro-batches (`accumulate_gradient`), clipped to
-    `clip_grad_norm`. Returns the batch's mean loss (detached)."""
-    if scheduler is None:
-        set_lr(optimizer, hp, step, total_steps)
-    optimizer.zero_grad(set_to_none=True)
-    total = accumulate_gradient(model, loss_fn, batch, hp.get("accumulate", 1), size_of)
-    if hp.get("clip_grad_norm"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), hp["clip_grad_norm"])
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    return total
-
-
-def accumulate_gradient(model: torch.nn.Module, loss_fn: Callable, batch: Any, parts: int,
-                        size_of: Callable[[Any], int]) -> torch.Tensor:
-    """Add to the parameters' `.grad` the gradient of `loss_fn` on `batch`, summed over `parts`
-    micro-batches, each weighted by its share of the samples (for a loss that is a mean over samples, the
-    whole batch's gradient at a micro-batch's memory); returns the batch's mean loss (detached). Under
-    DDP, only the last micro-batch all-reduces the gradients."""
-    micro = split_batch(batch, parts)
-    total, n = torch.zeros((), device=_device_of(model)), size_of(batch)
-    for i, part in enumerate(micro):
-        last = i == len(micro) - 1
-        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
-            loss = loss_fn(part)
-            share = size_of(part) / n
-            (loss * share).backward()
-        total += loss.detach().float() * share
-    return total
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    return torch.device("cpu") if param is None else param.device

@@ -3,22 +3,18 @@ the degrees and pipeline schedule (`parallelism:`)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import math
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from rayhpc.config import (
-    PRECISION_HELP,
     Compute,
     ConfigError,
-    ModelOptions,
-    Optim,
-    Precision,
-    Schedule,
-    StepCheckpoints,
 )
 from rayhpc.parallel.mesh import Degrees
-from rayhpc.task.config import TaskJobConfig
+from rayhpc.task.batches import epoch_steps
+from rayhpc.task.config import TrainingJob
 
 
 class ParallelCompute(Compute):
@@ -53,26 +49,15 @@ class Parallelism(Degrees):
         return self.pp * self.per_rank_stages if self.pp > 1 else 1
 
 
-class ParallelConfig(ModelOptions, TaskJobConfig):
+class ParallelConfig(TrainingJob):
     """Tensor- and pipeline-parallel (and data-parallel) training of a task on the platform's worker group:
     the same `optim:`, `schedule:` and task sections as every job, and a `parallelism:` section."""
 
     kind: ClassVar[str] = "parallel"
     uploads_weights: ClassVar[bool] = False  # sharded: tracking.log_checkpoint is refused
-    hparams: dict[str, Any] = Field({}, description="the task's own hyperparameters, e.g. dim=128,layers=4",
-                                    json_schema_extra={"flag": "--hp"})
     parallelism: Parallelism = Parallelism()
     compute: ParallelCompute = ParallelCompute()
-    optim: Optim = Optim(lr=0.3)
-    schedule: Schedule = Schedule()
-    accumulate: int = Field(1, ge=1, description="schedule steps (pipeline) or micro-batches per optimizer step "
-                            "on each replica (the batch is unchanged: less memory, the same step)")
-    precision: Precision = Field("tf32", description=PRECISION_HELP)
-    steps: int | None = Field(None, ge=1, description="optimizer steps (default 20, or from epochs)")
-    epochs: int | None = Field(None, ge=1, description="passes over the training data, instead of steps: "
-                               "steps = epochs x (training samples // global_batch_size)")
     global_batch_size: int = Field(32, ge=1, description="samples per optimizer step over all replicas")
-    checkpoint: StepCheckpoints = StepCheckpoints()
     eval_every: int | None = Field(None, ge=1, description="validation loss every K steps (always after the last "
                                    "step, when the task has validation data)")
     timeout_s: float = Field(120.0, gt=0, description="longest wait for any rank before the run fails")
@@ -90,19 +75,36 @@ class ParallelConfig(ModelOptions, TaskJobConfig):
         return self.optim.lr
 
     @property
+    def replica_batch(self) -> int:
+        """Samples per data-parallel replica in one optimizer step (a whole one)."""
+        return self.global_batch_size // self.parallelism.replicas
+
+    @property
     def micro_batch(self) -> int:
         """Samples per replica in one forward/backward (one schedule step under a pipeline)."""
-        return self.global_batch_size // self.parallelism.replicas // self.accumulate
+        return self.replica_batch // self.accumulate
+
+    def steps_per_epoch(self, n_train: int) -> int:
+        """Optimizer steps of one epoch: each replica's DistributedSampler share in batches, the last partial."""
+        return epoch_steps(n_train, self.replica_batch, self.parallelism.replicas)
 
     def with_steps(self, n_train: int) -> "ParallelConfig":
-        """This config with `steps` set: as given, else from `epochs` over `n_train` samples, else 20."""
-        steps = self.steps or (self.epochs * max(1, n_train // self.global_batch_size) if self.epochs else 20)
+        """This config with `steps` set: as given, else from `epochs` over `n_train` samples, else 20; a
+        pipeline's last batch of an epoch checked to split into its equal microbatches."""
+        p, per_epoch = self.parallelism, self.steps_per_epoch(n_train)
+        steps = self.steps or (self.epochs * per_epoch if self.epochs else 20)
+        tail = math.ceil(n_train / p.replicas) - (per_epoch - 1) * self.replica_batch
+        parts = self.accumulate * p.n_microbatches
+        if p.pp > 1 and tail % parts and steps >= per_epoch:
+            raise ConfigError(
+                f"global_batch_size (--global-batch-size) {self.global_batch_size}: an epoch of {n_train} training "
+                f"samples ends with a batch of {tail} per replica, which the pipeline cannot split into accumulate "
+                f"{self.accumulate} x parallelism.microbatches {p.n_microbatches} equal microbatches; choose a batch "
+                f"that divides {math.ceil(n_train / p.replicas)} per replica, or a multiple of {parts} samples left")
         return self.model_copy(update={"steps": steps})
 
     @model_validator(mode="after")
     def _check(self) -> "ParallelConfig":
-        if self.steps is not None and self.epochs is not None:
-            raise ConfigError(f"steps (--steps) {self.steps} and epochs (--epochs) {self.epochs}: give one, not both")
         p = self.parallelism
         try:
             p.check(self.world_size)

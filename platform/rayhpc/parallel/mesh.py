@@ -37,6 +37,12 @@ class Degrees(StrictModel):
         """How many ways each step's batch splits: every dp and fsdp rank trains on its own share."""
         return self.dp * self.fsdp
 
+    @property
+    def fsdp_applies(self) -> bool:
+        """Whether FSDP2 wraps each rank's stages: wherever there are replicas to average gradients over
+        (it then also owns bf16, by its mixed-precision policy)."""
+        return self.replicas > 1
+
     def replica(self, coords: dict[str, int]) -> int:
         """The data share (0 .. replicas - 1) of the rank at `coords`."""
         return coords["dp"] * self.fsdp + coords["fsdp"]

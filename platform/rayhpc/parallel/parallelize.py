@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from rayhpc.engine.parallelize import apply_options
 from rayhpc.fsdp import apply_fsdp
 from rayhpc.parallel.mesh import Degrees
 from rayhpc.parallel.plan import keep_stage, units
 from rayhpc.parallel.pp import SPLIT_BACKWARD
-from rayhpc.train.parallelize import apply_options
 
 
 def parallelize(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, recipe) -> nn.Module:
@@ -24,14 +24,16 @@ def parallelize(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, 
     if degrees.tp > 1:
         apply_tp(stage, mesh["tp"], recipe.tp_plan(stage))
     apply_options(stage, recipe.task.obj, recipe.cfg)  # activation checkpointing, then compile, of its blocks
-    if degrees.replicas > 1:  # gradients averaged over the data-parallel ranks
+    if degrees.fsdp_applies:  # gradients averaged over the data-parallel ranks
         # the zero-bubble schedules compute weight gradients in a pass of their own, outside autograd's
         # hooks, and with nested FSDP units (torch 2.13) the result differed from one process (measured);
         # with the stage as one unit it is equal: FSDP then gathers a whole stage at once there
         nested = recipe.cfg.parallelism.schedule not in SPLIT_BACKWARD
         # a 2-D mesh is FSDP2's HSDP: replicate over its first dim, shard over its second
         data_mesh = mesh["dp", "fsdp"] if degrees.dp > 1 else mesh["fsdp"]
-        apply_fsdp(stage, shard_units(stage) if nested else [], mesh=data_mesh)
+        # bf16 by FSDP's mixed-precision policy, as in every job that shards with FSDP (the forward then
+        # runs without autocast: `rayhpc.precision.autocast`)
+        apply_fsdp(stage, shard_units(stage) if nested else [], mesh=data_mesh, bf16=recipe.cfg.precision == "bf16")
     return stage
 
 

@@ -6,21 +6,24 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
 import torch
 
 from rayhpc.config import ConfigError
-from rayhpc.data import step_indices
+from rayhpc.engine.checkpoint import Progress, latest_checkpoint, load_progress, prune, write_progress
+from rayhpc.engine.loop import Due, Plan, Runner, Window, fit
+from rayhpc.engine.metrics import MetricsRecorder
 from rayhpc.job import start_job
+from rayhpc.optim import lr_factor
 from rayhpc.parallel import worker
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.task import task_for
 from rayhpc.task.batches import collate
 from rayhpc.tracking.runs import job_run
-from rayhpc.train.checkpoint import Progress, latest_checkpoint, load_progress, prune, write_progress
 from rayhpc.train.config import train_hparams
 from rayhpc.workers.group import WorkerGroup
 
@@ -42,15 +45,14 @@ class ParallelResult:
 
 def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, dict]:
     """The recipe of the run and its data, {"train": (inputs, targets), "val": (inputs, targets) or None
-    (a task whose validation data is less than one batch)}, every plan and size checked."""
+    (a task without validation data)}, every plan and size checked."""
     task = task_for(cfg.task, cfg.data)
     hp = train_hparams(cfg, task.hp_model)
     train, held_out = task.split_data(hp, cfg.data)
     cfg = cfg.with_steps(len(train))
     x, y = stack_pairs(train, task.where())
-    val = stack_pairs(held_out, task.where()) if held_out is not None and len(held_out) >= cfg.global_batch else None
+    val = stack_pairs(held_out, task.where()) if held_out is not None and len(held_out) else None
     recipe = Recipe(cfg, hp=hp, task=task)
-    step_indices(len(x), cfg.global_batch, cfg.seed, 0)  # raises if the batch exceeds the data
     recipe.check()
     return recipe, {"train": (x, y), "val": val}
 
@@ -93,41 +95,122 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), log_l
         tracked = job_run(cfg, {**recipe.hp, **cfg.parallelism.model_dump()}, "parallel")
         with tracked:
             validation, checkpoint = _train(cfg, group, recipe, made, start, losses, step_seconds, checkpoint,
-                                            tracked, say)
+                                            tracked, log_level)
         weights = {k: v for part in group.run(worker.gather_weights) for k, v in part.items()}
     return ParallelResult(cfg, losses, step_seconds, weights, validation, start_seconds, checkpoint)
 
 
 def _train(cfg: ParallelConfig, group: WorkerGroup, recipe: Recipe, made: dict, start: int, losses: list[float],
-           step_seconds: list[float], checkpoint: Path | None, tracked, say) -> tuple[dict | None, Path | None]:
-    """The steps from `start` on (each step's loss and time appended, and queued for the tracked run),
-    checkpointed and validated as `cfg` asks; (the last validation, None without a split; the latest checkpoint)."""
-    for step in range(start, cfg.steps):
-        loss, seconds = step_loss(group.run(worker.train_step, step))
-        losses.append(loss)
-        step_seconds.append(seconds)
-        tracked.log(step + 1, {"loss": loss, "step_ms": seconds * 1e3})
-        say(f"step {step + 1}/{cfg.steps}: loss {loss:.5f}  {seconds * 1e3:.1f} ms  "
-            f"{cfg.global_batch / seconds:,.0f} samples/s{recipe.tokens(cfg.global_batch / seconds)}")
-        every = cfg.checkpoint.every
-        if every and ((step + 1) % every == 0 or step + 1 == cfg.steps):
-            checkpoint = save(group, cfg, step + 1, losses)
-            prune(cfg.experiment_dir, cfg.checkpoint.keep)
-        if made["data"]["val"] is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0 \
-                and step + 1 < cfg.steps:  # the last step's comes below
-            metrics = validate(group)
-            tracked.log(step + 1, metrics)
-            say(f"step {step + 1}: {describe_validation(metrics)}")
-    validation = validate(group) if made["data"]["val"] is not None else None
-    if validation is not None:
-        tracked.log(cfg.steps, validation)
-    return validation, checkpoint
+           step_seconds: list[float], checkpoint: Path | None, tracked, log_level: int
+           ) -> tuple[dict | None, Path | None]:
+    """The steps from `start` on (`rayhpc.engine.fit`; each step's loss and time appended, and queued for the
+    tracked run; a line each at DEBUG), checkpointed and validated as `cfg` asks, a `metrics.parquet` row and a
+    line at each epoch's end (`rayhpc.engine.metrics`); (the last validation, None without a split; the latest
+    checkpoint)."""
+    n_train = len(made["data"]["train"][0])
+    plan = Plan(cfg.steps_per_epoch(n_train), cfg.steps, checkpoint_every=cfg.checkpoint.every,
+                eval_every=cfg.eval_every if made["data"]["val"] is not None else None)
+    runner = _Driver(cfg, group, recipe, plan, n_train, made["data"]["val"] is not None, start, losses, step_seconds,
+                     checkpoint, tracked, log_level)
+    fit(plan, runner, start)
+    if runner.validation is None and runner.validates:  # nothing left to run: the restored weights' validation
+        runner.validation = validate(group)
+    return runner.validation, runner.checkpoint
+
+
+@dataclasses.dataclass
+class _Driver(Runner):
+    """The model-parallel run as `rayhpc.engine.fit` runs it from the driver: a step is every rank's
+    `worker.train_step` (each rank takes its batch of the step itself)."""
+
+    cfg: ParallelConfig
+    group: WorkerGroup
+    recipe: Recipe
+    plan: Plan
+    n_train: int
+    validates: bool
+    start: int
+    losses: list[float]
+    step_seconds: list[float]
+    checkpoint: Path | None
+    tracked: object
+    log_level: int
+    validation: dict | None = None
+
+    def __post_init__(self):
+        cfg = self.cfg
+        self.recorder = MetricsRecorder(cfg.experiment_dir, self.plan.epochs if cfg.epochs else None, self.log_level)
+
+    def batches(self, epoch: int, steps: range):
+        return steps  # each rank draws its own
+
+    def step(self, step: int, _batch) -> tuple[float, int]:
+        loss, seconds = step_loss(self.group.run(worker.train_step, step))
+        self.losses.append(loss)
+        self.step_seconds.append(seconds)
+        self.tracked.log(step + 1, {"loss": loss, "step_ms": seconds * 1e3})
+        cfg = self.cfg
+        log.debug(f"step {step + 1}/{cfg.steps}: loss {loss:.5f}  {seconds * 1e3:.1f} ms  "
+                  f"{cfg.global_batch / seconds:,.0f} samples/s{self.recipe.tokens(cfg.global_batch / seconds)}")
+        return loss, step_samples(cfg, self.n_train, step)
+
+    def mid_epoch(self, step: int, due: Due, window: Window) -> bool:
+        if due.checkpoint:
+            self.save(step)
+        if due.evaluate:
+            metrics = validate(self.group)
+            self.tracked.log(step + 1, metrics)
+            log.log(self.log_level, f"step {step + 1}: {describe_validation(metrics)}")
+        return False  # an epoch's row covers the whole epoch
+
+    def end_epoch(self, epoch: int, window: Window) -> bool:
+        step = self.plan.span(epoch).stop - 1
+        if self.plan.due(step).checkpoint or (self.cfg.checkpoint.every and step + 1 == self.plan.total):
+            self.save(step)  # every K steps, and the run's last
+        self.validation = validate(self.group) if self.validates else None
+        this_session = step + 1 - max(self.start, step - step % self.plan.per_epoch)  # the epoch's steps run here
+        row = epoch_row(self.cfg, self.recipe, self.n_train, step, self.losses, self.step_seconds[-this_session:],
+                        self.validation)
+        if self.validation:
+            self.tracked.log(step + 1, self.validation)
+        self.recorder.after_report(None, [row], None)
+        return False
+
+    def save(self, step: int) -> None:
+        self.checkpoint = save(self.group, self.cfg, step + 1, self.losses)
+        prune(self.cfg.experiment_dir, self.cfg.checkpoint.keep)
+
+
+def step_samples(cfg: ParallelConfig, n_train: int, step: int) -> int:
+    """Samples of global step `step` on one replica (each replica's DistributedSampler share in batches of
+    `replica_batch`, the epoch's last partial)."""
+    share = math.ceil(n_train / cfg.parallelism.replicas)
+    return min(cfg.replica_batch, share - (step % cfg.steps_per_epoch(n_train)) * cfg.replica_batch)
+
+
+def epoch_row(cfg: ParallelConfig, recipe: Recipe, n_train: int, step: int, losses: list[float],
+              seconds: list[float], validation: dict | None) -> dict:
+    """The `metrics.parquet` row of the epoch that step `step` (0-based) ends: its steps' loss weighted by
+    their samples (the last batch may be partial; a resumed run's restored steps included), this session's
+    time of them, the lr of the step."""
+    first = step - step % cfg.steps_per_epoch(n_train)
+    sizes = [step_samples(cfg, n_train, s) for s in range(first, step + 1)]
+    samples = sum(sizes[-len(seconds):]) * cfg.parallelism.replicas
+    own_lr = recipe.task.own_optimizer is not None
+    return {"kind": "epoch", "epoch": step // cfg.steps_per_epoch(n_train) + 1, "global_step": step + 1,
+            "loss": sum(l * n for l, n in zip(losses[first:step + 1], sizes)) / sum(sizes),
+            "samples_per_s": samples / sum(seconds), "step_ms": 1e3 * sum(seconds) / len(seconds),
+            "world_size": cfg.world_size, "global_batch_size": cfg.global_batch,
+            "batch_size_per_worker": cfg.replica_batch,
+            **({} if own_lr else {"lr": recipe.hp["lr"] * lr_factor(recipe.hp, step, cfg.steps)}),
+            **(validation or {})}
 
 
 def validate(group: WorkerGroup) -> dict[str, float]:
-    """Validation loss and task metrics, averaged over the data-parallel replicas (each scores its share)."""
-    replicas = [o["metrics"] for o in group.run(worker.evaluate) if o["metrics"] and o["coords"]["tp"] == 0]
-    return {name: sum(r[name] for r in replicas) / len(replicas) for name in replicas[0]}
+    """Validation loss and task metrics: means over every validation sample (each replica scores its share)."""
+    replicas = [o for o in group.run(worker.evaluate) if o["sums"] and o["coords"]["tp"] == 0]
+    samples = sum(r["samples"] for r in replicas)
+    return {name: sum(r["sums"][name] for r in replicas) / samples for name in replicas[0]["sums"]}
 
 
 def describe_validation(metrics: dict[str, float]) -> str:

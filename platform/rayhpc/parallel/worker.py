@@ -12,6 +12,7 @@ checkpoint it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rayhpc.data import step_indices
+from rayhpc import engine
+from rayhpc.engine import checkpoint
 from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.optim import set_lr
 from rayhpc.parallel.config import ParallelConfig
@@ -31,7 +33,7 @@ from rayhpc.parallel.parallelize import full_state, parallelize
 from rayhpc.parallel.pp import build_schedule, rank_stages
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.precision import autocast, set_matmul_precision
-from rayhpc.train import checkpoint
+from rayhpc.task.batches import epoch_indices, eval_batch
 from rayhpc.workers.group import WorkerContext
 
 
@@ -43,13 +45,25 @@ class RankRun:
     stage_ids: list[int]  # their global stage indices
     optimizers: list[torch.optim.Optimizer]  # one per part (torchtitan's way: DCP pairs a model with its optimizer)
     schedulers: list  # the task's own LR scheduler per optimizer, or Nones: the `schedule:` section sets the lr
-    schedule: object | None  # the pipelining schedule when pp > 1
-    pipe_stages: list  # its PipelineStage per part (none without a pipeline)
+    make_schedule: object  # builds a (schedule, its PipelineStage per part) pair; the schedule infers its buffers'
+    # shapes at its first step, so each micro-batch size (an epoch's partial last batch) gets its own pair
     pp_group: object | None  # the process group of this rank's pipeline
     x: torch.Tensor
     y: torch.Tensor
     recipe: Recipe
     val: tuple[torch.Tensor, torch.Tensor] | None = None  # validation inputs and targets, if the task has them
+    order: tuple[int, list[int]] = (-1, [])  # (epoch, this replica's sample indices of it)
+    schedules: dict = dataclasses.field(default_factory=dict)  # micro-batch size -> (schedule, stages)
+
+    @property
+    def schedule(self):
+        """The pipelining schedule of a whole batch's micro-batches (None without a pipeline)."""
+        return self.schedules.get(self.cfg.micro_batch, (None, []))[0]
+
+    @property
+    def pipe_stages(self) -> list:
+        """Its PipelineStage per part (none without a pipeline)."""
+        return self.schedules.get(self.cfg.micro_batch, (None, []))[1]
 
     @property
     def first_stage(self) -> bool:
@@ -86,21 +100,22 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
         materialise(part, initial)
         parts.append(part)
     del initial
-    schedule, pipe_stages, pp_group = None, [], mesh["pp"].get_group() if p.pp > 1 else None
-    if p.pp > 1:
-        # each schedule step is one micro-batch of `accumulate`: its loss is scaled so the gradients the
-        # steps add up are the mean over the whole batch (torch's own scaling would divide the sum)
-        scale = 1 / (p.n_microbatches * cfg.accumulate)
-        schedule, pipe_stages = build_schedule(parts, stage_ids, p.n_stages, ctx.device, pp_group, p.schedule,
-                                               p.n_microbatches, lambda out, target: recipe.loss(out, target) * scale)
+    pp_group = mesh["pp"].get_group() if p.pp > 1 else None
+    # each schedule step is one micro-batch of `accumulate`: its loss is scaled so the gradients the
+    # steps add up are the mean over the whole batch (torch's own scaling would divide the sum)
+    scale = 1 / (p.n_microbatches * cfg.accumulate)
+    make_schedule = functools.partial(build_schedule, parts, stage_ids, p.n_stages, ctx.device, pp_group, p.schedule,
+                                      p.n_microbatches, lambda out, target: recipe.loss(out, target) * scale)
     # one optimizer per part: its state shards like the weights; the task's own scheduler (if any) made now,
     # so the optimizer's state records the lr the schedule begins with (`initial_lr`) and a checkpoint holds it
     optimizers = [recipe.task.optimizer(part.parameters(), recipe.hp) for part in parts]
     schedulers = [recipe.task.scheduler(optimizer, recipe.hp) for optimizer in optimizers]
     (x, y), val = data["train"], data["val"]
     val = tuple(t.to(ctx.device) for t in val) if val is not None else None
-    run = RankRun(cfg, coords, parts, [s or 0 for s in stage_ids], optimizers, schedulers, schedule, pipe_stages,
-                  pp_group, x.to(ctx.device), y.to(ctx.device), recipe, val)
+    run = RankRun(cfg, coords, parts, [s or 0 for s in stage_ids], optimizers, schedulers, make_schedule, pp_group,
+                  x.to(ctx.device), y.to(ctx.device), recipe, val)
+    if p.pp > 1:
+        run.schedules[cfg.micro_batch] = make_schedule()
     ctx.state["run"], ctx.state["gauges"] = run, WorkerMetrics(cfg.name, ctx.rank)
     return total, sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for _, q in run.named_parameters())
 
@@ -131,24 +146,25 @@ def quiet_warnings() -> None:
 
 
 def replica_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel replica's slice of global step `step`'s batch."""
-    cfg = run.cfg
-    idx = step_indices(len(run.x), cfg.global_batch, cfg.seed, step)
-    return run.x[replica_slice(run, idx)], run.y[replica_slice(run, idx)]
-
-
-def replica_slice(run: RankRun, idx):
-    """This data-parallel replica's share of a global batch's indices."""
-    p = run.cfg.parallelism
-    per, share = len(idx) // p.replicas, p.replica(run.coords)
-    return idx[share * per:(share + 1) * per]
+    """This data-parallel replica's batch of global step `step`: the data order of every job, this replica
+    as rank `replica` of `replicas` of a DistributedSampler, an epoch's last batch partial. An epoch's first
+    batch draws once from torch's RNG, as iterating a DataLoader does (dropout masks then match every job's)."""
+    cfg, p = run.cfg, run.cfg.parallelism
+    epoch, k = divmod(step, cfg.steps_per_epoch(len(run.x)))
+    if run.order[0] != epoch:
+        run.order = epoch, epoch_indices(len(run.x), cfg.seed, epoch, p.replica(run.coords), p.replicas)
+    if k == 0:
+        torch.empty((), dtype=torch.int64).random_()
+    b = cfg.replica_batch
+    idx = torch.as_tensor(run.order[1][k * b:(k + 1) * b], device=run.x.device)
+    return run.x[idx], run.y[idx]
 
 
 def forward_loss(run: RankRun, x: torch.Tensor, y: torch.Tensor, train: bool, scale: float = 1.0):
     """The batch's mean loss where this rank computes it (the last stage; every rank without a pipeline),
     else None; when `train`, its gradients x `scale` added to the parameters' (a pipeline's loss function
     scales them itself). Also the last stage's output (for metrics), or None."""
-    if run.schedule is None:
+    if run.pp_group is None:
         output = run.parts[0](x)
         loss = run.recipe.loss(output, y)
         if train:
@@ -157,8 +173,11 @@ def forward_loss(run: RankRun, x: torch.Tensor, y: torch.Tensor, train: bool, sc
     if not train:
         output = pipeline_forward(run, x)
         return (run.recipe.loss(output, y) if run.last_stage else None), output
+    if len(x) not in run.schedules:  # the schedule infers its buffers' shapes once: a new size, a new schedule
+        run.schedules[len(x)] = run.make_schedule()
+    schedule = run.schedules[len(x)][0]
     losses = [] if run.last_stage else None
-    run.schedule.step(*((x,) if run.first_stage else ()), target=y if run.last_stage else None, losses=losses)
+    schedule.step(*((x,) if run.first_stage else ()), target=y if run.last_stage else None, losses=losses)
     # the loss function scaled each microbatch's loss by 1 / (microbatches x accumulate)
     return (torch.stack(losses).sum().detach() * run.cfg.accumulate if run.last_stage else None), None
 
@@ -203,33 +222,47 @@ def _recv(group, source: int, device: torch.device) -> torch.Tensor:
 
 
 def train_step(ctx: WorkerContext, step: int) -> dict:
-    """One optimizer step: the schedule's lr, the gradients of `accumulate` micro-batches of this replica's
-    batch, clipped by the total norm over every rank's shards; the loss (mean over this replica's batch)
-    where this rank computes it."""
+    """One optimizer step (`rayhpc.engine.train_step`) on this replica's batch; the loss (mean over this
+    replica's batch) where this rank computes it."""
     run: RankRun = ctx.state["run"]
-    cfg, hp = run.cfg, run.recipe.hp
     x, y = replica_batch(run, step)
     started = time.perf_counter()
-    for optimizer, scheduler in zip(run.optimizers, run.schedulers):
-        optimizer.zero_grad()
-        if scheduler is None:
-            set_lr(optimizer, hp, step, cfg.steps)
-    losses = []
-    for xm, ym in zip(x.chunk(cfg.accumulate), y.chunk(cfg.accumulate)):  # equal: the config checked it
-        with autocast(cfg.precision, ctx.device):
-            losses.append(forward_loss(run, xm, ym, train=True, scale=1 / cfg.accumulate)[0])
-    if hp.get("clip_grad_norm"):
-        clip_grad_norm(run, hp["clip_grad_norm"])
-    for optimizer, scheduler in zip(run.optimizers, run.schedulers):
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+    loss = engine.train_step(Stages(run, ctx.device), (x, y), run.cfg.accumulate, step, run.cfg.steps)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # every rank's step time is its device's
-    value = torch.stack(losses).mean().item() if losses[0] is not None else None  # one host sync per step
+    value = loss.item() if run.last_stage else None  # one host sync per step
     seconds = time.perf_counter() - started
     ctx.state["gauges"].record(value, len(x) / seconds, seconds, ctx.device)  # loss: None off the last stage
     return {"loss": value, "seconds": seconds, "coords": run.coords}
+
+
+class Stages:
+    """A rank's stages as `rayhpc.engine.train_step` trains them: the schedule's lr (or the task's own
+    schedulers), a micro-batch through the pipeline schedule or the TP/FSDP-sharded module, clipping by the
+    total norm over every rank's shards."""
+
+    def __init__(self, run: RankRun, device: torch.device):
+        self.run, self.device = run, device
+
+    def begin(self, step: int, total_steps: int) -> None:
+        for optimizer, scheduler in zip(self.run.optimizers, self.run.schedulers):
+            optimizer.zero_grad()
+            if scheduler is None:
+                set_lr(optimizer, self.run.recipe.hp, step, total_steps)
+
+    def backward(self, part, share: float, last: bool) -> torch.Tensor:
+        with autocast(self.run.cfg.precision, self.device, self.run.cfg.parallelism.fsdp_applies):
+            loss = forward_loss(self.run, *part, train=True, scale=share)[0]
+        return loss if loss is not None else torch.zeros((), device=self.device)  # off the last stage
+
+    def finish(self) -> None:
+        run = self.run
+        if run.recipe.hp.get("clip_grad_norm"):
+            clip_grad_norm(run, run.recipe.hp["clip_grad_norm"])
+        for optimizer, scheduler in zip(run.optimizers, run.schedulers):
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
 
 
 def clip_grad_norm(run: RankRun, max_norm: float) -> torch.Tensor:
@@ -254,21 +287,23 @@ def clip_grad_norm(run: RankRun, max_norm: float) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(ctx: WorkerContext) -> dict:
-    """The validation loss and the task's metrics, averaged over whole global batches of the validation
-    data (each replica scores its share), where this rank computes them."""
+    """Sums over this replica's share of the validation data (every `replicas`-th sample) of the loss and
+    the task's metrics, each batch's weighted by its samples, where this rank computes them: the driver
+    divides by the samples (`evaluate` of every other job: a mean over all the samples)."""
     run: RankRun = ctx.state["run"]
-    xv, yv = run.val
-    batch = run.cfg.global_batch
+    p = run.cfg.parallelism
+    xv, yv = (t[p.replica(run.coords)::p.replicas] for t in run.val)
+    batch = eval_batch(run.cfg.micro_batch)
     sums: dict[str, float] = {}
-    for start in range(0, len(xv) - batch + 1, batch):  # whole batches: the pipeline's buffers have its shape
-        idx = replica_slice(run, torch.arange(start, start + batch))
-        with autocast(run.cfg.precision, ctx.device):
-            loss, output = forward_loss(run, xv[idx], yv[idx], train=False)
-        if loss is not None:
-            for name, value in {"val_loss": loss, **run.recipe.metrics(output, yv[idx])}.items():
-                sums[name] = sums.get(name, 0.0) + float(value)
-    batches = (len(xv) // batch) or 1
-    return {"metrics": {k: v / batches for k, v in sums.items()} or None, "coords": run.coords}
+    for start in range(0, len(xv), batch):  # forward only: any size goes through the stages
+        x, y = xv[start:start + batch], yv[start:start + batch]
+        with autocast(run.cfg.precision, ctx.device, run.cfg.parallelism.fsdp_applies):
+            loss, output = forward_loss(run, x, y, train=False)
+        if loss is not None:  # the task's metrics named as every job reports them (val_<name>)
+            scores = {"val_loss": loss, **{f"val_{k}": v for k, v in run.recipe.metrics(output, y).items()}}
+            for name, value in scores.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * len(x)
+    return {"sums": sums or None, "samples": len(xv), "coords": run.coords}
 
 
 def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:
@@ -278,46 +313,19 @@ def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:
     return weights if run.coords["tp"] == run.coords["dp"] == run.coords["fsdp"] == 0 else {}
 
 
-def _states(run: RankRun) -> list[dict]:
-    """Per part: its weights and optimizer state as DCP saves them. The optimizer's is flattened (one
-    key per parameter and setting, torchtitan's form): in the nested form DCP drops the param
-    groups' non-tensor settings (Adam's betas) on load. Keys are whole-model names, so the parts'
-    dicts never collide."""
-    # DCP: about 1 s to import, only for sharded checkpoints
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-    return [dict(zip(("model", "optim"), get_state_dict(part, optimizer, options=options)))
-            for part, optimizer in zip(run.parts, run.optimizers)]
-
-
-def _merged(states: list[dict]) -> dict:
-    return {key: {k: v for state in states for k, v in state[key].items()} for key in ("model", "optim")}
-
-
 def save_checkpoint(ctx: WorkerContext, path: str) -> None:
-    """Each rank writes its own shards of the weights and the optimizer state (torch.distributed.checkpoint);
-    no rank holds the whole model. Every rank's RNG states go to `rng.pt` (`rayhpc.train.checkpoint`)."""
-    import torch.distributed.checkpoint as dcp  # DCP: about 1 s to import, only for sharded checkpoints
-
-    dcp.save(_merged(_states(ctx.state["run"])), checkpoint_id=path)
+    """Each rank writes its own shards of its stages' weights and optimizer states, and every rank's RNG
+    states go to `rng.pt` (`rayhpc.engine.checkpoint`, the format of every sharded checkpoint)."""
+    run = ctx.state["run"]
+    checkpoint.save_sharded(list(zip(run.parts, run.optimizers)), path)
     checkpoint.save_rng(Path(path), ctx.device, ctx.rank, ctx.world_size)  # dropout goes on as it would have
 
 
 def load_checkpoint(ctx: WorkerContext, path: str, step: int) -> None:
     """Read this rank's shards back in place (the layout may differ from the one that saved them), and its
     RNG states; the task's own schedulers (if any) continue from optimizer step `step`."""
-    import torch.distributed.checkpoint as dcp  # DCP: about 1 s to import, only for sharded checkpoints
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
     run = ctx.state["run"]
-    states = _states(run)
-    loaded = _merged(states)
-    dcp.load(loaded, checkpoint_id=path)  # tensors in place; non-tensor entries (lr, betas) replaced in `loaded`
-    for part, optimizer, state in zip(run.parts, run.optimizers, states):
-        set_state_dict(part, optimizer, model_state_dict={k: loaded["model"][k] for k in state["model"]},
-                       optim_state_dict={k: loaded["optim"][k] for k in state["optim"]},
-                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+    checkpoint.load_sharded(list(zip(run.parts, run.optimizers)), path)
     run.schedulers = [run.recipe.task.scheduler(optimizer, run.recipe.hp, step) if scheduler is not None else None
                       for optimizer, scheduler in zip(run.optimizers, run.schedulers)]
     checkpoint.load_rng(Path(path), ctx.device, ctx.rank)

@@ -38,9 +38,9 @@ class PSConfig(DataParallelJob):
         if self.staleness is not None and self.mode == "sync":
             raise ConfigError(f"staleness (--staleness) {self.staleness}: only for mode async (--mode async); "
                               "sync steps every worker together")
-        # each server steps its own shard: clipping needs the norm of the whole gradient, which no server has
-        if self.optim.clip_grad_norm is not None:
-            raise ConfigError(f"optim.clip_grad_norm (--clip-grad-norm) {self.optim.clip_grad_norm}: the parameter "
-                              "server does not take it (each server holds a part of the gradient, not its whole "
-                              "norm); train_mlp.py (DDP, FSDP2) does")
+        # sync clips the step's mean gradient (= DDP); async applies each worker's gradient alone, as it arrives
+        if self.optim.clip_grad_norm is not None and self.mode == "async":
+            raise ConfigError(f"optim.clip_grad_norm (--clip-grad-norm) {self.optim.clip_grad_norm}: only for mode "
+                              "sync, which clips each step's mean gradient as DDP does; async applies every "
+                              "worker's gradient alone")
         return self

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,7 @@ import torch
 
 from rayhpc import cluster
 from rayhpc.config import ConfigError
+from rayhpc.engine.metrics import METRICS_FILE
 from rayhpc.job import start_job
 from rayhpc.optim import step_plan
 from rayhpc.ps import shards
@@ -37,10 +39,9 @@ from rayhpc.ps.config import PSConfig
 from rayhpc.ps.progress import Progress, checkpoint_step, checkpoint_steps, latest_checkpoint
 from rayhpc.ps.server import ParameterServer
 from rayhpc.ps.worker import PSEvaluator, PSWorker, weights
-from rayhpc.task.batches import epoch_indices
+from rayhpc.task.batches import epoch_steps
 from rayhpc.tracking.runs import job_run
 from rayhpc.train.config import bind_train
-from rayhpc.train.metrics import METRICS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ def plan_run(cfg: PSConfig, task, hp: dict) -> dict:
     params = {name: p.detach() for name, p in model.named_parameters()}
     layout = shards.plan({name: tuple(p.shape) for name, p in params.items()}, cfg.compute.num_servers)
     train, val = task.split_data(hp, cfg.data)
-    n = len(epoch_indices(len(train), cfg.seed, 0, 0, cfg.compute.num_workers))
-    per_epoch = -(-n // cfg.per_worker_batch)
+    n = math.ceil(len(train) / cfg.compute.num_workers)  # each worker's share (DistributedSampler's)
+    per_epoch = epoch_steps(len(train), cfg.per_worker_batch, cfg.compute.num_workers)
     total, epochs = step_plan(per_epoch, cfg.epochs, cfg.steps)
     return {"hp": hp, "layout": layout, "initial": [f.numpy() for f in layout.flatten(params)],
             "steps_per_epoch": per_epoch, "total_steps": total, "epochs": epochs, "shard_len": n,
@@ -143,8 +144,8 @@ def describe(cfg: PSConfig, made: dict) -> str:
     return (f"parameter server ({cfg.mode}{staleness}): {cfg.compute.num_workers} workers of "
             f"{cfg.compute.cpus_per_worker:g} CPU{' + 1 GPU' if cfg.compute.gpu else ''}, {cfg.compute.num_servers} "
             f"server(s) holding {' + '.join(f'{n:,}' for n in sizes)} parameters ({sum(sizes) * 4 / 1e6:.3f} MB in "
-            f"fp32); {made['steps_per_epoch']} steps per epoch of {cfg.global_batch} samples; per step each worker "
-            f"moves 2 x {sum(sizes) * 4 / 1e6:.3f} MB (pull + push)"
+            f"fp32), workers in {cfg.precision}; {made['steps_per_epoch']} steps per epoch of {cfg.global_batch} "
+            f"samples; per step each worker moves 2 x {sum(sizes) * 4 / 1e6:.3f} MB (pull + push)"
             + ("" if not cfg.compute.gpu or made["resources"]["evaluator"]["num_gpus"] else
                "; validation on the CPU (the workers hold every GPU)"))
 
@@ -165,6 +166,7 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
                                  ends if made["validates"] else [],
                                  str(cfg.experiment_dir), str(checkpoint) if checkpoint else None)
                for j in range(cfg.compute.num_servers)]
+    ray.get([server.set_peers.remote(servers) for server in servers])  # sync clipping adds their norms
     fleet = Fleet(servers, [None] * cfg.compute.num_workers, {})
     if made["validates"]:  # the validations of the epochs still to end: each waits for its epoch
         where = made["resources"]["evaluator"]

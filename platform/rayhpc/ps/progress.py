@@ -5,15 +5,15 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import pandas as pd
 
+from rayhpc.engine import checkpoint
+from rayhpc.engine.loop import Best
+from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
 from rayhpc.optim import lr_factor
-from rayhpc.train import checkpoint
-from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
 
 log = logging.getLogger(__name__)
 STEPS_FILE = "steps.parquet"
@@ -31,7 +31,7 @@ def checkpoint_steps(cfg, steps_per_epoch: int, total_steps: int) -> list[int]:
 
 def mark_complete(cfg) -> Path:
     """Give every checkpoint folder that holds all the servers' shards the progress file that marks a
-    checkpoint complete (`rayhpc.train.checkpoint`, whose finder then finds it); returns the run's folder."""
+    checkpoint complete (`rayhpc.engine.checkpoint`, whose finder then finds it); returns the run's folder."""
     for folder in cfg.experiment_dir.glob("checkpoint_*"):
         shards = [folder / checkpoint.SERVER_FILE.format(index=j) for j in range(cfg.compute.num_servers)]
         if not (folder / checkpoint.PROGRESS_FILE).exists() and all(s.exists() for s in shards):
@@ -58,7 +58,7 @@ class Progress:
         self.recorder = MetricsRecorder(cfg.experiment_dir, self.epochs)
         self.steps_path = cfg.experiment_dir / STEPS_FILE
         self.next_epoch = 0  # the first epoch without a metrics row
-        self.best = float("inf")
+        self.best = Best(("val_loss", "min"))
         self.restored = 0
         self.epoch_ended: float | None = None  # unix time; None: from the first step of this session
         self.track: Callable[[int, dict], None] | None = None  # the job's tracked run's log (`tracking:`)
@@ -77,7 +77,7 @@ class Progress:
         self.val = {e: v for e, v in self.val.items() if e < self.next_epoch}
         self.val.update({e: {} for e in range(self.next_epoch, step // self.per_epoch) if self.end_of(e) < step})
         if "best_val_loss" in rows and len(rows):
-            self.best = float(rows["best_val_loss"].min())
+            self.best = Best(("val_loss", "min"), {"val_loss": float(rows["best_val_loss"].min())})
         if self.steps_path.exists() and not self.records:  # a resumed job: the records of earlier sessions
             done = pd.read_parquet(self.steps_path)
             self.records = {(r["worker"], r["step"]): r for r in done[done["step"] < step].to_dict("records")}
@@ -127,11 +127,9 @@ class Progress:
         samples, measured = sum(r["samples"] for r in every), sum(r["samples"] for r in recs)
         mean = lambda key: sum(r[key] for r in recs) / len(recs)  # noqa: E731
         val = self.val.get(epoch, {})
-        if "val_loss" in val:
-            self.best = min(self.best, val["val_loss"])
         row = {"kind": "epoch", "epoch": epoch + 1, "global_step": self.end_of(epoch),
                "loss": sum(r["loss"] * r["samples"] for r in recs) / measured if measured else float("nan"), **val,
-               **({"best_val_loss": self.best} if "val_loss" in val else {}),
+               **(self.best.update(val) if "val_loss" in val else {}),
                "samples_per_s": samples / seconds, "step_ms": 1000 * mean("pull_s") + 1000 * mean("compute_s")
                + 1000 * mean("push_s"), "pull_ms": 1000 * mean("pull_s"), "push_ms": 1000 * mean("push_s"),
                "compute_ms": 1000 * mean("compute_s"), "staleness_max": max(r["staleness"] for r in recs),
@@ -158,10 +156,4 @@ class Progress:
 
     def prune(self) -> None:
         """Keep the newest `checkpoint.keep` complete checkpoints (and anything newer, being written)."""
-        complete, keep = checkpoint.complete_checkpoints(mark_complete(self.cfg)), self.cfg.checkpoint.keep
-        if len(complete) <= keep:
-            return
-        oldest_kept = complete[-keep].name
-        for folder in self.cfg.experiment_dir.glob("checkpoint_*"):
-            if folder.name < oldest_kept:
-                shutil.rmtree(folder, ignore_errors=True)
+        checkpoint.prune(mark_complete(self.cfg), self.cfg.checkpoint.keep)

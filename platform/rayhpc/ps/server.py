@@ -3,6 +3,8 @@
 Workers call `pull(worker, step)` before computing step `step` and `push(worker, step, grad)` after.
 - sync: the shard's version is the number of optimizer steps taken; a pull for step s waits for version s;
   the N gradients of a step are summed in worker order, divided by N, and applied once (= DDP's mean).
+  With `clip_grad_norm`, that mean is clipped by its total norm over every server's shard (each server
+  sends its shard's squared norm to every other, then scales by torch's `clip_grad_norm_` factor).
 - async (Downpour): each gradient, divided by N (a worker's share of the global batch, so lr means the
   same in both modes), is applied when it arrives; a pull for step s waits until every worker has pushed
   s - K steps (K = staleness; no wait when unbounded).
@@ -12,6 +14,7 @@ A push a server already has (a replaced worker redoing a step) is ignored, so re
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import time
@@ -21,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rayhpc.engine import checkpoint
 from rayhpc.monitor.metrics import PSMetrics
 from rayhpc.optim import make_optimizer, set_lr
-from rayhpc.train import checkpoint
 
 
 def as_tensor(array: np.ndarray) -> torch.Tensor:
@@ -55,6 +58,8 @@ class ParameterServer:
         self.apply_seconds = 0.0
         self.snapshot = None  # (version, object ref)
         self.saved_step = 0
+        self.peers: list = []  # every server of the run (sync clipping); `set_peers` after they all exist
+        self.norm_parts: dict[int, dict[int, float]] = {}  # step -> server -> its shard's squared gradient norm
         if restore is not None:
             self._load(restore)
         self._reached()
@@ -117,7 +122,8 @@ class ParameterServer:
             self.pending.setdefault(step, {})[worker] = as_tensor(grad)  # holds the object-store buffer
             if len(self.pending[step]) == self.n:
                 grads = self.pending.pop(step)
-                self._apply(sum(grads[w] for w in range(self.n)) / self.n)
+                mean = sum(grads[w] for w in range(self.n)) / self.n
+                self._apply(await self._clipped(step, mean) if self.hp.get("clip_grad_norm") else mean)
         else:
             self._apply(as_tensor(grad) / self.n)
         self.pushed[worker] = step + 1
@@ -126,6 +132,27 @@ class ParameterServer:
             self._reached()
         async with self.changed:
             self.changed.notify_all()
+
+    def set_peers(self, servers: list) -> None:
+        self.peers = servers
+
+    async def norm_part(self, step: int, index: int, squares: float) -> None:
+        """Server `index`'s squared norm of step `step`'s mean gradient on its shard."""
+        self.norm_parts.setdefault(step, {})[index] = squares
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _clipped(self, step: int, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` (this shard's) scaled as `torch.nn.utils.clip_grad_norm_` scales the whole gradient: by
+        min(1, max_norm / (total norm + 1e-6)), the total from every server's part. No pull of the next
+        step can come before this step is applied, so every server waits here for the same step."""
+        squares = float(torch.linalg.vector_norm(grad)) ** 2
+        for peer in self.peers:
+            peer.norm_part.remote(step, self.index, squares)
+        async with self.changed:
+            await self.changed.wait_for(lambda: len(self.norm_parts.get(step, {})) == len(self.peers))
+        total = math.sqrt(sum(self.norm_parts.pop(step).values()))
+        return grad * min(1.0, self.hp["clip_grad_norm"] / (total + 1e-6))
 
     def _reached(self) -> None:
         """Every worker has now finished `global_step()` steps here: the lockstep snapshot, the epoch-end

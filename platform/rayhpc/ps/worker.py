@@ -13,15 +13,24 @@ import ray
 import torch
 
 from rayhpc.devices import cuda_device
+from rayhpc.engine import Module, train_step
+from rayhpc.engine.loop import Plan, Runner, fit
+from rayhpc.engine.parallelize import apply_options
 from rayhpc.monitor.metrics import PSMetrics
-from rayhpc.optim import accumulate_gradient
+from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.ps.server import as_tensor
 from rayhpc.ps.shards import Layout
-from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
-from rayhpc.train.parallelize import apply_options
+from rayhpc.task.batches import (
+    Batches,
+    batch_size_of,
+    epoch_steps,
+    eval_batch,
+    evaluate,
+    loader_workers,
+)
 
 
-class PSWorker:
+class PSWorker(Runner):
     def __init__(self, index: int, num_workers: int, cfg, task, hp: dict, layout: Layout, servers: list,
                  device: str):
         # the torchrun variables a task may read (Ray Train's workers have them too); no process group
@@ -33,7 +42,9 @@ class PSWorker:
         train, _ = task.split_data(hp, cfg.data)
         self.model = task.initial_model(hp).to(self.device)  # its values come from the servers at each pull
         apply_options(self.model, task.obj, cfg)
+        set_matmul_precision(cfg.precision)
         self.params = {name: p for name, p in self.model.named_parameters()}
+        self.trained = Module(self.model, None, self.loss, hp)  # a gradient sink: the servers clip and step
         self.train = Batches(train, self.device, loader_workers(self.device, cfg.compute.cpus_per_worker))
         self.gauges = PSMetrics(cfg.name, "worker", index)
 
@@ -41,19 +52,30 @@ class PSWorker:
         return {"pid": os.getpid(), "node": socket.gethostname()}
 
     def steps_per_epoch(self) -> int:
-        return -(-len(epoch_indices(len(self.train), self.hp["seed"], 0, self.index, self.n))
-                 // self.cfg.per_worker_batch)
+        return epoch_steps(len(self.train), self.cfg.per_worker_batch, self.n)
 
     def run_epoch(self, epoch: int, first_step: int, end_step: int) -> dict:
         """Steps `first_step` .. `end_step` - 1 (global step numbers, within `epoch`: a run of `steps`
-        cuts its last epoch short); one record per step."""
-        b, per_epoch = self.cfg.per_worker_batch, self.steps_per_epoch()
-        indices = epoch_indices(len(self.train), self.hp["seed"], epoch, self.index, self.n)
-        skip, stop = first_step - epoch * per_epoch, end_step - epoch * per_epoch
-        records = []
-        for i, batch in enumerate(self.train(indices[skip * b:stop * b], b), start=skip):
-            records.append(self._step(epoch * per_epoch + i, batch))
-        return {"worker": self.index, "epoch": epoch, "records": records}
+        cuts its last epoch short), by `rayhpc.engine.fit`; one record per step."""
+        self.records = []
+        fit(Plan(self.steps_per_epoch(), end_step), self, first_step)
+        return {"worker": self.index, "epoch": epoch, "records": self.records}
+
+    # `rayhpc.engine.fit`'s runner: this worker's share of each step's batch; the servers validate and
+    # checkpoint (the driver asks them), so an epoch's end is nothing to a worker
+
+    def batches(self, epoch: int, steps: range):
+        return self.train.steps(self.hp["seed"], epoch, steps, self.steps_per_epoch(), self.cfg.per_worker_batch,
+                                self.index, self.n)
+
+    def step(self, step: int, batch) -> tuple[float, int]:
+        self.records.append(record := self._step(step, batch))
+        return record["loss"], record["samples"]
+
+    def loss(self, batch) -> torch.Tensor:
+        """The task's loss on `batch`, under autocast for bf16 (as in every job without FSDP)."""
+        with autocast(self.cfg.precision, self.device):
+            return self.task.loss(self.model, batch)
 
     def _pull(self, step: int) -> tuple[list[torch.Tensor], list[dict]]:
         answers = ray.get([s.pull.remote(self.index, step, self.cfg.timeout_s) for s in self.servers])
@@ -64,13 +86,15 @@ class PSWorker:
 
     def _step(self, step: int, batch) -> dict:
         started = time.perf_counter()
+        # the step's random draws (dropout) are a function of (seed, worker, step): a replaced worker and a
+        # resumed run draw what the uninterrupted run did, with no RNG state to keep (workers hold none)
+        seed = np.random.SeedSequence([self.hp["seed"] % 2**32, self.index, step]).generate_state(1)[0]
+        torch.manual_seed(int(seed))
         shards, infos = self._pull(step)
         with torch.no_grad():
             self.layout.scatter([s.to(self.device, non_blocking=True) for s in shards], self.params)
         pulled = time.perf_counter()
-        self.model.zero_grad(set_to_none=False)
-        loss = accumulate_gradient(self.model, lambda part: self.task.loss(self.model, part), batch,
-                                   self.hp.get("accumulate", 1), batch_size_of)
+        loss = train_step(self.trained, batch, self.hp["accumulate"], step, 0)
         grads = [g.cpu().numpy() for g in self.layout.flatten(
             {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.params.items()})]
         computed = time.perf_counter()

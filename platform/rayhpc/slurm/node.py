@@ -242,13 +242,29 @@ def run(job_dir: Path, command: list[str]) -> int:
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
     remove_stale_temp_roots()
     code, ending = _ray_node(job, command, env, Path(root), retries=0 if head else AGENT_RETRIES)
-    clean_up(job, job_dir, root)
-    if head or ending:
-        # the job's secrets and targets go with its head, and with every node when the job ends: after a
-        # lost head node (the batch script died with it) the nodes that survive remove them
+    if head or ending or head_gone(os.environ.get("RAY_ADDRESS", "")):
+        # the job's secrets and targets go with its head, and with every node when the job ends or its head is
+        # gone: after a lost head node (the batch script died with it) the nodes that survive remove them.
+        # Before the reap, which a loaded node may not finish within Slurm's KillWait (then SIGKILL)
         for path in (job_dir / "auth_token", job_dir / "cluster.json", job_dir.parent / "prometheus" / f"{job}.json"):
             path.unlink(missing_ok=True)
+    clean_up(job, job_dir, root)
     return code
+
+
+def head_gone(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether the head's GCS port `address` (host:port) takes no connection within `timeout_s` (refused, no
+    route, no answer: a lost head node gives any of them). A worker node whose Ray ended by itself keeps the
+    job's token while the head runs on, and where it cannot tell (an address it cannot read, another user's
+    socket on the freed port); the token stays 0600 either way."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return False
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError:
+        return True
+    return False
 
 
 def main(argv: list[str]) -> int:

@@ -25,7 +25,6 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import socket
 import tempfile
 import time
@@ -206,20 +205,16 @@ class Study:
 
 
 def save_pack_checkpoint(folder: Path, epoch: int, write: Callable[[Path], None]) -> Path:
-    """A pack's checkpoint after `epoch`, written by `write` into a new private folder and renamed into place
-    whole (a reader never sees half of one); the older ones are removed."""
+    """A pack's checkpoint after `epoch`, written by `write` (the checkpoint module's layout, progress last)
+    into a new private folder and renamed into place whole, so that a slice on another allocation never reads
+    half of one; the older ones are removed (`rayhpc.engine.checkpoint`, whose `latest_checkpoint` finds the
+    newest)."""
+    from rayhpc.engine import checkpoint  # torch: only where a pack trains
+
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
     write(tmp)
-    final = folder / f"epoch-{epoch:06d}-{uuid.uuid4().hex[:8]}"
+    final = folder / f"checkpoint_{epoch:06d}-{uuid.uuid4().hex[:8]}"  # two slices never share a name
     tmp.rename(final)
-    for old in folder.glob("epoch-*"):
-        if old.name < final.name[:len("epoch-000000")]:
-            shutil.rmtree(old, ignore_errors=True)
+    checkpoint.prune(folder, keep=1)
     return final
-
-
-def latest_pack_checkpoint(folder: Path) -> Path | None:
-    """The newest whole checkpoint of a pack (any slice's), or None."""
-    done = sorted(folder.glob("epoch-*")) if folder.is_dir() else []
-    return done[-1] if done else None

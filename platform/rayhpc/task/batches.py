@@ -12,6 +12,7 @@ prefetch, and pinned memory on GPUs, as Ray Train users set it up).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -48,6 +49,12 @@ def epoch_indices(n: int, seed: int, epoch: int, rank: int = 0, world: int = 1) 
     sampler = DistributedSampler(_Sized(n), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False)
     sampler.set_epoch(epoch)
     return list(sampler)
+
+
+def epoch_steps(n: int, batch_size: int, world: int = 1) -> int:
+    """Steps of a whole epoch of `n` samples on `world` ranks of `batch_size` each, the last one partial where
+    it does not fill: DistributedSampler gives every rank ceil(n / world) samples (padding with the first)."""
+    return math.ceil(math.ceil(n / world) / batch_size)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -131,6 +138,14 @@ class Batches:
                 rows = self.rows[rows]
             # a list, as the default collate makes of tuple items
             yield [t[rows] for t in self.tensors]
+
+    def steps(self, seed: int, epoch: int, steps: range, per_epoch: int, batch_size: int, rank: int = 0,
+              world: int = 1) -> Iterator[Any]:
+        """The batches of global optimizer steps `steps` of epoch `epoch` (`per_epoch` steps each), rank `rank`'s of
+        `world` in the data order of every job (`epoch_indices`): an epoch resumed part-way skips the steps done."""
+        first, stop = steps.start - epoch * per_epoch, steps.stop - epoch * per_epoch
+        indices = epoch_indices(len(self.dataset), seed, epoch, rank, world)
+        return self(indices[first * batch_size:stop * batch_size], batch_size, fresh=first == 0)
 
     def all(self, batch_size: int) -> Iterator[Any]:
         """Every item once, in dataset order (validation)."""

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, Strict, ValidationError, create_model
 
-from rayhpc.config import ConfigError, Optim, OptimizerName, Schedule
+from rayhpc.config import ConfigError, Optim, Schedule
 
 # the options of `rayhpc.optim`: the `optim:` and `schedule:` sections' keys, and accumulation
 TRAINING_KEYS = (*Optim.model_fields, *Schedule.model_fields, "accumulate")
@@ -24,8 +24,6 @@ class PlatformHParams(Schedule, Optim):
     """The platform's hyperparameters: what every trial has, whatever the task: the keys of the `optim:`
     and `schedule:` sections (a training job's values of them), the batch, accumulation and seed."""
 
-    lr: float = Field(0.01, gt=0, description="learning rate (the peak, after the warm-up)")
-    optimizer: OptimizerName = Field("adam", description="sgd, adam, adamw, or a torch.optim class by name")
     batch_size: int = Field(32, ge=1, description="samples per optimizer step (over all workers)")
     accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (the batch is unchanged)")
     seed: int = Field(0, description="seeds initialisation, dropout and the data order")

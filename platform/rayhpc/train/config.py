@@ -7,53 +7,29 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from rayhpc.config import (
-    PRECISION_HELP,
     Compute,
     ConfigError,
-    ModelOptions,
-    Optim,
-    Precision,
-    Schedule,
     StepCheckpoints,
 )
-from rayhpc.task.config import TaskJobConfig
+from rayhpc.task.config import TrainingJob
 from rayhpc.task.hparams import PLATFORM_KEYS, TRAINING_KEYS, full_hparams, task_keys
 
 PLATFORM_FLAGS = {"batch_size": "--global-batch-size", "seed": "--seed",
                   **{key: "--" + key.replace("_", "-") for key in TRAINING_KEYS}}
 
 
-class DataParallelJob(ModelOptions, TaskJobConfig):
+class DataParallelJob(TrainingJob):
     """What every job whose workers each train on their own share of the data has: workers, epochs,
     the batch (global, or per worker), the optimiser, compile and activation checkpointing, checkpoints and
     failures."""
 
+    default_epochs: ClassVar[int | None] = 5
     compute: Compute = Compute()
-    epochs: int | None = Field(None, ge=1, description="passes over the training split (default 5)")
-    steps: int | None = Field(None, ge=1, description="optimizer steps, instead of epochs: the epochs they take, "
-                              "the last one cut short")
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step over all workers")
     batch_size_per_worker: int | None = Field(None, ge=1, description="samples per step on each worker "
                                               "(default 32, the seed documents' batch per GPU)")
-    optim: Optim = Optim()
-    schedule: Schedule = Schedule()
-    accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step on each worker (the batch "
-                            "is unchanged: less memory, the same step)")
-    checkpoint: StepCheckpoints = StepCheckpoints()
     max_failures: int = Field(2, ge=0, description="restarts after a failed worker (or server), from the latest "
                               "checkpoint")
-    hparams: dict[str, Any] = Field({}, description="the task's own hyperparameters, e.g. hidden=16,depth=3",
-                                    json_schema_extra={"flag": "--hp"})
-
-    @model_validator(mode="before")
-    @classmethod
-    def _epochs_or_steps(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("steps") is None:
-            return {**data, "epochs": data.get("epochs") or 5} if isinstance(data, dict) else data
-        if data.get("epochs") is not None:
-            raise ConfigError(f"steps (--steps) {data['steps']} and epochs (--epochs) {data['epochs']}: give one, "
-                              "not both")
-        return data
 
     @model_validator(mode="after")
     def _batch(self) -> "DataParallelJob":
@@ -108,7 +84,6 @@ class TrainConfig(DataParallelJob):
                                              "per layer")
     scale_lr: bool = Field(False, description="multiply lr by the number of workers (the Horovod convention)")
     checkpoint: TrainCheckpoints = TrainCheckpoints()
-    precision: Precision = Field("tf32", description=PRECISION_HELP)
     metrics_every_steps: int | None = Field(None, ge=1, description="also record a metrics row every K steps")
     init_from: str | None = Field(None, description="start from a sweep trial's weights: SWEEP_DIR (its best "
                                   "trial by the task's objective) or SWEEP_DIR:TRIAL_ID; the trial's own task "

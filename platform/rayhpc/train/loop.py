@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import socket
 import time
@@ -20,19 +19,26 @@ import torch
 import torch.distributed as dist
 
 from rayhpc.devices import cuda_device
+from rayhpc.engine import Module, checkpoint, train_step
+from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
+from rayhpc.engine.parallelize import parallelize
 from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
-from rayhpc.optim import optimizer_step, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
-from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
+from rayhpc.task.batches import (
+    Batches,
+    batch_size_of,
+    epoch_steps,
+    eval_batch,
+    evaluate,
+    loader_workers,
+)
 from rayhpc.task.load import LoadedTask
-from rayhpc.train import checkpoint
 from rayhpc.train.config import TrainConfig
-from rayhpc.train.parallelize import parallelize
 
 
 @dataclasses.dataclass
-class Worker:
+class Worker(Runner):
     """One rank's training state."""
 
     cfg: TrainConfig
@@ -57,26 +63,22 @@ class Worker:
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
         self.flops = StepFlops(enabled=self.cfg.compile == "none")
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps of a whole epoch, the same on every rank (DistributedSampler pads each rank's
-        share to ceil(samples / world))."""
-        return math.ceil(math.ceil(len(self.train) / self.world) / self.cfg.per_worker_batch)
-
-    @property
-    def total_steps(self) -> int:
-        return step_plan(self.steps_per_epoch, self.cfg.epochs, self.cfg.steps)[0]
+        # an epoch's steps are the same on every rank (DistributedSampler pads each rank's share to
+        # ceil(samples / world)); a checkpoint, and a metrics row, every K steps as the config asks
+        self.plan = Plan.of(epoch_steps(len(self.train), self.cfg.per_worker_batch, self.world), self.cfg.epochs,
+                            self.cfg.steps, checkpoint_every=self.cfg.checkpoint.every,
+                            metrics_every=self.cfg.metrics_every_steps)
+        self.trained = Module(self.model, self.optimizer, self.loss, self.hp, self.scheduler)
+        restored = {self.task.objective[0]: self.progress.best_objective, "val_loss": self.progress.best_val_loss}
+        self.best = Best(self.task.objective, {k: v for k, v in restored.items() if v is not None})
 
     @property
     def epochs(self) -> int:
         """Epochs to run: `epochs`, or as many as `steps` take (the last one cut short)."""
-        return step_plan(self.steps_per_epoch, self.cfg.epochs, self.cfg.steps)[1]
+        return self.plan.epochs
 
     def loss(self, batch) -> torch.Tensor:
-        if self.cfg.strategy == "fsdp":  # bf16 is FSDP's own mixed-precision policy there
-            return self.task.loss(self.model, batch)
-        with autocast(self.cfg.precision, self.device):
+        with autocast(self.cfg.precision, self.device, fsdp=self.cfg.strategy == "fsdp"):
             return self.task.loss(self.model, batch)
 
     def validate(self) -> dict[str, float]:
@@ -91,6 +93,34 @@ class Worker:
         if self.tracker is not None:  # queued: the tracker's thread writes it
             self.tracker.log(self.progress.global_step, {k: v for k, v in metrics.items() if k not in ("epoch", "kind")})
         (self.sink or _ray_train_report)(self, metrics, with_checkpoint)
+
+    # `rayhpc.engine.fit`'s runner: this rank's batches and step, its reports through `report`
+
+    def batches(self, epoch: int, steps: range):
+        return self.train.steps(self.hp["seed"], epoch, steps, self.plan.per_epoch, self.cfg.per_worker_batch,
+                                self.rank, self.world)
+
+    def step(self, step: int, batch) -> tuple[torch.Tensor, int]:
+        with self.flops.once():  # the FLOPs of one step, counted on the first (for MFU)
+            loss = train_step(self.trained, batch, self.hp["accumulate"], step, self.plan.total)
+        if self.first_step_time is None:  # when training really began in this worker group (start-up benchmarks)
+            self.first_step_time, self.first_batch = time.time(), batch_size_of(batch)
+        p = self.progress
+        p.step_in_epoch, p.global_step = step % self.plan.per_epoch + 1, step + 1
+        return loss, batch_size_of(batch)
+
+    def mid_epoch(self, step: int, due: Due, window: Window) -> bool:
+        if not (due.checkpoint or due.metrics):
+            return False
+        self.report({"kind": "step", **_rates(self, window, step // self.plan.per_epoch)}, due.checkpoint)
+        return True
+
+    def end_epoch(self, epoch: int, window: Window) -> bool:
+        metrics = _rates(self, window, epoch)
+        val = self.validate()
+        self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
+        self.report({"kind": "epoch", **metrics, "epoch": epoch + 1, **val, **_best(self, val)}, with_checkpoint=True)
+        return False
 
 
 def _ray_train_report(w: Worker, metrics: dict, with_checkpoint: bool) -> None:
@@ -140,8 +170,7 @@ def train_loop_per_worker(config: dict) -> None:
                              device=device, rank=ctx.get_world_rank()), config.get("init"))
     with _tracked(worker) as run:
         worker.tracker = run
-        for epoch in range(worker.progress.epoch, worker.epochs):
-            run_epoch(worker, epoch)
+        fit(worker.plan, worker, worker.progress.global_step)
 
 
 def _tracked(w: Worker):
@@ -165,76 +194,22 @@ def _quiet_report_logs() -> None:
     logging.getLogger(path).setLevel(logging.WARNING)
 
 
-@dataclasses.dataclass
-class Window:
-    """What one rank did since its last report. The loss sum stays on the device: reading it (or making
-    a tensor from a Python number) every step would make the host wait for the GPU every step."""
-
-    loss_sum: torch.Tensor  # summed batch loss x samples, on the device
-    samples: int = 0
-    steps: int = 0
-    data_seconds: float = 0.0  # host time spent waiting for the next batch
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-
-    def add(self, loss: torch.Tensor, n: int) -> None:
-        self.loss_sum += loss.detach().float() * n
-        self.samples += n
-        self.steps += 1
-
-    def timed(self, batches):
-        """`batches`, adding the time each one takes to arrive to `data_seconds`."""
-        it = iter(batches)
-        while True:
-            asked = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            self.data_seconds += time.perf_counter() - asked
-            yield batch
-
-
 def run_epoch(w: Worker, epoch: int) -> None:
-    """Train one epoch (or its remainder after a restore) and report it with a checkpoint."""
-    cfg, p, batch = w.cfg, w.progress, w.cfg.per_worker_batch
-    indices = epoch_indices(len(w.train), w.hp["seed"], epoch, w.rank, w.world)
-    total_steps = w.total_steps
-    n_steps = min(w.steps_per_epoch, total_steps - epoch * w.steps_per_epoch)  # `steps` may end this epoch early
-    skip = p.step_in_epoch  # steps of this epoch done before a restore: same order, so skip them
-    win = Window(torch.zeros((), device=w.device))
-    batches = w.train(indices[skip * batch:n_steps * batch], batch, fresh=skip == 0)
-    for i, data in enumerate(win.timed(batches), start=skip):
-        with w.flops.once():  # the FLOPs of one step, counted on the first (for MFU)
-            loss = optimizer_step(w.model, w.optimizer, w.loss, data, w.hp, p.global_step, total_steps, batch_size_of,
-                                  w.scheduler)
-        if w.first_step_time is None:  # when training really began in this worker group (start-up benchmarks)
-            w.first_step_time = time.time()
-            w.first_batch = batch_size_of(data)
-        win.add(loss, batch_size_of(data))
-        p.step_in_epoch, p.global_step = i + 1, p.global_step + 1
-        ckpt = cfg.checkpoint.every and p.global_step % cfg.checkpoint.every == 0
-        rows = cfg.metrics_every_steps and p.global_step % cfg.metrics_every_steps == 0
-        if (ckpt or rows) and i + 1 < n_steps:
-            w.report({"kind": "step", **_rates(w, win, epoch)}, bool(ckpt))
-            win = Window(torch.zeros_like(win.loss_sum))
-    metrics = _rates(w, win, epoch)
-    val = w.validate()
-    p.epoch, p.step_in_epoch = epoch + 1, 0
-    w.report({"kind": "epoch", **metrics, "epoch": epoch + 1, **val, **_best(w, val)}, with_checkpoint=True)
+    """Train one epoch (or its remainder after a restore) and report it with a checkpoint (a warm group's
+    trials, asked epoch by epoch)."""
+    fit(w.plan, w, w.progress.global_step, w.plan.span(epoch).stop)
 
 
 def _best(w: Worker, val: dict) -> dict:
     """The best validation loss so far, and the best of the task's objective when that is another value."""
-    p, (name, mode) = w.progress, w.task.objective
     if "val_loss" not in val:
         return {}
-    p.best_val_loss = min(p.best_val_loss, val["val_loss"])
-    best = {"best_val_loss": p.best_val_loss}
-    if name != "val_loss" and name in val:
-        better = min if mode == "min" else max
-        p.best_objective = val[name] if p.best_objective is None else better(p.best_objective, val[name])
-        best[f"best_{name}"] = p.best_objective
-    return best
+    best = w.best.update(val)
+    w.progress.best_val_loss = best["best_val_loss"]
+    if (name := w.task.objective[0]) != "val_loss" and name in val:
+        w.progress.best_objective = best[f"best_{name}"]
+        return best
+    return {"best_val_loss": best["best_val_loss"]}
 
 
 def _rates(w: Worker, win: Window, epoch: int) -> dict:
@@ -243,7 +218,8 @@ def _rates(w: Worker, win: Window, epoch: int) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - win.started
     w.progress.train_seconds += seconds
-    totals = torch.stack([win.loss_sum, torch.tensor(float(win.samples), device=w.device)])
+    loss_sum = torch.as_tensor(win.loss_sum, dtype=torch.float32, device=w.device)  # 0.0 where no step ran
+    totals = torch.stack([loss_sum, torch.tensor(float(win.samples), device=w.device)])
     if dist.is_initialized() and w.world > 1:
         dist.all_reduce(totals)
     loss_sum, samples = totals.tolist()

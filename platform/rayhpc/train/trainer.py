@@ -11,11 +11,11 @@ from pathlib import Path
 import pandas as pd
 
 from rayhpc import interrupt
+from rayhpc.engine.checkpoint import checkpoint_config
+from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
 from rayhpc.job import start_job
-from rayhpc.train.checkpoint import checkpoint_config
 from rayhpc.train.config import TrainConfig, bind_training, train_hparams
 from rayhpc.train.loop import train_loop_per_worker
-from rayhpc.train.metrics import METRICS_FILE, MetricsRecorder
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,8 @@ def upload_weights(cfg: TrainConfig, result, task, hp: dict) -> None:
     import functools
     import tempfile
 
+    from rayhpc.engine.checkpoint import load_full_state_dict
     from rayhpc.tracking.runs import job_run
-    from rayhpc.train.checkpoint import load_full_state_dict
     from rayhpc.tune.export import write_trial
 
     pick, metrics = result.checkpoint, result.metrics or {}

@@ -10,7 +10,16 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from rayhpc.config import PRECISION_HELP, ConfigError, ModelOptions, Precision, RankedCheckpoints, StrictModel
+from rayhpc.config import (
+    PRECISION_HELP,
+    ConfigError,
+    ModelOptions,
+    Optim,
+    Precision,
+    RankedCheckpoints,
+    Schedule,
+    StrictModel,
+)
 from rayhpc.task.config import TaskJobConfig
 from rayhpc.task.hparams import PlatformHParams, check_value, full_hparams
 from rayhpc.tune.objectives import Constraint, check_names, parse_constraint, parse_objective
@@ -77,6 +86,7 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     """A hyperparameter sweep of a task (the built-in MLP by default)."""
 
     kind: ClassVar[str] = "sweep"
+    default_epochs: ClassVar[int | None] = 10
     run_keys: ClassVar[frozenset[str]] = frozenset({"time_budget"})
     num_samples: int = Field(16, ge=1, description="trials (per grid point when the space has grid values); "
                              "unset: 16, or 1 with search=grid")
@@ -135,7 +145,10 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     hyperband: HyperbandConfig = HyperbandConfig()
     bohb: BohbConfig = BohbConfig()
     pbt: PbtConfig = PbtConfig()
-    space: dict[str, Any] | None = Field(None, description="search space; unset: the task's own, else lr")
+    optim: Optim = Optim()
+    schedule: Schedule = Schedule()
+    space: dict[str, Any] | None = Field(None, description="search space; unset: the task's own, else lr (less "
+                                         "the optim: and schedule: keys set to other than their defaults)")
     study: Path | None = Field(None, description="a study folder (on a filesystem every slice sees): this run "
                                "becomes one slice of the sweep kept there, with any others started on it; the "
                                "first slice's settings define the sweep (rayhpc.study)")
@@ -152,10 +165,7 @@ class SweepConfig(ModelOptions, TaskJobConfig):
             data = {**data, "num_samples": data["max_trials"]}
         if data.get("search") == "grid" and data.get("num_samples") is None:
             data = {**data, "num_samples": 1}  # a grid search runs each grid point once
-        if data.get("steps") is not None and data.get("epochs") is not None:
-            raise ConfigError(f"steps (--steps) {data['steps']} and epochs (--epochs) {data['epochs']}: give one, "
-                              "not both")
-        return data if data.get("steps") is not None else {**data, "epochs": data.get("epochs") or 10}
+        return data
 
     @field_validator("space", mode="before")
     @classmethod
@@ -296,9 +306,16 @@ class SweepConfig(ModelOptions, TaskJobConfig):
         """compile and activation_checkpointing where they are not "none": such trials train unpacked."""
         return {k: getattr(self, k) for k in ModelOptions.model_fields if getattr(self, k) != "none"}
 
+    @property
+    def fixed(self) -> dict[str, Any]:
+        """The `optim:` and `schedule:` keys set to other than their defaults: constants of every trial."""
+        return {k: v for section in (self.optim, self.schedule) for k, v in section.model_dump().items()
+                if v != type(section).model_fields[k].default}
+
     def defaults(self, hp_model) -> dict:
-        """Every hyperparameter's value where the space sets none (the sweep's seed for `seed`)."""
-        return full_hparams(hp_model, {"seed": self.seed})
+        """Every hyperparameter's value where the space sets none: the `optim:` and `schedule:` sections' and
+        the sweep's seed for `seed`."""
+        return full_hparams(hp_model, {**self.optim.model_dump(), **self.schedule.model_dump(), "seed": self.seed})
 
     def configs(self, hp_model) -> list[dict]:
         """Every trial's hyperparameters, for a random or grid search: the points to evaluate first."""
@@ -311,7 +328,15 @@ class SweepConfig(ModelOptions, TaskJobConfig):
 def bind_sweep(cfg: SweepConfig, task) -> tuple[SweepConfig, dict]:
     """The sweep with its space resolved (the task's own when unset) and checked against the task's
     hyperparameters; and one trial's hyperparameters to check the task with."""
-    space = cfg.space if cfg.space is not None else parse_space(task.default_space or DEFAULT_SPACE)
+    fixed = cfg.fixed
+    if cfg.space is None:  # the task's own space (or lr) searches only what the sections leave to it
+        space = {k: v for k, v in parse_space(task.default_space or DEFAULT_SPACE).items() if k not in fixed}
+    else:
+        space = cfg.space
+        if both := sorted(set(fixed) & set(space)):
+            section = "optim" if both[0] in Optim.model_fields else "schedule"
+            raise ConfigError(f"{section}.{both[0]} (--{both[0].replace('_', '-')}) {fixed[both[0]]}: space.{both[0]} "
+                              "sets it too; give it in one place")
     check_space_form(space, cfg.search)
     check_space_values(space, task.hp_model)
     cfg = cfg.model_copy(update={"space": space})

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from rayhpc.config import ConfigError, load_yaml, validate
+from rayhpc.engine.checkpoint import complete_checkpoints
 from rayhpc.slurm.private import UnsafePath, check_trusted, private_dir
-from rayhpc.train.checkpoint import complete_checkpoints
 from rayhpc.tune.trainable import PACK_FILE
 from rayhpc.tune.weights import checkpoint_weights, trial_weights
 

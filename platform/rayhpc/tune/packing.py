@@ -30,12 +30,12 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from rayhpc.config import ModelOptions
+from rayhpc.engine.parallelize import apply_options
 from rayhpc.models import MLP, PackedMLP
 from rayhpc.task.batches import batch_size_of, evaluate
 from rayhpc.task.check import TaskInfo
 from rayhpc.task.load import LoadedTask, one_line
 from rayhpc.task.mlp import MLPTask
-from rayhpc.train.parallelize import apply_options
 from rayhpc.tune.optim import PACKED, packed_optimizer
 
 PACK_KEYS = ("batch_size", "optimizer", "seed", "accumulate")  # members step together on one data order

@@ -8,6 +8,7 @@ and batches as every other path (`rayhpc.task.batches`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -21,13 +22,14 @@ import torch
 from rayhpc.config import ModelOptions, check_trusted_job, load_yaml, validate
 from rayhpc.data import DataConfig
 from rayhpc.devices import cuda_device
-from rayhpc.optim import optimizer_step, step_plan
+from rayhpc.engine import Module, train_step
+from rayhpc.engine.loop import Best, Plan, Runner, fit
+from rayhpc.engine.parallelize import apply_options
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task import task_for
-from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, evaluate, loader_workers
+from rayhpc.task.batches import Batches, batch_size_of, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
 from rayhpc.tracking.runs import job_run
-from rayhpc.train.parallelize import apply_options
 from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.plan import load_plan
 
@@ -53,30 +55,48 @@ def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfi
     workers = loader_workers(device, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
     train_batches = Batches(train, device, workers)
     val_batches = Batches(val, device, workers) if val is not None else None
-    values, best = {}, {}
-    modes = {"train_loss": "min", "val_loss": "min", task.objective[0]: task.objective[1]}  # what "best" means
-    per_epoch = math.ceil(len(train) / hp["batch_size"])
-    last, epochs = step_plan(per_epoch, epochs, steps)
-    for epoch in range(epochs):
-        total, done = torch.zeros((), device=device), 0  # summed on the device: no host sync per step
-        for batch in train_batches(epoch_indices(len(train), hp["seed"], epoch), hp["batch_size"]):
-            if epoch * per_epoch + done >= last:
-                break
-            total += optimizer_step(model, opt, lambda part: _loss(task, model, part, precision, device), batch, hp,
-                                    epoch * per_epoch + done, last, batch_size_of, scheduler)
-            done += 1
-        values = {"train_loss": float(total) / done}
-        if val_batches is not None:
-            with autocast(precision, device):
-                values.update(evaluate(task, model, val_batches.all(eval_batch(hp["batch_size"]))))
-        for name, mode in modes.items():
-            if name in values:
-                better = min if mode == "min" else max
-                best[f"best_{name}"] = better(best.get(f"best_{name}", values[name]), values[name])
-        if on_epoch is not None and on_epoch(epoch + 1, values, model):
-            epochs = epoch + 1
-            break
-    return {"model": model, **values, **best, "iterations": epochs, "train_seconds": time.perf_counter() - entered}
+    plan = Plan.of(math.ceil(len(train) / hp["batch_size"]), epochs, steps)
+    trained = Module(model, opt, lambda part: _loss(task, model, part, precision, device), hp, scheduler)
+    runner = _Single(task, hp, trained, plan.total, plan.per_epoch, train_batches, val_batches, precision, on_epoch)
+    epochs = fit(plan, runner)
+    return {"model": model, **runner.values, **runner.best, "iterations": epochs,
+            "train_seconds": time.perf_counter() - entered}
+
+
+@dataclasses.dataclass
+class _Single(Runner):
+    """One process's trial for `rayhpc.engine.fit`: the last epoch's values and the best so far, kept here."""
+
+    task: LoadedTask
+    hp: dict
+    trained: Module
+    total: int  # the run's optimizer steps (the schedule's length)
+    per_epoch: int
+    train: Batches
+    val: Batches | None
+    precision: str
+    on_epoch: Callable | None
+    values: dict = dataclasses.field(default_factory=dict)
+    best: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.tracker = Best(self.task.objective)
+
+    def batches(self, epoch: int, steps: range):
+        return self.train.steps(self.hp["seed"], epoch, steps, self.per_epoch, self.hp["batch_size"])
+
+    def step(self, step: int, batch) -> tuple[torch.Tensor, int]:
+        loss = train_step(self.trained, batch, self.hp["accumulate"], step, self.total)
+        return loss, batch_size_of(batch)
+
+    def end_epoch(self, epoch: int, window) -> bool:
+        self.values = {"train_loss": float(window.loss)}
+        if self.val is not None:
+            with autocast(self.precision, self.val.device):
+                self.values.update(evaluate(self.task, self.trained.model,
+                                            self.val.all(eval_batch(self.hp["batch_size"]))))
+        self.best = self.tracker.update(self.values)
+        return self.on_epoch is not None and bool(self.on_epoch(epoch + 1, self.values, self.trained.model))
 
 
 def _loss(task: LoadedTask, model, batch, precision: str, device: torch.device) -> torch.Tensor:

@@ -23,10 +23,10 @@ from ray.tune.schedulers import (
 
 from rayhpc import cluster, interrupt
 from rayhpc.config import ConfigError, ModelOptions
+from rayhpc.engine import checkpoint
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
 from rayhpc.tracking.sweep import sweep_tracking
-from rayhpc.train import checkpoint
 from rayhpc.tune.config import SweepConfig, bind_objectives, bind_sweep
 from rayhpc.tune.objectives import measured_names
 from rayhpc.tune.optim import PACKED

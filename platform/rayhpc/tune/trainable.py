@@ -8,6 +8,7 @@ its checkpoint continues exactly as if it had never stopped.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import socket
@@ -21,12 +22,13 @@ import torch
 from rayhpc.config import ModelOptions
 from rayhpc.data import DataConfig
 from rayhpc.devices import cuda_device
-from rayhpc.optim import lr_factor, optimizer_step, split_batch, step_plan
+from rayhpc.engine import Module, checkpoint, train_step
+from rayhpc.engine.loop import Best, Plan, Runner, fit
+from rayhpc.optim import lr_factor, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
-from rayhpc.study.folder import PACKS_DIR, latest_pack_checkpoint, save_pack_checkpoint
-from rayhpc.task.batches import Batches, batch_size_of, epoch_indices, eval_batch, to_device
+from rayhpc.study.folder import PACKS_DIR, save_pack_checkpoint
+from rayhpc.task.batches import Batches, batch_size_of, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
-from rayhpc.train import checkpoint
 from rayhpc.tune.objectives import PER_MEMBER, measure_member, peak_memory_mb
 from rayhpc.tune.packing import SinglePack, make_pack, member_slice
 from rayhpc.tune.pbt import MUTABLE, PbtRules, exploit_explore
@@ -104,40 +106,108 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     if settings.measure and not state.get("measured"):
         with torch.random.fork_rng(devices=[]):  # the training's random draws stay as without measuring
             state["measured"] = [measure_member(task, m, train, settings.measure) for m in members]
-    train_batches, val_batches = Batches(train, device), (Batches(val, device) if val is not None else None)
-    resumed_from = state["epoch"]
-    for epoch in range(state["epoch"], epochs):
-        with autocast(settings.precision, device):
-            current = [members[j] for j in state["slots"]]
-            started = time.perf_counter()
-            values = {"train_loss": train_epoch(pack, opt, train_batches, current, epoch, total)}
-            steps = min(total, (epoch + 1) * per_epoch) - epoch * per_epoch
-            step_ms = 1000 * (time.perf_counter() - started) / steps
-        if val_batches is not None:
+    plan = Plan(per_epoch, total)
+    trial = _Trial(pack, opt, Batches(train, device), members, plan, state=state, settings=settings, keeper=keeper,
+                   pack_id=pack_id, val=Batches(val, device) if val is not None else None, entered=entered)
+    fit(plan, trial, state["epoch"] * per_epoch)
+
+
+class PackSteps(Runner):
+    """A pack's steps as `rayhpc.engine.fit` runs them: its members (`members`: their hyperparameters, in
+    pack order) take the same batches, in `DistributedSampler` order from the seed (unless the members are
+    repeated runs of different seeds: then each takes its own batches, in its own order, stacked member
+    first); an epoch's end keeps each member's mean loss over the epoch's samples."""
+
+    def __init__(self, pack, opt, train: Batches, members: list[dict], total: int):
+        self.pack, self.opt, self.train, self.members, self.total = pack, opt, train, members, total
+        self.stacked, self.epoch_loss = False, None
+
+    def batches(self, epoch: int, steps: range):
+        """(batch, samples) of each step (batch size and accumulation are the pack's)."""
+        hp, seeds = self.members[0], [m["seed"] for m in self.members]
+        self.stacked = len(set(seeds)) > 1
+        self.pack.train()
+        per_epoch = math.ceil(len(self.train) / hp["batch_size"])
+        if not self.stacked:
+            stream = self.train.steps(hp["seed"], epoch, steps, per_epoch, hp["batch_size"])
+            return ((batch, batch_size_of(batch)) for batch in stream)
+        # one batch per seed, each member given its seed's: a gather of the stacked batches
+        distinct = list(dict.fromkeys(seeds))
+        which = torch.tensor([distinct.index(s) for s in seeds], device=self.train.device)
+        orders = (self.train.steps(s, epoch, steps, per_epoch, hp["batch_size"]) for s in distinct)
+        return ((stack_members(parts, which), batch_size_of(parts[0])) for parts in zip(*orders))
+
+    def step(self, step: int, item) -> tuple[torch.Tensor, int]:
+        batch, samples = item
+        return pack_step(self.pack, self.opt, batch, self.members, step, self.total, self.stacked), samples
+
+    def end_epoch(self, epoch: int, window) -> bool:
+        self.epoch_loss = window.loss.cpu()
+        return False
+
+
+def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, total_steps: int) -> torch.Tensor:
+    """One pass of `PackSteps` over the training data (cut short at optimizer step `total_steps`, the run's
+    last); each member's mean loss over the epoch's samples."""
+    per_epoch = math.ceil(len(batches) / members[0]["batch_size"])
+    steps = PackSteps(pack, opt, batches, members, total_steps)
+    fit(Plan(per_epoch, total_steps), steps, epoch * per_epoch, (epoch + 1) * per_epoch)
+    return steps.epoch_loss
+
+
+class _Trial(PackSteps):
+    """A Tune trial's pack: at each epoch's end its validation, ASHA's and PBT's decisions, its metrics
+    reported to Tune with a checkpoint (or in the study, where any slice resumes it)."""
+
+    def __init__(self, pack, opt, train: Batches, members: list[dict], plan: Plan, *, state: dict,
+                 settings: TrialSettings, keeper, pack_id, val: Batches | None, entered: float):
+        super().__init__(pack, opt, train, members, plan.total)
+        self.plan, self.all, self.state, self.settings, self.keeper = plan, members, state, settings, keeper
+        self.pack_id = pack_id
+        self.val, self.entered, self.resumed_from = val, entered, state["epoch"]
+        self.best = Best(settings.objective, state["best"])
+
+    def batches(self, epoch: int, steps: range):
+        self.members = [self.all[j] for j in self.state["slots"]]  # the members ASHA left in the pack
+        return super().batches(epoch, steps)
+
+    def step(self, step: int, item) -> tuple[torch.Tensor, int]:
+        with autocast(self.settings.precision, self.train.device):
+            return super().step(step, item)
+
+    def end_epoch(self, epoch: int, window) -> bool:
+        state, settings, device = self.state, self.settings, self.train.device
+        step_ms = 1000 * (time.perf_counter() - window.started) / max(window.steps, 1)
+        values = {"train_loss": window.loss}
+        if self.val is not None:
             with autocast(settings.precision, device):
-                values.update(pack.evaluate(val_batches.all(eval_batch(hp["batch_size"]))))
-        values = _scatter(state["values"], values, state["slots"], len(members))  # stopped members' frozen
+                values.update(self.pack.evaluate(self.val.all(eval_batch(self.all[0]["batch_size"]))))
+        values = _scatter(state["values"], values, state["slots"], len(self.all))  # stopped members' frozen
         values.update(_measured(settings.measure, state, step_ms, device))
-        _update_best(state["best"], values, settings.objective)
-        state["epoch"] = epoch + 1
-        if keeper is not None:
-            _asha(keeper, pack_id, pack, opt, state, values, settings, members)
-        if settings.pbt is not None and state["epoch"] < epochs:
-            exploit_explore(pack, opt, state, values, settings.pbt, state["epoch"], pack_id)
-        seconds = state["seconds"] + time.perf_counter() - entered
-        metrics = _metrics(values, state, settings.objective, seconds, resumed_from)
-        step = min(total, state["epoch"] * per_epoch)
+        self.best.update(values)
+        state["best"], state["epoch"] = self.best.so_far, epoch + 1
+        if self.keeper is not None:
+            _asha(self.keeper, self.pack_id, self.pack, self.opt, state, values, settings, self.all)
+        if settings.pbt is not None and state["epoch"] < self.plan.epochs:
+            exploit_explore(self.pack, self.opt, state, values, settings.pbt, state["epoch"], self.pack_id)
+        self._report(values, self.plan.span(epoch).stop)
+        return not state["slots"]  # every member stopped
+
+    def _report(self, values: dict, step: int) -> None:
+        from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
+
+        state, settings = self.state, self.settings
+        seconds = state["seconds"] + time.perf_counter() - self.entered
+        metrics = _metrics(values, state, settings.objective, seconds, self.resumed_from)
+        save = functools.partial(_save, state={**state, "seconds": seconds, "metrics": metrics}, pack=self.pack,
+                                 opt=self.opt, step=step, device=self.train.device)
         if settings.study is not None:  # in the study, where any slice resumes it: Tune keeps none
-            save_pack_checkpoint(Path(settings.study, PACKS_DIR, str(pack_id)), state["epoch"],
-                                 lambda d: _save(d, {**state, "seconds": seconds, "metrics": metrics}, pack, opt,
-                                                 step, device))
+            save_pack_checkpoint(Path(settings.study, PACKS_DIR, str(self.pack_id)), state["epoch"], save)
             tune.report(metrics)
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                _save(Path(tmp), {**state, "seconds": seconds, "metrics": metrics}, pack, opt, step, device)
+                save(Path(tmp))
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
-        if not state["slots"]:
-            return  # every member stopped
 
 
 def _measured(names: tuple[str, ...], state: dict, step_ms: float, device: torch.device) -> dict:
@@ -222,32 +292,6 @@ def config_groups(members: list[dict]) -> list[int]:
             for m in members]
 
 
-def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, total_steps: int) -> torch.Tensor:
-    """One pass over the training data (cut short at optimizer step `total_steps`, the run's last); returns
-    each member's mean batch loss. `members`: the pack's members' hyperparameters, in pack order (batch
-    size and accumulation are the pack's; the seed too, unless the members are repeated runs of different
-    seeds: then each takes its own batches, in its own order, stacked member first)."""
-    hp = members[0]
-    first = epoch * math.ceil(len(batches) / hp["batch_size"])
-    seeds = [m["seed"] for m in members]
-    stacked = len(set(seeds)) > 1
-    if stacked:  # one batch per seed, each member given its seed's: a gather of the stacked batches
-        distinct = list(dict.fromkeys(seeds))
-        which = torch.tensor([distinct.index(s) for s in seeds], device=batches.device)
-        orders = (batches(epoch_indices(len(batches), s, epoch), hp["batch_size"]) for s in distinct)
-        stream = (stack_members(parts, which) for parts in zip(*orders))
-    else:
-        stream = batches(epoch_indices(len(batches), hp["seed"], epoch), hp["batch_size"])
-    pack.train()
-    total, steps = torch.zeros(pack.size, device=batches.device), 0
-    for i, batch in enumerate(stream):
-        if first + i >= total_steps:
-            break
-        total += pack_step(pack, opt, batch, members, first + i, total_steps, stacked)
-        steps += 1
-    return (total / steps).cpu()
-
-
 def stack_members(parts: tuple, which: torch.Tensor) -> object:
     """One step's batches, one per seed (`parts`), as one batch member first: member j's is the batch of
     seed `which[j]` (each tensor stacked along a new first dimension, then gathered)."""
@@ -265,25 +309,33 @@ def pack_step(pack, opt, batch, members: list[dict], step: int, total_steps: int
     clipping); each member's loss on the batch (`stacked`: a batch per member, member first). A pack of
     one is the plain model and `torch.optim`."""
     if isinstance(pack, SinglePack):
-        return optimizer_step(pack.model, opt, lambda part: pack.losses(part)[0], batch, members[0], step,
-                              total_steps, batch_size_of, pack.scheduler(opt, members[0], step)).reshape(1)
-    opt.scale_lr([lr_factor(m, step, total_steps) for m in members])
-    opt.zero_grad()
-    if stacked:  # no micro-batches (repeats refuse accumulate)
-        losses = pack.losses(batch, stacked=True)
-        losses.sum().backward()
-        opt.clip_()
-        opt.step()
-        return losses.detach()
-    out, n = torch.zeros(pack.size, device=opt.device), batch_size_of(batch)
-    for part in split_batch(batch, members[0]["accumulate"]):
-        share = batch_size_of(part) / n
-        losses = pack.losses(part)
+        trained = Module(pack.model, opt, lambda part: pack.losses(part)[0], members[0],
+                         pack.scheduler(opt, members[0], step))
+        return train_step(trained, batch, members[0]["accumulate"], step, total_steps).reshape(1)
+    # stacked: a batch per member, member first; no micro-batches (repeats refuse accumulate)
+    return train_step(Members(pack, opt, members, stacked), batch, 1 if stacked else members[0]["accumulate"],
+                      step, total_steps)
+
+
+class Members:
+    """A pack's members as `rayhpc.engine.train_step` trains them: each member's own lr factor and clipping
+    (the pack's optimizer), its loss one entry of the pack's."""
+
+    def __init__(self, pack, opt, members: list[dict], stacked: bool):
+        self.pack, self.opt, self.members, self.stacked = pack, opt, members, stacked
+
+    def begin(self, step: int, total_steps: int) -> None:
+        self.opt.scale_lr([lr_factor(m, step, total_steps) for m in self.members])
+        self.opt.zero_grad()
+
+    def backward(self, part, share: float, last: bool) -> torch.Tensor:
+        losses = self.pack.losses(part, stacked=True) if self.stacked else self.pack.losses(part)
         (losses.sum() * share).backward()  # the sum's gradient is each member's own
-        out += losses.detach() * share
-    opt.clip_()
-    opt.step()
-    return out
+        return losses.detach()
+
+    def finish(self) -> None:
+        self.opt.clip_()
+        self.opt.step()
 
 
 def _fresh(members: int, objective: tuple[str, str]) -> dict:
@@ -292,13 +344,6 @@ def _fresh(members: int, objective: tuple[str, str]) -> dict:
     # slots: the members still in the pack, in pack order; retired/stopped: by member, their weights and epoch
     return {"epoch": 0, "best": best, "seconds": 0.0, "metrics": None, "values": {},
             "slots": list(range(members)), "retired": {}, "stopped": {}, "hp": [], "pbt": []}
-
-
-def _update_best(best: dict, values: dict, objective: tuple[str, str]) -> None:
-    for name, so_far in best.items():
-        if name in values:
-            better = torch.minimum if name == "val_loss" or objective[1] == "min" else torch.maximum
-            best[name] = better(so_far, values[name].cpu())
 
 
 def _metrics(values: dict, state: dict, objective: tuple[str, str], seconds: float, resumed_from: int) -> dict:
@@ -322,8 +367,8 @@ def _metrics(values: dict, state: dict, objective: tuple[str, str], seconds: flo
 
 def _save(folder: Path, state: dict, pack, opt, step: int, device: torch.device) -> None:
     """The pack's checkpoint after optimizer step `step`, in the layout of every job's
-    (`rayhpc.train.checkpoint`), `pack.pt` beside."""
-    torch.save({"model": pack.state_dict(), "optim": opt.state_dict()}, folder / checkpoint.DDP_FILE)
+    (`rayhpc.engine.checkpoint`), `pack.pt` beside."""
+    checkpoint.save_whole(folder, pack, opt)
     checkpoint.save_rng(folder, device)
     torch.save(state, folder / PACK_FILE)
     checkpoint.write_progress(folder, checkpoint.Progress(epoch=state["epoch"], global_step=step,
@@ -340,7 +385,7 @@ def load_pack_state(folder: Path) -> dict:
 def _restore(ckpt, study: str | None, pack_id) -> dict | None:
     """The pack's state from Tune's checkpoint, or from the study's newest (another slice's too), or None."""
     if study is not None:
-        found = latest_pack_checkpoint(Path(study, PACKS_DIR, str(pack_id)))
+        found = checkpoint.latest_checkpoint(Path(study, PACKS_DIR, str(pack_id)))
         return None if found is None else load_pack_state(found)
     if ckpt is None:
         return None

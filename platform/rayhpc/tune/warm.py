@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
+from rayhpc.engine import checkpoint
+from rayhpc.engine.metrics import MetricsRecorder
+from rayhpc.engine.parallelize import unwrap
 from rayhpc.task.load import LoadedTask
-from rayhpc.train import checkpoint
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.loop import Worker, make_worker, run_epoch
-from rayhpc.train.metrics import MetricsRecorder
-from rayhpc.train.parallelize import unwrap
 from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.distributed import trial_train_config
 from rayhpc.tune.trainable import members_of

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rayhpc.train.parallelize import unwrap
+from rayhpc.engine.parallelize import unwrap
 
 PROGRESS_FILE = "progress.json"
 DDP_FILE = "model.pt"
@@ -54,9 +54,9 @@ def report(metrics: dict, *, strategy: str, model, optimizer, progress: Progress
         if rank == 0:
             write_progress(folder, progress)
         if strategy == "fsdp":
-            _save_sharded(model, optimizer, folder)
+            save_sharded([(model, optimizer)], folder)
         elif rank == 0:
-            torch.save({"model": unwrap(model).state_dict(), "optim": optimizer.state_dict()}, folder / DDP_FILE)
+            save_whole(folder, model, optimizer)
         has_files = strategy == "fsdp" or rank == 0
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_files else None)
 
@@ -70,13 +70,18 @@ def restore(checkpoint, *, strategy: str, model, optimizer, device: torch.device
         folder = Path(d)
         progress = Progress(**json.loads((folder / PROGRESS_FILE).read_text()))
         if strategy == "fsdp":
-            _load_sharded(model, optimizer, folder)
+            load_sharded([(model, optimizer)], folder)
         else:
             state = torch.load(folder / DDP_FILE, map_location=device, weights_only=True)
             unwrap(model).load_state_dict(state["model"])
             optimizer.load_state_dict(state["optim"])
         load_rng(folder, device, rank)
     return progress
+
+
+def save_whole(folder: str | Path, model, optimizer) -> None:
+    """The model's whole state dict (unwrapped from DDP) and its optimizer's into `folder`'s `model.pt`."""
+    torch.save({"model": unwrap(model).state_dict(), "optim": optimizer.state_dict()}, Path(folder) / DDP_FILE)
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -115,22 +120,41 @@ def load_rng(folder: Path, device: torch.device, rank: int = 0) -> None:
         set_rng_state(states[rank], device)
 
 
-def _save_sharded(model, optimizer, folder: Path) -> None:
+def save_sharded(parts: list[tuple], folder: str | Path) -> None:
+    """Each rank's shards of `parts`, its (module, optimizer) pairs (FSDP's one, or a model-parallel rank's
+    stages), into `folder` with DCP, every rank calling it; no rank holds the whole model."""
     import torch.distributed.checkpoint as dcp  # DCP: about 1 s to import, only for sharded checkpoints
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    dcp.save(_merged(_sharded_states(parts)), checkpoint_id=str(folder))
 
 
-def _load_sharded(model, optimizer, folder: Path) -> None:
+def load_sharded(parts: list[tuple], folder: str | Path) -> None:
+    """Read this rank's shards of `parts` back in place (the layout may differ from the one that saved them)."""
     import torch.distributed.checkpoint as dcp  # DCP: about 1 s to import, only for sharded checkpoints
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder))  # in place, each rank reads its own shards
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    states = _sharded_states(parts)
+    loaded = _merged(states)
+    dcp.load(loaded, checkpoint_id=str(folder))  # tensors in place; non-tensor entries (lr, betas) replaced
+    for (part, optimizer), state in zip(parts, states):
+        set_state_dict(part, optimizer, model_state_dict={k: loaded["model"][k] for k in state["model"]},
+                       optim_state_dict={k: loaded["optim"][k] for k in state["optim"]},
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def _sharded_states(parts: list[tuple]) -> list[dict]:
+    """Each part's {"model", "optim"} state dicts in the flattened form (one key per parameter and setting,
+    torchtitan's): in the nested form DCP drops the param groups' non-tensor settings (Adam's betas) on
+    load. Keys are whole-model names, so the parts' dicts never collide."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    return [dict(zip(("model", "optim"), get_state_dict(part, optimizer, options=options)))
+            for part, optimizer in parts]
+
+
+def _merged(states: list[dict]) -> dict:
+    return {key: {k: v for state in states for k, v in state[key].items()} for key in ("model", "optim")}
 
 
 def load_full_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -184,10 +208,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def prune(run_dir: str | Path, keep: int) -> None:
-    """Remove all but the `keep` complete checkpoints furthest into training (Ray Train prunes the training
-    job's itself; a folder still being written has no progress file yet and stays)."""
-    for folder in complete_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(folder, ignore_errors=True)
+    """Remove all but the `keep` complete checkpoints furthest into training, and the incomplete folders
+    before the oldest kept (a save a failure cut short: it never completes). Ray Train prunes the training
+    job's itself; a folder still being written has no progress file yet and is named after the kept ones."""
+    complete = complete_checkpoints(run_dir)
+    if len(complete) <= keep:
+        return
+    oldest_kept = complete[-keep].name  # checkpoint_<step, zero-padded>: names sort as steps
+    for folder in Path(run_dir).glob("checkpoint_*"):
+        if folder.name < oldest_kept:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def checkpoint_config(checkpoint, objective: tuple[str, str], make):

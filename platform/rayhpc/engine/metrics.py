@@ -56,7 +56,7 @@ class MetricsRecorder(UserCallback):
             of = f"/{self.epochs}" if self.epochs else ""  # None: a run of `steps`
             log.log(self.log_level, f"epoch {row['epoch']}{of}: loss {row['loss']:.4g}{values}, "
                      f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.2f} ms/step "
-                     f"({row['world_size']} workers x {row['batch_size_per_worker']} samples)")
+                     f"({row['world_size']} workers, {row['global_batch_size']} samples a step)")
 
     def _write_events(self, row: dict) -> None:
         """The report's scalars as TensorBoard events (tensorboardX ships with Ray Tune).

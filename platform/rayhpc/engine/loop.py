@@ -1,0 +1,164 @@
+"""The training loop every job runs (torchtitan's `train()`): step-based, the epochs derived from the steps.
+
+`fit` walks a run's optimizer steps, from the step it resumes at to its last, epoch by epoch: a run of
+`steps` cuts its last epoch short. It owns what every job does alike: where a resumed run starts within
+its epoch, the window of losses each report covers (the loss weighted by the samples of each step, so a
+partial last batch counts for what it holds), the mid-epoch cadence (a checkpoint, a metrics row or a
+validation every K steps), the epoch's end, the best-so-far, and stopping. A runner says only where and
+how things run (`Runner`): the Ray Train worker, a Tune trial's pack, an array task, the model-parallel
+driver and a parameter-server worker each plug in their batches, their step (`rayhpc.engine.train_step`,
+or a call to their ranks) and what their reports become.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from rayhpc.optim import step_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run's steps (`total`, epochs of `per_epoch`) and its mid-epoch cadence, each every K steps (None:
+    never; an epoch's end is always a report, a checkpoint where the job keeps them, and a validation)."""
+
+    per_epoch: int
+    total: int
+    checkpoint_every: int | None = None
+    metrics_every: int | None = None
+    eval_every: int | None = None
+
+    @classmethod
+    def of(cls, per_epoch: int, epochs: int | None, steps: int | None, **every: int | None) -> Plan:
+        """`steps` steps, else `epochs` epochs, of `per_epoch` steps each."""
+        return cls(per_epoch, step_plan(per_epoch, epochs, steps)[0], **every)
+
+    @property
+    def epochs(self) -> int:
+        return math.ceil(self.total / self.per_epoch)
+
+    def span(self, epoch: int) -> range:
+        """Epoch `epoch`'s global steps (the last epoch cut short at `total`)."""
+        return range(epoch * self.per_epoch, min(self.total, (epoch + 1) * self.per_epoch))
+
+    def due(self, step: int) -> Due:
+        """What is due after global step `step` (0-based) when it is not its epoch's last."""
+        done = step + 1
+        return Due(*(bool(every) and done % every == 0
+                     for every in (self.checkpoint_every, self.metrics_every, self.eval_every)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Due:
+    checkpoint: bool = False
+    metrics: bool = False
+    evaluate: bool = False
+
+    def __bool__(self) -> bool:
+        return self.checkpoint or self.metrics or self.evaluate
+
+
+@dataclasses.dataclass
+class Window:
+    """The steps since the last report. The loss sum stays where the losses are (a device, and one value per
+    pack member where a pack trains): reading it every step would make the host wait for the GPU every step."""
+
+    loss_sum: Any = 0.0  # each step's loss x its samples
+    samples: int = 0
+    steps: int = 0
+    data_seconds: float = 0.0  # host time spent waiting for the next batch
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def add(self, loss: torch.Tensor | float, samples: int) -> None:
+        self.loss_sum = self.loss_sum + loss * samples
+        self.samples += samples
+        self.steps += 1
+
+    @property
+    def loss(self):
+        """The mean loss over the window's samples."""
+        return self.loss_sum / max(self.samples, 1)
+
+    def timed(self, batches: Iterable) -> Iterator:
+        """`batches`, adding the time each one takes to arrive to `data_seconds`."""
+        it = iter(batches)
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.data_seconds += time.perf_counter() - asked
+            yield batch
+
+
+class Runner:
+    """Where and how a job's steps run; `fit` decides when each is called. A runner gives `batches` and `step`;
+    one that reports nothing mid-epoch, or nothing at an epoch's end, keeps these defaults."""
+
+    def batches(self, epoch: int, steps: range) -> Iterable[Any]:
+        """The batches of global steps `steps` of epoch `epoch` (a resumed run's first epoch skips those done)."""
+        raise NotImplementedError
+
+    def step(self, step: int, batch: Any) -> tuple[Any, int]:
+        """Global step `step` on `batch`: (its loss, detached; the samples it took)."""
+        raise NotImplementedError
+
+    def mid_epoch(self, step: int, due: Due, window: Window) -> bool:
+        """What `due` asks after global step `step`; whether it reported `window` (a fresh one starts)."""
+        return False
+
+    def end_epoch(self, epoch: int, window: Window) -> bool:
+        """Epoch `epoch` (0-based) ended, its steps since the last report in `window`; whether to stop."""
+        return False
+
+
+def fit(plan: Plan, runner: Runner, start: int = 0, stop: int | None = None) -> int:
+    """Run `runner` from global step `start` to `stop` (default: the plan's last); the epochs run to their end,
+    or fewer where `end_epoch` stopped the run."""
+    stop = plan.total if stop is None else min(stop, plan.total)
+    epochs = math.ceil(stop / plan.per_epoch)
+    # a run restored from its last checkpoint has nothing left: its last epoch ended and was reported
+    for epoch in range(start // plan.per_epoch if start < stop else epochs, epochs):
+        span = plan.span(epoch)
+        steps = range(max(start, span.start), min(stop, span.stop))
+        window = Window()
+        # zip asks `steps` first: no batch is drawn past the last step
+        for step, batch in zip(steps, window.timed(runner.batches(epoch, steps))):
+            window.add(*runner.step(step, batch))
+            if step + 1 < span.stop and (due := plan.due(step)) and runner.mid_epoch(step, due, window):
+                window = Window()
+        if steps.stop < span.stop:  # a run cut short mid-epoch (a worker's share of its epoch)
+            return epoch
+        if runner.end_epoch(epoch, window):
+            return epoch + 1
+    return epochs
+
+
+class Best:
+    """The best validation loss so far and the best of the task's objective (`objective`: name, "min" or
+    "max"), per value: scalars, or one per pack member (tensors, compared element by element)."""
+
+    def __init__(self, objective: tuple[str, str], so_far: dict | None = None):
+        self.modes = {objective[0]: objective[1], "val_loss": "min"}  # a loss is never better higher
+        self.so_far = dict(so_far or {})
+
+    def update(self, values: dict) -> dict:
+        """Take `values` in; `best_<name>` of every value seen so far."""
+        for name, mode in self.modes.items():
+            if name in values:
+                self.so_far[name] = _better(self.so_far.get(name), values[name], mode)
+        return {f"best_{name}": value for name, value in self.so_far.items()}
+
+
+def _better(old, new, mode: str):
+    if old is None:
+        return new
+    if isinstance(new, torch.Tensor):
+        return torch.minimum(old, new) if mode == "min" else torch.maximum(old, new)
+    return min(old, new) if mode == "min" else max(old, new)

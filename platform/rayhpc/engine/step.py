@@ -1,0 +1,96 @@
+"""One optimizer step, whatever is trained (torchtitan's `train_step`).
+
+`train_step` splits the batch into `accumulate` micro-batches, adds each one's gradient weighted by its
+share of the samples (for a loss that is a mean over samples: the whole batch's gradient at a
+micro-batch's memory, also where an epoch's last batch does not split evenly), and returns the batch's
+mean loss. What is trained says how its step begins, how a micro-batch's gradient is added and how the
+step ends (`Trained`): `Module` here (a plain, DDP or FSDP2 module with its optimizer, or a gradient
+sink without one), a pack's members (`rayhpc.tune.trainable.Members`) and a model-parallel rank's stages
+(`rayhpc.parallel.worker.Stages`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Protocol
+
+import torch
+
+from rayhpc.optim import set_lr
+from rayhpc.task.batches import batch_size_of
+
+
+class Trained(Protocol):
+    def begin(self, step: int, total_steps: int) -> None:
+        """Step `step`'s learning rate set, the gradients zeroed."""
+
+    def backward(self, part: Any, share: float, last: bool) -> torch.Tensor:
+        """Add `share` x the gradient of the loss on micro-batch `part` (`last`: the step's last); the loss
+        (detached: a scalar, or one per pack member)."""
+
+    def finish(self) -> None:
+        """Clip, step the optimizer(s) and the task's own scheduler(s)."""
+
+
+def train_step(trained: Trained, batch: Any, accumulate: int, step: int, total_steps: int,
+               size_of: Callable[[Any], int] = batch_size_of) -> torch.Tensor:
+    """One optimizer step of `trained` on `batch` over `accumulate` micro-batches; the batch's mean loss."""
+    trained.begin(step, total_steps)
+    micro, n = split_batch(batch, accumulate), size_of(batch)
+    total = 0
+    for i, part in enumerate(micro):
+        share = size_of(part) / n
+        total = total + trained.backward(part, share, i == len(micro) - 1) * share
+    trained.finish()
+    return total
+
+
+class Module:
+    """A module (plain, DDP or FSDP2) and its optimizer: the `hp` schedule's lr (or the task's own
+    `scheduler`, stepped after the optimizer), `clip_grad_norm` by torch's `clip_grad_norm_`. Without an
+    optimizer, a gradient sink: the step only leaves the gradient in `.grad` (a parameter-server worker
+    pushes it; the servers clip and step)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, loss_fn: Callable[[Any], torch.Tensor], hp: dict,
+                 scheduler=None):
+        self.model, self.optimizer, self.loss_fn, self.hp, self.scheduler = model, optimizer, loss_fn, hp, scheduler
+
+    def begin(self, step: int, total_steps: int) -> None:
+        if self.optimizer is None:
+            self.model.zero_grad(set_to_none=True)
+            return
+        if self.scheduler is None:
+            set_lr(self.optimizer, self.hp, step, total_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, part: Any, share: float, last: bool) -> torch.Tensor:
+        # DDP all-reduces the gradients once, with the last micro-batch's backward
+        with contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync():
+            loss = self.loss_fn(part)
+            (loss * share).backward()
+        return loss.detach().float()
+
+    def finish(self) -> None:
+        if self.optimizer is None:
+            return
+        if self.hp.get("clip_grad_norm"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp["clip_grad_norm"])
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+
+def split_batch(batch: Any, parts: int) -> list:
+    """`batch` as `parts` micro-batches of near-equal size along the first dimension of every tensor
+    (tensors, or tuples, lists and dicts of them); fewer where the batch has fewer samples."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, min(parts, batch.shape[0])))
+    if isinstance(batch, dict):
+        split = {k: split_batch(v, parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in split.items()} for i in range(len(next(iter(split.values()))))]
+    if isinstance(batch, (list, tuple)):
+        split = [split_batch(v, parts) for v in batch]
+        return [type(batch)(v[i] for v in split) for i in range(len(split[0]))]
+    raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches")

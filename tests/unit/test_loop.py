@@ -1,0 +1,94 @@
+"""The one training loop (`rayhpc.engine.fit`): which steps run, in which epochs, and what is due when."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayhpc.engine.loop import Best, Plan, fit
+
+
+class Recorder:
+    """A runner that records what `fit` asks of it; step s has loss s and takes 10 samples (the epoch's
+    last step 5, a partial batch)."""
+
+    def __init__(self, plan: Plan, stop_after: int | None = None):
+        self.plan, self.stop_after, self.calls = plan, stop_after, []
+
+    def batches(self, epoch, steps):
+        self.calls.append(("batches", epoch, steps.start, steps.stop))
+        return iter(range(100))  # more than any epoch takes: the loop stops drawing at its last step
+
+    def step(self, step, batch):
+        self.calls.append(("step", step))
+        last = step + 1 == self.plan.span(step // self.plan.per_epoch).stop
+        return float(step), 5 if last else 10
+
+    def mid_epoch(self, step, due, window):
+        self.calls.append(("mid", step, due.checkpoint, due.metrics, due.evaluate, window.steps))
+        return due.metrics
+
+    def end_epoch(self, epoch, window):
+        self.calls.append(("end", epoch, window.steps, window.loss))
+        return self.stop_after is not None and epoch + 1 >= self.stop_after
+
+
+def test_steps_run_epoch_by_epoch_with_the_last_epoch_cut_short_and_a_sample_weighted_loss():
+    plan = Plan.of(3, None, 7)
+    runner = Recorder(plan)
+    assert fit(plan, runner) == 3
+    ends = [c for c in runner.calls if c[0] == "end"]
+    # epoch 0: steps 0, 1, 2 (10, 10, 5 samples); epoch 2: step 6 alone (its last: 5 samples)
+    assert ends == [("end", 0, 3, (0 * 10 + 1 * 10 + 2 * 5) / 25), ("end", 1, 3, (3 * 10 + 4 * 10 + 5 * 5) / 25),
+                    ("end", 2, 1, 6.0)]
+    assert [c[1] for c in runner.calls if c[0] == "step"] == list(range(7))
+    assert ("batches", 2, 6, 7) in runner.calls
+
+
+def test_a_resumed_run_starts_mid_epoch_and_a_finished_one_runs_nothing():
+    plan = Plan.of(4, 3, None)
+    runner = Recorder(plan)
+    assert fit(plan, runner, start=6) == 3
+    assert runner.calls[0] == ("batches", 1, 6, 8)
+    assert [c[1] for c in runner.calls if c[0] == "step"] == [6, 7, 8, 9, 10, 11]
+    done = Recorder(plan)
+    assert fit(plan, done, start=12) == 3 and done.calls == []
+    cut = Plan.of(4, None, 10)  # ends mid-epoch: restored at its end, its last epoch is not run again
+    again = Recorder(cut)
+    assert fit(cut, again, start=10) == 3 and again.calls == []
+
+
+def test_the_cadence_is_every_k_steps_within_an_epoch_and_the_epochs_end_is_its_own():
+    plan = Plan(per_epoch=4, total=8, checkpoint_every=2, metrics_every=3, eval_every=4)
+    runner = Recorder(plan)
+    fit(plan, runner)
+    mids = [c[1:5] for c in runner.calls if c[0] == "mid"]
+    # after steps 1 (2 done: checkpoint), 2 (3 done: metrics), 5 (6: checkpoint and metrics); steps 3 and 7 end
+    # their epochs (4 and 8 done: the epoch's end, not a mid-epoch report)
+    assert mids == [(1, True, False, False), (2, False, True, False), (5, True, True, False)]
+    # a metrics row reports the window: the next one starts after it
+    assert [c for c in runner.calls if c[0] == "end"][0][2] == 1  # epoch 0's window: step 3 alone, after step 2's row
+    never = Plan(per_epoch=4, total=8)
+    quiet = Recorder(never)
+    fit(never, quiet)
+    assert not [c for c in quiet.calls if c[0] == "mid"]
+
+
+def test_a_runner_stops_the_run_at_an_epochs_end_and_a_stop_step_ends_a_workers_share():
+    plan = Plan.of(2, 5, None)
+    runner = Recorder(plan, stop_after=2)
+    assert fit(plan, runner) == 2 and [c[1] for c in runner.calls if c[0] == "step"] == [0, 1, 2, 3]
+    share = Recorder(plan)
+    assert fit(plan, share, start=2, stop=3) == 1  # half of epoch 1: no epoch end
+    assert [c[0] for c in share.calls] == ["batches", "step"]
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_the_best_so_far_follows_the_objectives_direction_for_scalars_and_per_member(mode):
+    best = Best(("val_acc", mode))
+    best.update({"val_loss": 2.0, "val_acc": 0.5})
+    out = best.update({"val_loss": 3.0, "val_acc": 0.7})
+    assert out == {"best_val_loss": 2.0, "best_val_acc": 0.5 if mode == "min" else 0.7}
+    members = Best(("val_loss", mode))  # val_loss is always minimised
+    members.update({"val_loss": torch.tensor([1.0, 4.0])})
+    assert members.update({"val_loss": torch.tensor([2.0, 3.0])})["best_val_loss"].tolist() == [1.0, 3.0]

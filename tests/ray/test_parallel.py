@@ -66,8 +66,8 @@ def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address,
 
 
 def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
-    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 3 steps and at the run's last (7), the
-    latest 2 kept; the run is resumed from step 6 as if it had been stopped before step 7 was saved."""
+    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 3 steps and at the epoch's end (the run's
+    last step, 7), the latest 2 kept; the run is resumed from step 6 as if it had been stopped before step 7 was saved."""
     cfg = parallel_cfg(storage_path=tmp_path, steps=7, fsdp=2, tp=2, checkpoint={"every": 3, "keep": 2})
     full = run_parallel(cfg, log_level=logging.DEBUG)
     assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000007"
@@ -112,6 +112,10 @@ def test_the_job_script_trains_and_prints_an_epoch_line_and_a_metrics_row_each(r
     assert rows["loss"].iloc[1] < 0.5 * rows["loss"].iloc[0] and (rows["val_loss"] > 0).all(), rows
     for line, (_, row) in zip(epochs, rows.iterrows()):
         assert f"loss {row['loss']:.4g}, val_loss {row['val_loss']:.4g}" in line, (line, row)
+    # every job's cadence without --checkpoint-every: a checkpoint at each epoch's end
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint_*")) == ["checkpoint_000052",
+                                                                            "checkpoint_000104"]
+    assert f"checkpoint: {tmp_path / 'run' / 'checkpoint_000104'}" in proc.stdout, proc.stdout
 
 
 def test_an_epochs_row_is_the_mean_of_its_steps_losses_weighted_by_their_samples(ray_address, tmp_path):

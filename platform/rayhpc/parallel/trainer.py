@@ -165,8 +165,7 @@ class _Driver(Runner):
 
     def end_epoch(self, epoch: int, window: Window) -> bool:
         step = self.plan.span(epoch).stop - 1
-        if self.plan.due(step).checkpoint or (self.cfg.checkpoint.every and step + 1 == self.plan.total):
-            self.save(step)  # every K steps, and the run's last
+        self.save(step)  # every job's cadence: each epoch's end (the run's last step ends one), and every K
         self.validation = validate(self.group) if self.validates else None
         this_session = step + 1 - max(self.start, step - step % self.plan.per_epoch)  # the epoch's steps run here
         row = epoch_row(self.cfg, self.recipe, self.n_train, step, self.losses, self.step_seconds[-this_session:],
@@ -264,4 +263,4 @@ def format_summary(result: ParallelResult) -> str:
     validation = f"\n{describe_validation(result.validation)}" if result.validation else ""
     return (f"trained {len(losses)} steps: loss {losses[0]:.5f} -> {losses[-1]:.5f}; {speed}; "
             f"start-up {result.start_seconds:.1f} s{validation}\n"
-            f"checkpoint: {result.checkpoint or 'none (--checkpoint-every K to save one)'}")
+            f"checkpoint: {result.checkpoint}")

@@ -66,8 +66,9 @@ def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address,
 
 
 def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
-    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 3 steps and at the epoch's end (the run's
-    last step, 7), the latest 2 kept; the run is resumed from step 6 as if it had been stopped before step 7 was saved."""
+    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 3 steps and at the epoch's end (the
+    run's last step, 7), the latest 2 kept; the run is resumed from step 6 as if it had been stopped before
+    step 7 was saved."""
     cfg = parallel_cfg(storage_path=tmp_path, steps=7, fsdp=2, tp=2, checkpoint={"every": 3, "keep": 2})
     full = run_parallel(cfg, log_level=logging.DEBUG)
     assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000007"

@@ -57,7 +57,7 @@ def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfi
     val_batches = Batches(val, device, workers) if val is not None else None
     plan = Plan.of(math.ceil(len(train) / hp["batch_size"]), epochs, steps)
     trained = Module(model, opt, lambda part: _loss(task, model, part, precision, device), hp, scheduler)
-    runner = _Single(task, hp, trained, plan.total, plan.per_epoch, train_batches, val_batches, precision, on_epoch)
+    runner = _Single(task, hp, trained, plan, train_batches, val_batches, precision, on_epoch)
     epochs = fit(plan, runner)
     return {"model": model, **runner.values, **runner.best, "iterations": epochs,
             "train_seconds": time.perf_counter() - entered}
@@ -70,8 +70,7 @@ class _Single(Runner):
     task: LoadedTask
     hp: dict
     trained: Module
-    total: int  # the run's optimizer steps (the schedule's length)
-    per_epoch: int
+    plan: Plan
     train: Batches
     val: Batches | None
     precision: str
@@ -83,10 +82,10 @@ class _Single(Runner):
         self.tracker = Best(self.task.objective)
 
     def batches(self, epoch: int, steps: range):
-        return self.train.steps(self.hp["seed"], epoch, steps, self.per_epoch, self.hp["batch_size"])
+        return self.train.steps(self.hp["seed"], epoch, steps, self.plan.per_epoch, self.hp["batch_size"])
 
     def step(self, step: int, batch) -> tuple[torch.Tensor, int]:
-        loss = train_step(self.trained, batch, self.hp["accumulate"], step, self.total)
+        loss = train_step(self.trained, batch, self.hp["accumulate"], step, self.plan.total)
         return loss, batch_size_of(batch)
 
     def end_epoch(self, epoch: int, window) -> bool:

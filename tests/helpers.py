@@ -3,6 +3,7 @@ jobs, the second Unix user, and plain-PyTorch references. Fixtures are in confte
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -496,16 +497,29 @@ FIXED = {"batch_size": 32, "optimizer": "adamw", "weight_decay": 0.05, "beta1": 
 
 
 def two_ranks(lr: float, seed: int = 0) -> dict:
-    """The trial as two plain DDP ranks train it, in one process: rank r's DistributedSampler batches of
-    16 (32 global), each as 2 micro-batches whose gradients add up (weighted by their share), and its own
-    RNG stream (both ranks seed alike, then draw their own dropout masks and DataLoader seeds); the two
-    gradients averaged, clipped by their total norm, torch's AdamW under LinearLR then CosineAnnealingLR;
-    a validation pass per epoch. Checked: Adam in place of AdamW, clipping off, or a constant lr in the
-    platform fail; one micro-batch in place of 2 changes no value here (the masks are drawn in the same
-    order), so the accumulation tests count the micro-batches."""
+    """The final weights of `plain_ranks` on two ranks."""
+    return plain_ranks(2, lr, seed).weights
+
+
+@dataclasses.dataclass
+class PlainRun:
+    weights: dict
+    step_losses: list  # each optimizer step's loss: the mean over the step's samples on every rank
+    epochs: list  # (validation loss, the training loss as the mean over the epoch's samples) after each epoch
+
+
+def plain_ranks(world: int, lr: float, seed: int = 0, step_seed=None) -> PlainRun:
+    """The trial as `world` plain DDP ranks train it, in one process: rank r's DistributedSampler batches of
+    32 / world (32 global), each as 2 micro-batches whose gradients add up (weighted by their share), and its
+    own RNG stream (every rank seeds alike, then draws its own dropout masks and DataLoader seeds); the
+    gradients averaged over the ranks, clipped by their total norm, torch's AdamW under LinearLR then
+    CosineAnnealingLR; a validation pass per epoch on every rank. `step_seed(seed, rank, step)`: each rank's
+    step draws from torch's RNG seeded with it instead (the parameter server's rule). Checked: Adam in place of AdamW, clipping
+    off, or a constant lr in the platform fail; one micro-batch in place of 2 changes no value here (the
+    masks are drawn in the same order), so the accumulation tests count the micro-batches."""
     from dropout import Dropout  # the test task file (tests/tasks/), as jobs load it
 
-    task, hp = Dropout(), {"width": 16, "p": 0.25, "step_ms": 0.0}
+    task, hp, batch = Dropout(), {"width": 16, "p": 0.25, "step_ms": 0.0}, 32 // world
     data, _ = task.data(hp)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
     n_val = round(0.25 * len(data))
@@ -513,9 +527,10 @@ def two_ranks(lr: float, seed: int = 0) -> dict:
     torch.manual_seed(seed)
     model = task.model(hp)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.999), weight_decay=0.05)
-    rng = [torch.get_rng_state()] * 2
-    samplers = [DistributedSampler(train, num_replicas=2, rank=r, shuffle=True, seed=seed) for r in (0, 1)]
-    schedule = reference_schedule(opt, 10, EPOCHS * math.ceil(len(samplers[0]) / 16), 0.1)
+    rng = [torch.get_rng_state()] * world
+    samplers = [DistributedSampler(train, num_replicas=world, rank=r, shuffle=True, seed=seed) for r in range(world)]
+    schedule = reference_schedule(opt, 10, EPOCHS * math.ceil(len(samplers[0]) / batch), 0.1)
+    run = PlainRun({}, [], [])
 
     def as_rank(r, fn):
         torch.set_rng_state(rng[r])
@@ -527,20 +542,31 @@ def two_ranks(lr: float, seed: int = 0) -> dict:
         model.train()
         for s in samplers:
             s.set_epoch(epoch)
-        loaders = [as_rank(r, lambda r=r: iter(DataLoader(train, batch_size=16, sampler=samplers[r]))) for r in (0, 1)]
-        for batches in zip(*loaders):
-            grads = []
+        loaders = [as_rank(r, lambda r=r: iter(DataLoader(train, batch_size=batch, sampler=samplers[r])))
+                   for r in range(world)]
+        trained = []
+        for step, batches in enumerate(zip(*loaders), epoch * len(loaders[0])):
+            if step_seed is not None:
+                rng = [torch.Generator().manual_seed(step_seed(seed, r, step)).get_state() for r in range(world)]
+            grads, losses = [], []
             for r, (bx, by) in enumerate(batches):
                 model.zero_grad()
                 for mx, my in zip(bx.tensor_split(2), by.tensor_split(2)):
-                    as_rank(r, lambda: (F.mse_loss(model(mx), my) * len(mx) / len(bx)).backward())
+                    loss = as_rank(r, lambda: F.mse_loss(model(mx), my))
+                    (loss * len(mx) / len(bx)).backward()
+                    losses.append((loss.item() * len(mx), len(mx)))
                 grads.append([p.grad.clone() for p in model.parameters()])
-            for p, g0, g1 in zip(model.parameters(), *grads):
-                p.grad = (g0 + g1) / 2
+            for p, *g in zip(model.parameters(), *grads):
+                p.grad = sum(g) / world
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
             schedule.step()
+            run.step_losses.append(sum(s for s, _ in losses) / sum(n for _, n in losses))
+            trained += losses
         model.eval()
-        for r in (0, 1):  # each rank's validation pass (no dropout; its DataLoader draws a seed)
-            as_rank(r, lambda: [F.mse_loss(model(bx), by) for bx, by in DataLoader(val, batch_size=64)])
-    return {k: v.detach() for k, v in model.state_dict().items()}
+        for r in range(world):  # each rank's validation pass (no dropout; its DataLoader draws a seed)
+            val_losses = as_rank(r, lambda: [(F.mse_loss(model(bx), by).item() * len(bx), len(bx))
+                                             for bx, by in DataLoader(val, batch_size=256)])
+        run.epochs.append((sum(s for s, _ in val_losses) / len(val), sum(s for s, _ in trained) / sum(n for _, n in trained)))
+    run.weights = {k: v.detach() for k, v in model.state_dict().items()}
+    return run

@@ -2,8 +2,9 @@
 
 `fit` walks a run's optimizer steps, from the step it resumes at to its last, epoch by epoch: a run of
 `steps` cuts its last epoch short. It owns what every job does alike: where a resumed run starts within
-its epoch, the window of losses each report covers (the loss weighted by the samples of each step, so a
-partial last batch counts for what it holds), the mid-epoch cadence (a checkpoint, a metrics row or a
+its epoch, the window of losses each report covers (a mid-epoch report the steps since the last, an epoch's
+report the whole epoch; the loss weighted by the samples of each step, so a partial last batch counts for
+what it holds), the mid-epoch cadence (a checkpoint, a metrics row or a
 validation every K steps), the epoch's end, the best-so-far, and stopping. A runner says only where and
 how things run (`Runner`): the Ray Train worker, a Tune trial's pack, an array task, the model-parallel
 driver and a parameter-server worker each plug in their batches, their step (`rayhpc.engine.train_step`,
@@ -65,8 +66,9 @@ class Due:
 
 @dataclasses.dataclass
 class Window:
-    """The steps since the last report. The loss sum stays where the losses are (a device, and one value per
-    pack member where a pack trains): reading it every step would make the host wait for the GPU every step."""
+    """Steps and what they took: those since the last report, or a whole epoch's. The loss sum stays where the
+    losses are (a device, and one value per pack member where a pack trains): reading it every step would make
+    the host wait for the GPU every step."""
 
     loss_sum: Any = 0.0  # each step's loss x its samples
     samples: int = 0
@@ -74,27 +76,28 @@ class Window:
     data_seconds: float = 0.0  # host time spent waiting for the next batch
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
-    def add(self, loss: torch.Tensor | float, samples: int) -> None:
+    def add(self, loss: torch.Tensor | float, samples: int, waited: float = 0.0) -> None:
         self.loss_sum = self.loss_sum + loss * samples
         self.samples += samples
         self.steps += 1
+        self.data_seconds += waited
 
     @property
     def loss(self):
         """The mean loss over the window's samples."""
         return self.loss_sum / max(self.samples, 1)
 
-    def timed(self, batches: Iterable) -> Iterator:
-        """`batches`, adding the time each one takes to arrive to `data_seconds`."""
-        it = iter(batches)
-        while True:
-            asked = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            self.data_seconds += time.perf_counter() - asked
-            yield batch
+
+def _timed(batches: Iterable) -> Iterator[tuple[Any, float]]:
+    """(batch, the seconds it took to arrive) for each of `batches`."""
+    it = iter(batches)
+    while True:
+        asked = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        yield batch, time.perf_counter() - asked
 
 
 class Runner:
@@ -114,7 +117,8 @@ class Runner:
         return False
 
     def end_epoch(self, epoch: int, window: Window) -> bool:
-        """Epoch `epoch` (0-based) ended, its steps since the last report in `window`; whether to stop."""
+        """Epoch `epoch` (0-based) ended, its steps in `window` (a resumed epoch's: those since the resume);
+        whether to stop."""
         return False
 
 
@@ -127,15 +131,18 @@ def fit(plan: Plan, runner: Runner, start: int = 0, stop: int | None = None) -> 
     for epoch in range(start // plan.per_epoch if start < stop else epochs, epochs):
         span = plan.span(epoch)
         steps = range(max(start, span.start), min(stop, span.stop))
-        window = Window()
+        # the epoch's steps (a resumed epoch's: from the resume), and those since a mid-epoch report if any
+        whole, since = Window(), None
         # zip asks `steps` first: no batch is drawn past the last step
-        for step, batch in zip(steps, window.timed(runner.batches(epoch, steps))):
-            window.add(*runner.step(step, batch))
-            if step + 1 < span.stop and (due := plan.due(step)) and runner.mid_epoch(step, due, window):
-                window = Window()
+        for step, (batch, waited) in zip(steps, _timed(runner.batches(epoch, steps))):
+            loss, samples = runner.step(step, batch)
+            for window in (whole, since) if since is not None else (whole,):
+                window.add(loss, samples, waited)
+            if step + 1 < span.stop and (due := plan.due(step)) and runner.mid_epoch(step, due, since or whole):
+                since = Window()
         if steps.stop < span.stop:  # a run cut short mid-epoch (a worker's share of its epoch)
             return epoch
-        if runner.end_epoch(epoch, window):
+        if runner.end_epoch(epoch, whole):
             return epoch + 1
     return epochs
 

@@ -33,7 +33,7 @@ from rayhpc.parallel.parallelize import full_state, parallelize
 from rayhpc.parallel.pp import build_schedule, rank_stages
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.precision import autocast, set_matmul_precision
-from rayhpc.task.batches import epoch_indices, eval_batch
+from rayhpc.task.batches import draw_as_a_loader, epoch_indices, eval_batch
 from rayhpc.workers.group import WorkerContext
 
 
@@ -154,7 +154,7 @@ def replica_batch(run: RankRun, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     if run.order[0] != epoch:
         run.order = epoch, epoch_indices(len(run.x), cfg.seed, epoch, p.replica(run.coords), p.replicas)
     if k == 0:
-        torch.empty((), dtype=torch.int64).random_()
+        draw_as_a_loader()
     b = cfg.replica_batch
     idx = torch.as_tensor(run.order[1][k * b:(k + 1) * b], device=run.x.device)
     return run.x[idx], run.y[idx]
@@ -292,9 +292,12 @@ def evaluate(ctx: WorkerContext) -> dict:
     divides by the samples (`evaluate` of every other job: a mean over all the samples)."""
     run: RankRun = ctx.state["run"]
     p = run.cfg.parallelism
+    draw_as_a_loader()  # every job's validation pass iterates its batches as a DataLoader does
     xv, yv = (t[p.replica(run.coords)::p.replicas] for t in run.val)
     batch = eval_batch(run.cfg.micro_batch)
     sums: dict[str, float] = {}
+    for part in run.parts:  # no dropout, batch norm's running statistics: every job validates in eval mode
+        part.eval()
     for start in range(0, len(xv), batch):  # forward only: any size goes through the stages
         x, y = xv[start:start + batch], yv[start:start + batch]
         with autocast(run.cfg.precision, ctx.device, run.cfg.parallelism.fsdp_applies):
@@ -303,6 +306,8 @@ def evaluate(ctx: WorkerContext) -> dict:
             scores = {"val_loss": loss, **{f"val_{k}": v for k, v in run.recipe.metrics(output, y).items()}}
             for name, value in scores.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * len(x)
+    for part in run.parts:
+        part.train()
     return {"sums": sums or None, "samples": len(xv), "coords": run.coords}
 
 

@@ -57,6 +57,12 @@ def epoch_steps(n: int, batch_size: int, world: int = 1) -> int:
     return math.ceil(math.ceil(n / world) / batch_size)
 
 
+def draw_as_a_loader() -> None:
+    """What iterating a DataLoader draws from torch's global RNG (its base seed), drawn where a job batches
+    tensors itself: every dropout mask after it then matches a plain `for batch in DataLoader(...)` loop's."""
+    torch.empty((), dtype=torch.int64).random_()
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """Every tensor in a batch (tensors, lists, tuples, dicts of them) moved to `device`."""
     if isinstance(batch, torch.Tensor):
@@ -127,10 +133,8 @@ class Batches:
             for batch in loader:
                 yield to_device(batch, self.device)
             return
-        # Iterating a DataLoader draws its base seed from torch's global RNG; draw it here too, so
-        # dropout masks later in the step match a plain `for batch in DataLoader(...)` loop's
         if fresh:
-            torch.empty((), dtype=torch.int64).random_()
+            draw_as_a_loader()
         index = torch.as_tensor(list(indices), dtype=torch.long, device=self.device)
         for start in range(0, len(index), batch_size):
             rows = index[start:start + batch_size]

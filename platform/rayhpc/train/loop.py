@@ -59,6 +59,7 @@ class Worker(Runner):
     # trial collects them for its Tune trial process instead (`rayhpc.tune.warm`)
     sink: Callable[["Worker", dict, bool], None] | None = None
     tracker: object = None  # a `rayhpc.tracking.runs.JobRun`: rank 0's tracked run where the job has `tracking:`
+    reported: float = 0.0  # perf_counter at the end of the last report (train_seconds counts no report's time)
 
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
@@ -93,6 +94,7 @@ class Worker(Runner):
         if self.tracker is not None:  # queued: the tracker's thread writes it
             self.tracker.log(self.progress.global_step, {k: v for k, v in metrics.items() if k not in ("epoch", "kind")})
         (self.sink or _ray_train_report)(self, metrics, with_checkpoint)
+        self.reported = time.perf_counter()
 
     # `rayhpc.engine.fit`'s runner: this rank's batches and step, its reports through `report`
 
@@ -213,11 +215,13 @@ def _best(w: Worker, val: dict) -> dict:
 
 
 def _rates(w: Worker, win: Window, epoch: int) -> dict:
-    """Loss and throughput over all ranks since the last report (the one host-device sync of the window)."""
+    """Loss and throughput over all ranks in `win` (the one host-device sync of the window)."""
     if w.device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - win.started
-    w.progress.train_seconds += seconds
+    now = time.perf_counter()
+    seconds = now - win.started
+    # an epoch's window began before its mid-epoch reports; the time between epochs (validation) is not training
+    w.progress.train_seconds += now - max(win.started, w.reported)
     loss_sum = torch.as_tensor(win.loss_sum, dtype=torch.float32, device=w.device)  # 0.0 where no step ran
     totals = torch.stack([loss_sum, torch.tensor(float(win.samples), device=w.device)])
     if dist.is_initialized() and w.world > 1:

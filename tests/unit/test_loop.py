@@ -66,8 +66,11 @@ def test_the_cadence_is_every_k_steps_within_an_epoch_and_the_epochs_end_is_its_
     # after steps 1 (2 done: checkpoint), 2 (3 done: metrics), 5 (6: checkpoint and metrics); steps 3 and 7 end
     # their epochs (4 and 8 done: the epoch's end, not a mid-epoch report)
     assert mids == [(1, True, False, False), (2, False, True, False), (5, True, True, False)]
-    # a metrics row reports the window: the next one starts after it
-    assert [c for c in runner.calls if c[0] == "end"][0][2] == 1  # epoch 0's window: step 3 alone, after step 2's row
+    # a mid-epoch report covers the steps since the last one (a checkpoint alone reports nothing here, a metrics
+    # row does); an epoch's end covers the whole epoch, whatever was reported within it
+    assert [c[5] for c in runner.calls if c[0] == "mid"] == [2, 3, 2]
+    ends = [c[2:] for c in runner.calls if c[0] == "end"]
+    assert ends == [(4, (0 + 10 + 20 + 3 * 5) / 35), (4, (40 + 50 + 60 + 7 * 5) / 35)]
     never = Plan(per_epoch=4, total=8)
     quiet = Recorder(never)
     fit(never, quiet)

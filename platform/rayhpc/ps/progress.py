@@ -141,6 +141,8 @@ class Progress:
         self.recorder.after_report(None, [row], None)
         if self.track is not None:
             self.track(row["global_step"], row)
+        if not self.records:  # every step so far ran in a session killed before it recorded them
+            return
         # whole or not at all: a job stopped while it writes (Ctrl-C, a preemption) must leave a table its
         # resume can read
         tmp = self.steps_path.with_suffix(".tmp")

@@ -1,0 +1,150 @@
+"""A resume is exact on every runner. Each job runs the configuration of test_one_engine (the dropout task,
+AdamW, a 10-step warm-up then cosine decay, clipping, 2 micro-batches, seed 3; 8 steps an epoch, the last
+one partial; 3 epochs) from its command, as a user starts it. Its driver is SIGKILLed once a checkpoint in
+the warm-up is saved, the job resumed with `--resume` and stopped with Ctrl-C (SIGINT to its process group, as
+a terminal sends it) once a checkpoint in the decay is saved (it may save more while it stops), then resumed
+to its end. What it trained must be
+what plain PyTorch ranks train uninterrupted (`helpers.plain_ranks`): the final weights, each epoch's val_loss
+and, where the job records it, each step's loss. `rayhpc train` and `parallel`, which checkpoint every K
+steps, are killed mid-epoch; a sweep's trials checkpoint at each epoch's end, and go on from
+there. Each rank's RNG state must come back from the checkpoint (the parameter server's workers draw from
+(seed, worker, step) instead)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from test_one_engine import BATCH, HPARAMS, LR, OPTIM, SCHEDULE, SEED, TASK, close, ps_seed, same_weights
+
+from helpers import EPOCHS, FIXED, ROOT, job_env, plain_ranks, run_job
+from rayhpc.engine.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
+
+pytestmark = pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers), which balances the two sessions
+
+WARMUP = FIXED["warmup_steps"]
+PER_EPOCH = 8
+TRAINING = ["--task", TASK, "--epochs", str(EPOCHS), "--seed", str(SEED), "--global-batch-size", str(BATCH),
+            "--accumulate", str(FIXED["accumulate"]), "--hp", "step_ms=120",
+            *(a for k, v in {**OPTIM, **SCHEDULE}.items() for a in (f"--{k.replace('_', '-')}", str(v))),
+            "--checkpoint-every", "3"]
+JOBS = {  # name: (ranks, script, its own arguments)
+    "train 1 worker": (1, "train_mlp.py", ["--num-workers", "1", "--metrics-every-steps", "1"]),
+    "ddp 2 workers": (2, "train_mlp.py", ["--num-workers", "2", "--metrics-every-steps", "1"]),
+    "fsdp2 2 workers": (2, "train_mlp.py", ["--num-workers", "2", "--strategy", "fsdp"]),
+    "parallel dp 2": (2, "train_parallel.py", ["--dp", "2"]),
+    "ps sync 2 workers": (2, "train_ps.py", ["--mode", "sync", "--num-workers", "2", "--num-servers", "2"]),
+}
+SWEEPS = {  # name: (ranks, the sweep's own keys)
+    "sweep trial": (1, {"pack": 1}),
+    "pack member": (1, {"pack": 4}),
+    "warm group trial": (2, {"workers_per_trial": 2, "trial_runner": "warm", "max_concurrent": 1}),
+}
+
+
+@pytest.mark.parametrize("runner", [*JOBS, *SWEEPS])
+def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_stopped(runner, ray_address,
+                                                                                      tmp_path):
+    world, args, exp = command(runner, tmp_path, ray_address)
+    # the first stop: a checkpoint of the warm-up (mid-epoch where the job checkpoints every 3 steps)
+    killed = stop_after(args, exp, lambda step: 0 < step <= WARMUP, signal.SIGKILL)
+    interrupted = stop_after([*args, "--resume"], exp, lambda step: step > WARMUP, signal.SIGINT)
+    assert killed <= WARMUP < interrupted < EPOCHS * PER_EPOCH, (killed, interrupted)
+    if runner in JOBS and not runner.startswith("ps"):  # killed mid-epoch: its ranks stop with the driver (a
+        assert killed % PER_EPOCH, killed  # sweep's trials checkpoint at epochs' ends; the parameter server's
+        # servers may save another checkpoint before Ray ends them)
+    proc = subprocess.run([*args, "--resume"], capture_output=True, text=True, env=job_env(None), cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    want = plain_ranks(world, LR, SEED, ps_seed if runner.startswith("ps") else None)
+    weights, val, steps = trained(runner, exp)
+    want_val = [v for v, _ in want.epochs]
+    close(runner, "val_loss", val, [min(want_val), want_val[-1]] if runner in SWEEPS else want_val)
+    if steps is not None:
+        close(runner, "step loss", list(steps.values()), [want.step_losses[s - 1] for s in steps])
+    same_weights(runner, weights, want.weights)
+
+
+def command(runner: str, tmp_path: Path, address: str) -> tuple[int, list[str], Path]:
+    """(ranks, the job's command line, its folder)."""
+    if runner in JOBS:
+        world, script, own = JOBS[runner]
+        return world, [sys.executable, str(ROOT / "jobs" / script), "--storage-path", str(tmp_path), "--name", "r",
+                       "--address", address, *TRAINING, *own], tmp_path / "r"
+    world, own = SWEEPS[runner]
+    lrs = [0.005, 0.01, 0.02, LR][-own["pack"]:] if own.get("pack", 1) > 1 else [LR]
+    config = tmp_path / "sweep.yaml"
+    config.write_text(json.dumps({
+        "name": "r", "storage_path": str(tmp_path), "task": TASK, "search": "grid", "epochs": EPOCHS, "seed": SEED,
+        "optim": {k: v for k, v in OPTIM.items() if k != "lr"}, "schedule": SCHEDULE, **own,
+        "space": {"lr": {"grid": lrs}, **HPARAMS, "step_ms": 120.0, "batch_size": BATCH,
+                  "accumulate": FIXED["accumulate"]}}))
+    return world, [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address",
+                   address], tmp_path / "r"
+
+
+def stop_after(args: list[str], exp: Path, when, sig: int) -> int:
+    """Start the job, and send `sig` to its process group once it has saved a checkpoint whose step `when`
+    takes (and, where Ray Train keeps a snapshot of its checkpoints, that snapshot names it: a resume starts
+    from it); the step of the newest checkpoint once the job has ended."""
+    job = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=job_env(None),
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(when(step) for step in saved_steps(exp)):
+            assert job.poll() is None and time.monotonic() < deadline, f"no checkpoint taken by {when} in time"
+            time.sleep(0.05)
+    finally:
+        os.killpg(job.pid, sig)
+        job.wait(timeout=120)
+    return max(saved_steps(exp))
+
+
+def saved_steps(exp: Path) -> list[int]:
+    """The global steps of the job's complete checkpoints, in every folder of it (a sweep's trials)."""
+    steps = []
+    for progress in exp.rglob("checkpoint_*/progress.json"):
+        snapshot = progress.parent.parent / "checkpoint_manager_snapshot.json"
+        if not snapshot.exists() or progress.parent.name in snapshot.read_text():
+            steps.append(load_progress(progress.parent).global_step)
+    return steps or [0]
+
+
+def trained(runner: str, exp: Path) -> tuple[dict, list, dict | None]:
+    """(the final weights, each epoch's val_loss (a sweep: its best and its last), {global step: its loss} of
+    the steps whose loss the job records, or None)."""
+    if runner in SWEEPS:
+        table = pd.read_parquet(exp / "results.parquet")
+        row = table[table["config.lr"] == LR].iloc[0]
+        assert row["iterations"] == EPOCHS, row
+        if runner == "warm group trial":
+            folder = next(p for p in exp.iterdir() if row["trial_id"] in p.name and (p / "params.json").exists())
+            weights = load_full_state_dict(latest_checkpoint(folder))
+        else:
+            from rayhpc.tune.weights import trial_weights
+
+            weights = trial_weights(f"{exp}:{row['trial_id']}", ("val_loss", "min")).state
+        return weights, [row["best_val_loss"], row["val_loss"]], None
+    final = latest_checkpoint(exp)
+    assert load_progress(final).global_step == EPOCHS * PER_EPOCH, final
+    rows = pd.read_parquet(exp / "metrics.parquet")
+    epochs = rows[rows["kind"] == "epoch"].drop_duplicates("epoch", keep="last")
+    assert epochs["epoch"].tolist() == list(range(1, EPOCHS + 1)), rows
+    steps = None
+    if runner.startswith("parallel"):
+        steps = dict(enumerate(json.loads((final / "losses.json").read_text()), 1))
+    elif "--metrics-every-steps" in JOBS[runner][2]:  # a row a step; an epoch's row stands for its last step
+        every = rows.drop_duplicates("global_step", keep="last").sort_values("global_step")
+        assert every["global_step"].tolist() == list(range(1, EPOCHS * PER_EPOCH + 1)), every
+        every = every[every["kind"] == "step"]
+        steps = dict(zip(every["global_step"], every["loss"]))
+    return load_full_state_dict(final), epochs["val_loss"].tolist(), steps

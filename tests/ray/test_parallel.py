@@ -81,22 +81,6 @@ def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
     assert_equal_to_reference(resumed, cfg)
 
 
-def test_a_run_with_dropout_resumed_from_a_checkpoint_goes_on_with_the_masks_it_would_have_drawn(ray_address,
-                                                                                                tmp_path):
-    """The dropout task on dp 2, saved every 2 steps; resumed from step 4 as if stopped before step 6 was
-    saved: every rank's RNG states come back with its shards, so steps 5 and 6 draw the uninterrupted run's
-    dropout masks and end with its losses and weights."""
-    cfg = parallel_cfg(task=f"{ROOT}/tests/tasks/dropout.py:Dropout", hparams={}, storage_path=tmp_path, steps=6,
-                       dp=2, global_batch_size=32, checkpoint={"every": 2, "keep": 2})
-    full = run_parallel(cfg, log_level=logging.DEBUG)
-    shutil.rmtree(full.checkpoint)
-    resumed = run_parallel(cfg.model_copy(update={"resume": True}), log_level=logging.DEBUG)
-    assert len(resumed.step_seconds) == 2, "the resumed run did not start from step 4"
-    torch.testing.assert_close(resumed.losses, full.losses)
-    for name, tensor in full.weights.items():
-        torch.testing.assert_close(resumed.weights[name], tensor)
-
-
 def test_the_job_script_trains_and_prints_an_epoch_line_and_a_metrics_row_each(ray_address, tmp_path):
     """Two epochs of 52 steps (the last batch of each 6 samples, which 2 microbatches split): a line and a
     `metrics.parquet` row per epoch (as the training job's), the loss of each the epoch's mean; no line per step."""

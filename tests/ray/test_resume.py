@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 from test_one_engine import BATCH, HPARAMS, LR, OPTIM, SCHEDULE, SEED, TASK, close, ps_seed, same_weights
 
-from helpers import EPOCHS, FIXED, ROOT, job_env, plain_ranks, run_job
+from helpers import EPOCHS, FIXED, ROOT, job_env, plain_ranks
 from rayhpc.engine.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
 
 pytestmark = pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers), which balances the two sessions

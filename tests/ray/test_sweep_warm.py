@@ -18,7 +18,7 @@ import pytest
 import ray
 from ray.tune import Callback
 
-from helpers import FIXED, ROOT, assert_same_weights, kill_driver_after, run_job, sweep, two_ranks
+from helpers import FIXED, ROOT, assert_same_weights, sweep, two_ranks
 from rayhpc.engine.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
 from rayhpc.tune.sweep import run_sweep
 
@@ -159,26 +159,6 @@ def test_fsdp_trials_on_a_warm_group_equal_the_ddp_ones(runs, tmp_path):
     for tid in table["trial_id"]:
         held = group_rows(tmp_path / "fsdp", tid)["rank0_param_elements"].iloc[0]
         assert whole // 2 <= held < whole, (held, whole)
-
-
-def test_a_warm_sweep_resumed_after_its_driver_is_killed_ends_equal(ray_address, runs, tmp_path):
-    """The driver dies after the first trial's second epoch (its trial processes and their groups die
-    with it); `--resume` starts new groups, and the trial goes on from its checkpoint, RNG included."""
-    config = tmp_path / "sweep.yaml"
-    config.write_text(json.dumps({"name": "killed", "storage_path": str(tmp_path), "task": TASK, "search": "grid",
-                                  "epochs": EPOCHS, "workers_per_trial": 2, "max_concurrent": 1,
-                                  "space": {"lr": {"grid": LRS[:2]}, **FIXED}}))
-    kill_driver_after(config, ray_address, tmp_path / "killed", epochs=2)
-    proc = run_job("tune_mlp.py", "--config", str(config), "--address", ray_address, "--resume")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    table = pd.read_parquet(tmp_path / "killed" / "results.parquet")
-    assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {EPOCHS}
-    first = group_rows(tmp_path / "killed", table["trial_id"].iloc[0])
-    assert first["epoch"].tolist() == [1, 2, 3] and first["group_trial"].tolist()[-1] == 1  # a new group
-    warm_exp, warm_table = runs["warm"]
-    want = final_weights(warm_exp, warm_table, "warm")
-    for lr, got in final_weights(tmp_path / "killed", table, "warm").items():
-        assert_same_weights(got, want[lr])
 
 
 def test_optuna_proposes_distributed_trials_on_one_warm_group(ray_address, tmp_path):

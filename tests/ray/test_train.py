@@ -1,11 +1,8 @@
 """Data-parallel training on a real local Ray with gloo: DDP and FSDP proven equal to one process."""
 
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-import pandas as pd
 import pytest
 import ray
 import torch
@@ -15,17 +12,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from helpers import (
     CPUS,
     EPOCHS,
-    ROOT,
     assert_same_weights,
-    run_job,
     run_job_warm,
     tensorboard_scalars,
     too_many_gpu_workers,
-    two_ranks,
 )
 from rayhpc.config import Optim, validate
 from rayhpc.data import synthetic_tensors
-from rayhpc.engine.checkpoint import complete_checkpoints, latest_checkpoint, load_full_state_dict, load_progress
+from rayhpc.engine.checkpoint import load_full_state_dict
 from rayhpc.models import MLP
 from rayhpc.task.batches import epoch_indices
 from rayhpc.train.config import TrainConfig
@@ -84,53 +78,6 @@ def test_ddp_equals_one_process_with_the_global_batch(ddp_run):
 
 
 
-
-
-@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
-def test_a_run_with_dropout_resumed_mid_epoch_after_its_driver_is_killed_equals_two_plain_ranks(ray_address,
-                                                                                                tmp_path):
-    """The dropout task on 2 DDP ranks with every training option (AdamW, warm-up then cosine, clipping, 2
-    micro-batches), a checkpoint every 3 steps (8 a epoch); the driver SIGKILLed once a mid-epoch checkpoint
-    is saved, then `--resume`: the run ends with the weights of two plain ranks that never stopped. Each rank's
-    dropout masks must go on from its own RNG state at the checkpoint, and the part-done epoch must draw
-    nothing new; the epochs finished before the kill are not trained again."""
-    args = [sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--storage-path", str(tmp_path), "--name", "r",
-            "--task", f"{ROOT / 'tests' / 'tasks' / 'dropout.py'}:Dropout", "--epochs", str(EPOCHS),
-            "--num-workers", "2", "--batch-size-per-worker", "16", "--lr", "0.03", "--optimizer", "adamw",
-            "--weight-decay", "0.05", "--beta1", "0.8", "--warmup-steps", "10", "--decay", "cosine",
-            "--min-lr-ratio", "0.1", "--clip-grad-norm", "0.5", "--accumulate", "2", "--hp", "step_ms=150",
-            "--checkpoint-every", "3", "--address", ray_address]
-    driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    deadline = time.monotonic() + 180
-    while (at_kill := registered_mid_epoch(tmp_path / "r")) is None:
-        assert driver.poll() is None and time.monotonic() < deadline, "no mid-epoch checkpoint before the deadline"
-        time.sleep(0.05)
-    driver.kill()
-    driver.wait()
-    assert at_kill.epoch < EPOCHS, "the run ended before the driver was killed"
-    rows = lambda: pd.read_parquet(tmp_path / "r" / "metrics.parquet").sort_values(["global_step", "kind"])
-    before = (b := rows())[b["global_step"] <= at_kill.global_step]
-
-    proc = run_job("train_mlp.py", *args[2:], "--resume")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    final = latest_checkpoint(tmp_path / "r")
-    assert load_progress(final).epoch == EPOCHS
-    assert_same_weights(load_full_state_dict(final), two_ranks(0.03))
-    after = rows()
-    assert after.loc[after["kind"] == "epoch", "epoch"].tolist() == [1, 2, 3]
-    # the steps up to the checkpoint were not trained again: their rows (timings included) are unchanged
-    pd.testing.assert_frame_equal(after.iloc[:len(before)][before.columns], before)
-
-
-def registered_mid_epoch(run: Path):
-    """The progress of a mid-epoch checkpoint once Ray Train has registered it (its snapshot names it, which
-    a resume starts from) and its row is recorded; None before."""
-    snapshot = run / "checkpoint_manager_snapshot.json"
-    if not snapshot.exists() or not (run / "metrics.parquet").exists():
-        return None
-    named = [c for c in complete_checkpoints(run) if c.name in snapshot.read_text()]
-    recorded = set(pd.read_parquet(run / "metrics.parquet")["global_step"])
-    return next((p for p in map(load_progress, named) if p.step_in_epoch and p.global_step in recorded), None)
 
 
 def test_shards_partition_the_data_and_reshuffle_every_epoch():

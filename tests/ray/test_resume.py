@@ -85,7 +85,9 @@ def command(runner: str, tmp_path: Path, address: str) -> tuple[int, list[str], 
     config.write_text(json.dumps({
         "name": "r", "storage_path": str(tmp_path), "task": TASK, "search": "grid", "epochs": EPOCHS, "seed": SEED,
         "optim": {k: v for k, v in OPTIM.items() if k != "lr"}, "schedule": SCHEDULE, **own,
-        "space": {"lr": {"grid": lrs}, **HPARAMS, "step_ms": 120.0, "batch_size": BATCH,
+        # slower steps than the jobs': a trial stopped after its epoch-16 checkpoint must not reach step 24 while
+        # Tune stops it
+        "space": {"lr": {"grid": lrs}, **HPARAMS, "step_ms": 300.0, "batch_size": BATCH,
                   "accumulate": FIXED["accumulate"]}}))
     return world, [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address",
                    address], tmp_path / "r"

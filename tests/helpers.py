@@ -508,7 +508,7 @@ class PlainRun:
     epochs: list  # (validation loss, the training loss as the mean over the epoch's samples) after each epoch
 
 
-def plain_ranks(world: int, lr: float, seed: int = 0, step_seed=None) -> PlainRun:
+def plain_ranks(world: int, lr: float, seed: int = 0, step_seed=None, epochs: int = EPOCHS) -> PlainRun:
     """The trial as `world` plain DDP ranks train it, in one process: rank r's DistributedSampler batches of
     32 / world (32 global), each as 2 micro-batches whose gradients add up (weighted by their share), and its
     own RNG stream (every rank seeds alike, then draws its own dropout masks and DataLoader seeds); the
@@ -529,7 +529,7 @@ def plain_ranks(world: int, lr: float, seed: int = 0, step_seed=None) -> PlainRu
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.999), weight_decay=0.05)
     rng = [torch.get_rng_state()] * world
     samplers = [DistributedSampler(train, num_replicas=world, rank=r, shuffle=True, seed=seed) for r in range(world)]
-    schedule = reference_schedule(opt, 10, EPOCHS * math.ceil(len(samplers[0]) / batch), 0.1)
+    schedule = reference_schedule(opt, 10, epochs * math.ceil(len(samplers[0]) / batch), 0.1)
     run = PlainRun({}, [], [])
 
     def as_rank(r, fn):
@@ -538,7 +538,7 @@ def plain_ranks(world: int, lr: float, seed: int = 0, step_seed=None) -> PlainRu
         rng[r] = torch.get_rng_state()
         return out
 
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         model.train()
         for s in samplers:
             s.set_epoch(epoch)

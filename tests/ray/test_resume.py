@@ -1,14 +1,13 @@
 """A resume is exact on every runner. Each job runs the configuration of test_one_engine (the dropout task,
 AdamW, a 10-step warm-up then cosine decay, clipping, 2 micro-batches, seed 3; 8 steps an epoch, the last
-one partial; 3 epochs) from its command, as a user starts it. Its driver is SIGKILLed once a checkpoint in
-the warm-up is saved, the job resumed with `--resume` and stopped with Ctrl-C (SIGINT to its process group, as
-a terminal sends it) once a checkpoint in the decay is saved (it may save more while it stops), then resumed
-to its end. What it trained must be
-what plain PyTorch ranks train uninterrupted (`helpers.plain_ranks`): the final weights, each epoch's val_loss
-and, where the job records it, each step's loss. `rayhpc train` and `parallel`, which checkpoint every K
-steps, are killed mid-epoch; a sweep's trials checkpoint at each epoch's end, and go on from
-there. Each rank's RNG state must come back from the checkpoint (the parameter server's workers draw from
-(seed, worker, step) instead)."""
+one partial; 3 epochs, a sweep 4) from its command, as a user starts it. Its driver is SIGKILLed once a
+checkpoint in the warm-up is saved, the job resumed with `--resume` and stopped with Ctrl-C (SIGINT to its
+process group, as a terminal sends it) once a checkpoint in the decay is saved (it may save more while it
+stops), then resumed to its end. What it trained must be what plain PyTorch ranks train uninterrupted
+(`helpers.plain_ranks`): the final weights, each epoch's val_loss and, where the job records it, each step's
+loss. `rayhpc train` and `parallel`, which checkpoint every K steps, are killed mid-epoch; a sweep's trials
+checkpoint at each epoch's end, and go on from there. Each rank's RNG state must come back from the
+checkpoint (the parameter server's workers draw from (seed, worker, step) instead)."""
 
 from __future__ import annotations
 
@@ -42,6 +41,9 @@ JOBS = {  # name: (ranks, script, its own arguments)
     "parallel dp 2": (2, "train_parallel.py", ["--dp", "2"]),
     "ps sync 2 workers": (2, "train_ps.py", ["--mode", "sync", "--num-workers", "2", "--num-servers", "2"]),
 }
+# Ctrl-C lets a running trial finish its epoch (Tune waits for it): a sweep one epoch longer still has one to
+# resume after it
+SWEEP_EPOCHS = EPOCHS + 1
 SWEEPS = {  # name: (ranks, the sweep's own keys)
     "sweep trial": (1, {"pack": 1}),
     "pack member": (1, {"pack": 4}),
@@ -53,10 +55,11 @@ SWEEPS = {  # name: (ranks, the sweep's own keys)
 def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_stopped(runner, ray_address,
                                                                                       tmp_path):
     world, args, exp = command(runner, tmp_path, ray_address)
+    epochs = SWEEP_EPOCHS if runner in SWEEPS else EPOCHS
     # the first stop: a checkpoint of the warm-up (mid-epoch where the job checkpoints every 3 steps)
     killed = stop_after(args, exp, lambda step: 0 < step <= WARMUP, signal.SIGKILL)
     interrupted = stop_after([*args, "--resume"], exp, lambda step: step > WARMUP, signal.SIGINT)
-    assert killed <= WARMUP < interrupted < EPOCHS * PER_EPOCH, (killed, interrupted)
+    assert killed <= WARMUP < interrupted < epochs * PER_EPOCH, (killed, interrupted, logs(tmp_path))
     if runner in JOBS and not runner.startswith("ps"):  # killed mid-epoch: its ranks stop with the driver (a
         assert killed % PER_EPOCH, killed  # sweep's trials checkpoint at epochs' ends; the parameter server's
         # servers may save another checkpoint before Ray ends them)
@@ -64,8 +67,8 @@ def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_s
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    want = plain_ranks(world, LR, SEED, ps_seed if runner.startswith("ps") else None)
-    weights, val, steps = trained(runner, exp)
+    want = plain_ranks(world, LR, SEED, ps_seed if runner.startswith("ps") else None, epochs)
+    weights, val, steps = trained(runner, exp, epochs)
     want_val = [v for v, _ in want.epochs]
     close(runner, "val_loss", val, [min(want_val), want_val[-1]] if runner in SWEEPS else want_val)
     if steps is not None:
@@ -83,11 +86,9 @@ def command(runner: str, tmp_path: Path, address: str) -> tuple[int, list[str], 
     lrs = [0.005, 0.01, 0.02, LR][-own["pack"]:] if own.get("pack", 1) > 1 else [LR]
     config = tmp_path / "sweep.yaml"
     config.write_text(json.dumps({
-        "name": "r", "storage_path": str(tmp_path), "task": TASK, "search": "grid", "epochs": EPOCHS, "seed": SEED,
+        "name": "r", "storage_path": str(tmp_path), "task": TASK, "search": "grid", "epochs": SWEEP_EPOCHS, "seed": SEED,
         "optim": {k: v for k, v in OPTIM.items() if k != "lr"}, "schedule": SCHEDULE, **own,
-        # slower steps than the jobs': a trial stopped after its epoch-16 checkpoint must not reach step 24 while
-        # Tune stops it
-        "space": {"lr": {"grid": lrs}, **HPARAMS, "step_ms": 300.0, "batch_size": BATCH,
+        "space": {"lr": {"grid": lrs}, **HPARAMS, "step_ms": 120.0, "batch_size": BATCH,
                   "accumulate": FIXED["accumulate"]}}))
     return world, [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address",
                    address], tmp_path / "r"
@@ -97,17 +98,23 @@ def stop_after(args: list[str], exp: Path, when, sig: int) -> int:
     """Start the job, and send `sig` to its process group once it has saved a checkpoint whose step `when`
     takes (and, where Ray Train keeps a snapshot of its checkpoints, that snapshot names it: a resume starts
     from it); the step of the newest checkpoint once the job has ended."""
-    job = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=job_env(None),
-                           start_new_session=True)
+    log = exp.parent / f"{signal.Signals(sig).name}.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=job_env(None),
+                               start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         while not any(when(step) for step in saved_steps(exp)):
-            assert job.poll() is None and time.monotonic() < deadline, f"no checkpoint taken by {when} in time"
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
     finally:
         os.killpg(job.pid, sig)
         job.wait(timeout=120)
     return max(saved_steps(exp))
+
+
+def logs(folder: Path) -> str:
+    return "\n".join(f"{log.name}:\n{log.read_text()[-2000:]}" for log in sorted(folder.glob("*.log")))
 
 
 def saved_steps(exp: Path) -> list[int]:
@@ -120,13 +127,13 @@ def saved_steps(exp: Path) -> list[int]:
     return steps or [0]
 
 
-def trained(runner: str, exp: Path) -> tuple[dict, list, dict | None]:
+def trained(runner: str, exp: Path, epochs: int) -> tuple[dict, list, dict | None]:
     """(the final weights, each epoch's val_loss (a sweep: its best and its last), {global step: its loss} of
     the steps whose loss the job records, or None)."""
     if runner in SWEEPS:
         table = pd.read_parquet(exp / "results.parquet")
         row = table[table["config.lr"] == LR].iloc[0]
-        assert row["iterations"] == EPOCHS, row
+        assert row["iterations"] == epochs, row
         if runner == "warm group trial":
             folder = next(p for p in exp.iterdir() if row["trial_id"] in p.name and (p / "params.json").exists())
             weights = load_full_state_dict(latest_checkpoint(folder))
@@ -136,16 +143,16 @@ def trained(runner: str, exp: Path) -> tuple[dict, list, dict | None]:
             weights = trial_weights(f"{exp}:{row['trial_id']}", ("val_loss", "min")).state
         return weights, [row["best_val_loss"], row["val_loss"]], None
     final = latest_checkpoint(exp)
-    assert load_progress(final).global_step == EPOCHS * PER_EPOCH, final
+    assert load_progress(final).global_step == epochs * PER_EPOCH, final
     rows = pd.read_parquet(exp / "metrics.parquet")
-    epochs = rows[rows["kind"] == "epoch"].drop_duplicates("epoch", keep="last")
-    assert epochs["epoch"].tolist() == list(range(1, EPOCHS + 1)), rows
+    ends = rows[rows["kind"] == "epoch"].drop_duplicates("epoch", keep="last")
+    assert ends["epoch"].tolist() == list(range(1, epochs + 1)), rows
     steps = None
     if runner.startswith("parallel"):
         steps = dict(enumerate(json.loads((final / "losses.json").read_text()), 1))
     elif "--metrics-every-steps" in JOBS[runner][2]:  # a row a step; an epoch's row stands for its last step
         every = rows.drop_duplicates("global_step", keep="last").sort_values("global_step")
-        assert every["global_step"].tolist() == list(range(1, EPOCHS * PER_EPOCH + 1)), every
+        assert every["global_step"].tolist() == list(range(1, epochs * PER_EPOCH + 1)), every
         every = every[every["kind"] == "step"]
         steps = dict(zip(every["global_step"], every["loss"]))
-    return load_full_state_dict(final), epochs["val_loss"].tolist(), steps
+    return load_full_state_dict(final), ends["val_loss"].tolist(), steps

@@ -130,16 +130,6 @@ def write_private(path: str | Path, text: str, replace: bool = True) -> Path:
     return path
 
 
-def ensure_private_file(path: str | Path) -> None:
-    """Narrow an existing file of this user's to 0600 (Ray writes ~/.ray/auth_token world-readable)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
-        os.chmod(path, 0o600)
-
-
 def check_trusted(path: str | Path, below: bool = False, _seen: set[Path] | None = None) -> None:
     """Before loading what `path` holds (a pickle, a checkpoint, Python code): the folders above it pass
     `check_ancestors`, and `path` itself (with everything inside it, if `below`) belongs to this user or

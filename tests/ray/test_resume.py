@@ -123,7 +123,10 @@ def saved_steps(exp: Path) -> list[int]:
     for progress in exp.rglob("checkpoint_*/progress.json"):
         snapshot = progress.parent.parent / "checkpoint_manager_snapshot.json"
         if not snapshot.exists() or progress.parent.name in snapshot.read_text():
-            steps.append(load_progress(progress.parent).global_step)
+            try:
+                steps.append(load_progress(progress.parent).global_step)
+            except ValueError:  # being copied into the trial's folder (Tune persists a checkpoint so)
+                continue
     return steps or [0]
 
 

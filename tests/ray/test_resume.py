@@ -26,8 +26,6 @@ from test_one_engine import BATCH, HPARAMS, LR, OPTIM, SCHEDULE, SEED, TASK, clo
 from helpers import EPOCHS, FIXED, ROOT, job_env, plain_ranks
 from rayhpc.engine.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
 
-pytestmark = pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers), which balances the two sessions
-
 WARMUP = FIXED["warmup_steps"]
 PER_EPOCH = 8
 TRAINING = ["--task", TASK, "--epochs", str(EPOCHS), "--seed", str(SEED), "--global-batch-size", str(BATCH),
@@ -51,7 +49,8 @@ SWEEPS = {  # name: (ranks, the sweep's own keys)
 }
 
 
-@pytest.mark.parametrize("runner", [*JOBS, *SWEEPS])
+# CI: the jobs beside the Slurm tests (pyproject's markers), the sweeps in the other session, which balances the two
+@pytest.mark.parametrize("runner", [*(pytest.param(job, marks=pytest.mark.newest) for job in JOBS), *SWEEPS])
 def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_stopped(runner, ray_address,
                                                                                       tmp_path):
     world, args, exp = command(runner, tmp_path, ray_address)

@@ -514,9 +514,9 @@ def plain_ranks(world: int, lr: float, seed: int = 0, step_seed=None, epochs: in
     own RNG stream (every rank seeds alike, then draws its own dropout masks and DataLoader seeds); the
     gradients averaged over the ranks, clipped by their total norm, torch's AdamW under LinearLR then
     CosineAnnealingLR; a validation pass per epoch on every rank. `step_seed(seed, rank, step)`: each rank's
-    step draws from torch's RNG seeded with it instead (the parameter server's rule). Checked: Adam in place of AdamW, clipping
-    off, or a constant lr in the platform fail; one micro-batch in place of 2 changes no value here (the
-    masks are drawn in the same order), so the accumulation tests count the micro-batches."""
+    step draws from torch's RNG seeded with it instead (the parameter server's rule). Checked: Adam in place
+    of AdamW, clipping off, or a constant lr in the platform fail; one micro-batch in place of 2 changes no
+    value here (the masks are drawn in the same order), so the accumulation tests count the micro-batches."""
     from dropout import Dropout  # the test task file (tests/tasks/), as jobs load it
 
     task, hp, batch = Dropout(), {"width": 16, "p": 0.25, "step_ms": 0.0}, 32 // world
@@ -567,6 +567,7 @@ def plain_ranks(world: int, lr: float, seed: int = 0, step_seed=None, epochs: in
         for r in range(world):  # each rank's validation pass (no dropout; its DataLoader draws a seed)
             val_losses = as_rank(r, lambda: [(F.mse_loss(model(bx), by).item() * len(bx), len(bx))
                                              for bx, by in DataLoader(val, batch_size=256)])
-        run.epochs.append((sum(s for s, _ in val_losses) / len(val), sum(s for s, _ in trained) / sum(n for _, n in trained)))
+        mean = lambda pairs: sum(s for s, _ in pairs) / sum(n for _, n in pairs)  # noqa: E731
+        run.epochs.append((mean(val_losses), mean(trained)))
     run.weights = {k: v.detach() for k, v in model.state_dict().items()}
     return run

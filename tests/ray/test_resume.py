@@ -85,8 +85,8 @@ def command(runner: str, tmp_path: Path, address: str) -> tuple[int, list[str], 
     lrs = [0.005, 0.01, 0.02, LR][-own["pack"]:] if own.get("pack", 1) > 1 else [LR]
     config = tmp_path / "sweep.yaml"
     config.write_text(json.dumps({
-        "name": "r", "storage_path": str(tmp_path), "task": TASK, "search": "grid", "epochs": SWEEP_EPOCHS, "seed": SEED,
-        "optim": {k: v for k, v in OPTIM.items() if k != "lr"}, "schedule": SCHEDULE, **own,
+        "name": "r", "storage_path": str(tmp_path), "task": TASK, "search": "grid", "epochs": SWEEP_EPOCHS,
+        "seed": SEED, "optim": {k: v for k, v in OPTIM.items() if k != "lr"}, "schedule": SCHEDULE, **own,
         "space": {"lr": {"grid": lrs}, **HPARAMS, "step_ms": 120.0, "batch_size": BATCH,
                   "accumulate": FIXED["accumulate"]}}))
     return world, [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address",

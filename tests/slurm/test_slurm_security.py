@@ -471,6 +471,11 @@ def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_nex
     while [path for path in secrets if path.exists()] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert [path for path in secrets if path.exists()] == [], "the job's secrets outlived its head"
+    # the surviving node removes the secrets first, then reaps its Ray and removes its own temp folder
+    # (/tmp is shared by the test cluster's nodes): wait for that, so only the lost head's folder is left
+    deadline = time.monotonic() + 30
+    while len(glob.glob(f"/tmp/rh-{job}-*")) > 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert len(glob.glob(f"/tmp/rh-{job}-*")) == 1, "the lost head's temp folder (the test's precondition)"
     next_job = submit("true")
     assert wait_done(next_job)["JobState"] == "COMPLETED", job_log(next_job)

@@ -192,6 +192,10 @@ def _settings(job: Started[SweepConfig], study=None) -> TrialSettings:
                          measure=measured_names(objectives(job), cfg.constraint_list))
 
 
+def _not_slow_warning(record: logging.LogRecord) -> bool:
+    return "may be a performance bottleneck" not in record.getMessage()
+
+
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, study=None):
     cfg, (metric, mode) = job.cfg, job.info.objective
     # Tune's newer output engine prints its own tables even at verbose=0; the legacy
@@ -200,6 +204,9 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
     # Trials checkpoint every epoch on purpose, which makes Tune snapshot the experiment
     # state often (good for --resume) and warn about it every few seconds.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    # Tune also warns when one of its own steps or callbacks takes over 0.5 s, which a loaded
+    # node does now and then and the user cannot act on; its threshold is read at Tune's import
+    logging.getLogger("ray.tune.utils.util").addFilter(_not_slow_warning)
 
     optuna = packs is None and cfg.search == "optuna"
     proposed = optuna_pack(job, gpus, STUDY_ROUNDS if study else 2) if optuna else 0  # per Optuna trial

@@ -24,7 +24,7 @@ class Recorder:
         last = step + 1 == self.plan.span(step // self.plan.per_epoch).stop
         return float(step), 5 if last else 10
 
-    def mid_epoch(self, step, due, window):
+    def mid_epoch(self, step, due, window, epoch):
         self.calls.append(("mid", step, due.checkpoint, due.metrics, due.evaluate, window.steps))
         return due.metrics
 

@@ -41,6 +41,10 @@ class Progress:
     best_val_loss: float = math.inf
     best_objective: float | None = None  # the best of the task's objective, when it is not val_loss
     train_seconds: float = 0.0
+    # the epoch under way, over every rank: its steps' loss x samples and its samples (a run resumed mid-epoch
+    # reports the whole epoch's loss at its end)
+    epoch_loss_sum: float = 0.0
+    epoch_samples: int = 0
 
 
 def report(metrics: dict, *, strategy: str, model, optimizer, progress: Progress, rank: int, world: int,

@@ -112,8 +112,9 @@ class Runner:
         """Global step `step` on `batch`: (its loss, detached; the samples it took)."""
         raise NotImplementedError
 
-    def mid_epoch(self, step: int, due: Due, window: Window) -> bool:
-        """What `due` asks after global step `step`; whether it reported `window` (a fresh one starts)."""
+    def mid_epoch(self, step: int, due: Due, window: Window, epoch: Window) -> bool:
+        """What `due` asks after global step `step`; whether it reported `window` (a fresh one starts).
+        `epoch`: the epoch's steps so far (a resumed epoch's: since the resume)."""
         return False
 
     def end_epoch(self, epoch: int, window: Window) -> bool:
@@ -138,7 +139,7 @@ def fit(plan: Plan, runner: Runner, start: int = 0, stop: int | None = None) -> 
             loss, samples = runner.step(step, batch)
             for window in (whole, since) if since is not None else (whole,):
                 window.add(loss, samples, waited)
-            if step + 1 < span.stop and (due := plan.due(step)) and runner.mid_epoch(step, due, since or whole):
+            if step + 1 < span.stop and (due := plan.due(step)) and runner.mid_epoch(step, due, since or whole, whole):
                 since = Window()
         if steps.stop < span.stop:  # a run cut short mid-epoch (a worker's share of its epoch)
             return epoch

@@ -154,7 +154,7 @@ class _Driver(Runner):
                   f"{cfg.global_batch / seconds:,.0f} samples/s{self.recipe.tokens(cfg.global_batch / seconds)}")
         return loss, step_samples(cfg, self.n_train, step)
 
-    def mid_epoch(self, step: int, due: Due, window: Window) -> bool:
+    def mid_epoch(self, step: int, due: Due, window: Window, epoch: Window) -> bool:
         if due.checkpoint:
             self.save(step)
         if due.evaluate:

@@ -60,6 +60,7 @@ class Worker(Runner):
     sink: Callable[["Worker", dict, bool], None] | None = None
     tracker: object = None  # a `rayhpc.tracking.runs.JobRun`: rank 0's tracked run where the job has `tracking:`
     reported: float = 0.0  # perf_counter at the end of the last report (train_seconds counts no report's time)
+    resumed: tuple[float, int] = (0.0, 0)  # a run resumed mid-epoch: the epoch's loss sum and samples before it
 
     def __post_init__(self):
         self.gauges = WorkerMetrics(self.cfg.name, self.rank)  # this rank's Prometheus gauges
@@ -72,6 +73,7 @@ class Worker(Runner):
         self.trained = Module(self.model, self.optimizer, self.loss, self.hp, self.scheduler)
         restored = {self.task.objective[0]: self.progress.best_objective, "val_loss": self.progress.best_val_loss}
         self.best = Best(self.task.objective, {k: v for k, v in restored.items() if v is not None})
+        self.resumed = (self.progress.epoch_loss_sum, self.progress.epoch_samples)
 
     @property
     def epochs(self) -> int:
@@ -111,16 +113,21 @@ class Worker(Runner):
         p.step_in_epoch, p.global_step = step % self.plan.per_epoch + 1, step + 1
         return loss, batch_size_of(batch)
 
-    def mid_epoch(self, step: int, due: Due, window: Window) -> bool:
+    def mid_epoch(self, step: int, due: Due, window: Window, epoch: Window) -> bool:
         if not (due.checkpoint or due.metrics):
             return False
+        if due.checkpoint:  # where the epoch stands, for a resume: its loss so far
+            loss_sum, samples = _summed(self, epoch)
+            self.progress.epoch_loss_sum, self.progress.epoch_samples = (self.resumed[0] + loss_sum,
+                                                                         self.resumed[1] + int(samples))
         self.report({"kind": "step", **_rates(self, window, step // self.plan.per_epoch)}, due.checkpoint)
         return True
 
     def end_epoch(self, epoch: int, window: Window) -> bool:
-        metrics = _rates(self, window, epoch)
+        metrics = _rates(self, window, epoch, self.resumed)
         val = self.validate()
         self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
+        self.resumed, self.progress.epoch_loss_sum, self.progress.epoch_samples = (0.0, 0), 0.0, 0
         self.report({"kind": "epoch", **metrics, "epoch": epoch + 1, **val, **_best(self, val)}, with_checkpoint=True)
         return False
 
@@ -214,25 +221,32 @@ def _best(w: Worker, val: dict) -> dict:
     return {"best_val_loss": best["best_val_loss"]}
 
 
-def _rates(w: Worker, win: Window, epoch: int) -> dict:
-    """Loss and throughput over all ranks in `win` (the one host-device sync of the window)."""
+def _summed(w: Worker, win: Window) -> tuple[float, float]:
+    """`win`'s loss sum and samples over all ranks (the one host-device sync of the window)."""
+    loss_sum = torch.as_tensor(win.loss_sum, dtype=torch.float32, device=w.device)  # 0.0 where no step ran
+    totals = torch.stack([loss_sum, torch.tensor(float(win.samples), device=w.device)])
+    if dist.is_initialized() and w.world > 1:
+        dist.all_reduce(totals)
+    loss_sum, samples = totals.tolist()
+    return loss_sum, samples
+
+
+def _rates(w: Worker, win: Window, epoch: int, before: tuple[float, int] = (0.0, 0)) -> dict:
+    """Loss and throughput over all ranks in `win`; the loss counts `before` too (an epoch's steps before a
+    resume: their loss sum and samples)."""
     if w.device.type == "cuda":
         torch.cuda.synchronize()
     now = time.perf_counter()
     seconds = now - win.started
     # an epoch's window began before its mid-epoch reports; the time between epochs (validation) is not training
     w.progress.train_seconds += now - max(win.started, w.reported)
-    loss_sum = torch.as_tensor(win.loss_sum, dtype=torch.float32, device=w.device)  # 0.0 where no step ran
-    totals = torch.stack([loss_sum, torch.tensor(float(win.samples), device=w.device)])
-    if dist.is_initialized() and w.world > 1:
-        dist.all_reduce(totals)
-    loss_sum, samples = totals.tolist()
+    loss_sum, samples = _summed(w, win)
     all_per_s = samples / seconds if seconds > 0 else 0.0
     per_s = win.samples / seconds if seconds > 0 else 0.0  # this rank's
     return {
         "epoch": epoch + 1,  # the (1-based) epoch this row belongs to
         "global_step": w.progress.global_step,
-        "loss": loss_sum / max(samples, 1),
+        "loss": (loss_sum + before[0]) / max(samples + before[1], 1),
         "samples_per_s": all_per_s,
         "worker_samples_per_s": per_s,
         "step_ms": 1000 * seconds / max(win.steps, 1),

@@ -24,7 +24,9 @@ import pytest
 from test_one_engine import BATCH, HPARAMS, LR, OPTIM, SCHEDULE, SEED, TASK, close, ps_seed, same_weights
 
 from helpers import EPOCHS, FIXED, ROOT, job_env, plain_ranks
+from rayhpc.config import validate
 from rayhpc.engine.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
+from rayhpc.tune.config import SweepConfig
 
 WARMUP = FIXED["warmup_steps"]
 PER_EPOCH = 8
@@ -47,29 +49,32 @@ SWEEPS = {  # name: (ranks, the sweep's own keys)
     "pack member": (1, {"pack": 4}),
     "warm group trial": (2, {"workers_per_trial": 2, "trial_runner": "warm", "max_concurrent": 1}),
 }
+# one task of `rayhpc submit --array` as its sbatch script runs it; a requeued task runs the same command again
+ARRAY = "array task"
 
 
 # CI: the jobs beside the Slurm tests (pyproject's markers), the sweeps in the other session, which balances the two
-@pytest.mark.parametrize("runner", [*(pytest.param(job, marks=pytest.mark.newest) for job in JOBS), *SWEEPS])
+@pytest.mark.parametrize("runner", [*(pytest.param(job, marks=pytest.mark.newest) for job in JOBS), *SWEEPS, ARRAY])
 def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_stopped(runner, ray_address,
                                                                                       tmp_path):
     world, args, exp = command(runner, tmp_path, ray_address)
     epochs = SWEEP_EPOCHS if runner in SWEEPS else EPOCHS
     # the first stop: a checkpoint of the warm-up (mid-epoch where the job checkpoints every 3 steps)
     killed = stop_after(args, exp, lambda step: 0 < step <= WARMUP, signal.SIGKILL)
-    interrupted = stop_after([*args, "--resume"], exp, lambda step: step > WARMUP, signal.SIGINT)
+    resume = args if runner == ARRAY else [*args, "--resume"]
+    interrupted = stop_after(resume, exp, lambda step: step > WARMUP, signal.SIGINT)
     assert killed <= WARMUP < interrupted < epochs * PER_EPOCH, (killed, interrupted, logs(tmp_path))
     if runner in JOBS and not runner.startswith("ps"):  # killed mid-epoch: its ranks stop with the driver (a
         assert killed % PER_EPOCH, killed  # sweep's trials checkpoint at epochs' ends; the parameter server's
         # servers may save another checkpoint before Ray ends them)
-    proc = subprocess.run([*args, "--resume"], capture_output=True, text=True, env=job_env(None), cwd=ROOT,
+    proc = subprocess.run(resume, capture_output=True, text=True, env=job_env(None), cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     want = plain_ranks(world, LR, SEED, ps_seed if runner.startswith("ps") else None, epochs)
     weights, val, train, steps = trained(runner, exp, epochs)
     want_val = [v for v, _ in want.epochs]
-    close(runner, "val_loss", val, [min(want_val), want_val[-1]] if runner in SWEEPS else want_val)
+    close(runner, "val_loss", val, [min(want_val), want_val[-1]] if runner in (*SWEEPS, ARRAY) else want_val)
     # an epoch resumed mid-way reports the loss of all its steps; the parameter server's driver holds its
     # workers' step records until their epoch ends, so a killed driver's are lost (its rows say so: NaN)
     if train is not None and not runner.startswith("ps"):
@@ -81,20 +86,33 @@ def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_s
 
 def command(runner: str, tmp_path: Path, address: str) -> tuple[int, list[str], Path]:
     """(ranks, the job's command line, its folder)."""
+    if runner == ARRAY:  # the sweep's folder as `rayhpc submit --array` leaves it: the sweep, the drawn trials
+        from rayhpc.tune.array import ARRAY_DIR, prepare_array
+        from rayhpc.tune.plan import save_plan
+
+        cfg, _, configs, _ = prepare_array(validate(SweepConfig, sweep_keys(tmp_path, 1, EPOCHS)), set())
+        cfg.save()
+        save_plan([[c] for c in configs], cfg.experiment_dir)
+        return 1, [sys.executable, "-m", "rayhpc.tune.single", "--config", str(cfg.saved_file), "--index", "0",
+                   "--out", str(cfg.experiment_dir / ARRAY_DIR)], cfg.experiment_dir
     if runner in JOBS:
         world, script, own = JOBS[runner]
         return world, [sys.executable, str(ROOT / "jobs" / script), "--storage-path", str(tmp_path), "--name", "r",
                        "--address", address, *TRAINING, *own], tmp_path / "r"
     world, own = SWEEPS[runner]
-    lrs = [0.005, 0.01, 0.02, LR][-own["pack"]:] if own.get("pack", 1) > 1 else [LR]
     config = tmp_path / "sweep.yaml"
-    config.write_text(json.dumps({
-        "name": "r", "storage_path": str(tmp_path), "task": TASK, "search": "grid", "epochs": SWEEP_EPOCHS,
-        "seed": SEED, "optim": {k: v for k, v in OPTIM.items() if k != "lr"}, "schedule": SCHEDULE, **own,
-        "space": {"lr": {"grid": lrs}, **HPARAMS, "step_ms": 120.0, "batch_size": BATCH,
-                  "accumulate": FIXED["accumulate"]}}))
+    config.write_text(json.dumps({**sweep_keys(tmp_path, own.get("pack", 1), SWEEP_EPOCHS), **own}))
     return world, [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address",
                    address], tmp_path / "r"
+
+
+def sweep_keys(tmp_path: Path, pack: int, epochs: int) -> dict:
+    """The sweep's config: a grid of `pack` learning rates, LR's trial the one compared."""
+    lrs = [0.005, 0.01, 0.02, LR][-pack:] if pack > 1 else [LR]
+    return {"name": "r", "storage_path": str(tmp_path), "task": TASK, "search": "grid", "epochs": epochs,
+            "seed": SEED, "optim": {k: v for k, v in OPTIM.items() if k != "lr"}, "schedule": SCHEDULE,
+            "space": {"lr": {"grid": lrs}, **HPARAMS, "step_ms": 120.0, "batch_size": BATCH,
+                      "accumulate": FIXED["accumulate"]}}
 
 
 def stop_after(args: list[str], exp: Path, when, sig: int) -> int:
@@ -136,6 +154,14 @@ def saved_steps(exp: Path) -> list[int]:
 def trained(runner: str, exp: Path, epochs: int) -> tuple[dict, list, list | None, dict | None]:
     """(the final weights, each epoch's val_loss (a sweep: its best and its last), each epoch's training loss
     (a sweep: None), {global step: its loss} of the steps whose loss the job records, or None)."""
+    if runner == ARRAY:
+        from rayhpc.tune.array import ARRAY_DIR
+
+        row = json.loads((exp / ARRAY_DIR / "trial_00000.json").read_text())
+        assert row["iterations"] == epochs, row
+        final = latest_checkpoint(exp / ARRAY_DIR / "trial_00000")
+        assert load_progress(final).global_step == epochs * PER_EPOCH, final
+        return load_full_state_dict(final), [row["best_val_loss"], row["val_loss"]], None, None
     if runner in SWEEPS:
         table = pd.read_parquet(exp / "results.parquet")
         row = table[table["config.lr"] == LR].iloc[0]

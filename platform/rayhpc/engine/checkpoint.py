@@ -71,16 +71,19 @@ def restore(checkpoint, *, strategy: str, model, optimizer, device: torch.device
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as d:
-        folder = Path(d)
-        progress = Progress(**json.loads((folder / PROGRESS_FILE).read_text()))
-        if strategy == "fsdp":
-            load_sharded([(model, optimizer)], folder)
-        else:
-            state = torch.load(folder / DDP_FILE, map_location=device, weights_only=True)
-            unwrap(model).load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optim"])
-        load_rng(folder, device, rank)
-    return progress
+        return load(Path(d), strategy=strategy, model=model, optimizer=optimizer, device=device, rank=rank)
+
+
+def load(folder: Path, *, strategy: str, model, optimizer, device: torch.device, rank: int = 0) -> Progress:
+    """`restore` from a checkpoint folder on this machine."""
+    if strategy == "fsdp":
+        load_sharded([(model, optimizer)], folder)
+    else:
+        state = torch.load(folder / DDP_FILE, map_location=device, weights_only=True)
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+    load_rng(folder, device, rank)
+    return load_progress(folder)
 
 
 def save_whole(folder: str | Path, model, optimizer) -> None:

@@ -22,7 +22,7 @@ import torch
 from rayhpc.config import ModelOptions, check_trusted_job, load_yaml, validate
 from rayhpc.data import DataConfig
 from rayhpc.devices import cuda_device
-from rayhpc.engine import Module, train_step
+from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Plan, Runner, fit
 from rayhpc.engine.parallelize import apply_options
 from rayhpc.precision import autocast, set_matmul_precision
@@ -36,14 +36,17 @@ from rayhpc.tune.plan import load_plan
 
 def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfig = DataConfig(),
                  on_epoch: Callable | None = None, device: torch.device = torch.device("cpu"),
-                 precision: str = "tf32", steps: int | None = None, options: ModelOptions = ModelOptions()) -> dict:
+                 precision: str = "tf32", steps: int | None = None, options: ModelOptions = ModelOptions(),
+                 checkpoints: Path | None = None) -> dict:
     """Train one trial for `epochs` (or `steps`, the last epoch cut short) in `precision`, its blocks
     checkpointed and compiled as `options` asks; returns its final model, its last values (`train_loss`,
     `val_loss`, `val_<metric>`), the best of each, and its time.
 
     `data` is the sweep's `data:` section (the validation hold-out); `on_epoch(epoch, values,
     model)` runs after each epoch (the plain Ray Tune baseline reports and checkpoints there; a study's
-    array task asks ASHA there), and training stops early where it returns True.
+    array task asks ASHA there), and training stops early where it returns True. With `checkpoints` (a
+    folder of this user's), each epoch's end is checkpointed there (the latest kept) and a run that finds
+    one goes on from it: a requeued array task resumes where it stopped.
     """
     entered = time.perf_counter()
     set_matmul_precision(precision)
@@ -51,14 +54,18 @@ def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfi
     model = task.initial_model(hp).to(device)
     apply_options(model, task.obj, options)
     opt = task.optimizer(model.parameters(), hp)
-    scheduler = task.scheduler(opt, hp)
+    latest = checkpoint.latest_checkpoint(checkpoints) if checkpoints is not None else None
+    start = checkpoint.load_progress(latest).global_step if latest is not None else 0
+    scheduler = task.scheduler(opt, hp, start)
     workers = loader_workers(device, int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
     train_batches = Batches(train, device, workers)
     val_batches = Batches(val, device, workers) if val is not None else None
     plan = Plan.of(math.ceil(len(train) / hp["batch_size"]), epochs, steps)
     trained = Module(model, opt, lambda part: _loss(task, model, part, precision, device), hp, scheduler)
-    runner = _Single(task, hp, trained, plan, train_batches, val_batches, precision, on_epoch)
-    epochs = fit(plan, runner)
+    runner = _Single(task, hp, trained, plan, train_batches, val_batches, precision, on_epoch, device, checkpoints)
+    if latest is not None:
+        runner.restore(latest)
+    epochs = fit(plan, runner, start)
     return {"model": model, **runner.values, **runner.best, "iterations": epochs,
             "train_seconds": time.perf_counter() - entered}
 
@@ -75,6 +82,8 @@ class _Single(Runner):
     val: Batches | None
     precision: str
     on_epoch: Callable | None
+    device: torch.device
+    checkpoints: Path | None
     values: dict = dataclasses.field(default_factory=dict)
     best: dict = dataclasses.field(default_factory=dict)
 
@@ -95,7 +104,30 @@ class _Single(Runner):
                 self.values.update(evaluate(self.task, self.trained.model,
                                             self.val.all(eval_batch(self.hp["batch_size"]))))
         self.best = self.tracker.update(self.values)
+        if self.checkpoints is not None:
+            self.save(epoch, self.plan.span(epoch).stop)
         return self.on_epoch is not None and bool(self.on_epoch(epoch + 1, self.values, self.trained.model))
+
+    def save(self, epoch: int, step: int) -> None:
+        """The state after epoch `epoch` (global step `step`), its values and best so far with it; the
+        progress file last (it marks the folder complete), then the older checkpoints go."""
+        folder = self.checkpoints / f"checkpoint_{step:06d}"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a killed run's half-written one is rewritten
+        checkpoint.save_whole(folder, self.trained.model, self.trained.optimizer)
+        checkpoint.save_rng(folder, self.device)
+        (folder / VALUES_FILE).write_text(json.dumps({"values": self.values, "best": self.tracker.so_far}))
+        checkpoint.write_progress(folder, checkpoint.Progress(epoch=epoch + 1, global_step=step))
+        checkpoint.prune(self.checkpoints, 1)
+
+    def restore(self, folder: Path) -> None:
+        checkpoint.load(folder, strategy="ddp", model=self.trained.model, optimizer=self.trained.optimizer,
+                        device=self.device)
+        saved = json.loads((folder / VALUES_FILE).read_text())
+        self.values, self.tracker.so_far = saved["values"], saved["best"]
+        self.best = self.tracker.update({})
+
+
+VALUES_FILE = "values.json"  # an array task's checkpoint: the last epoch's values and the best so far
 
 
 def _loss(task: LoadedTask, model, batch, precision: str, device: torch.device) -> torch.Tensor:
@@ -127,15 +159,18 @@ def main(argv=None) -> int:
     task = task_for(args.task or cfg.task, cfg.data)
     (hp,) = load_plan(Path(args.config).parent)[args.index]  # the trials the submission drew
     cfg = cfg.model_copy(update={"storage_path": Path(args.config).parent.parent})  # the sweep's, wherever run
+    out, name = Path(args.out), f"trial_{args.index:05d}"
+    if (out / f"{name}.json").exists():  # a requeued array's finished task: its result stands
+        return 0
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_trusted_job(out)  # where the task's checkpoints are read back from
     with job_run(cfg, {**cfg.defaults(task.hp_model), **hp}, "array trial", key=f"{args.index:05d}") as run:
         result = train_single(task, hp, cfg.epochs, cfg.data, on_epoch=lambda e, values, _m: run.log(e, values),
                               device=task_device(cfg.gpus_per_trial), precision=cfg.precision, steps=cfg.steps,
-                              options=cfg)
+                              options=cfg, checkpoints=out / name)
     row = {"index": args.index, "config": hp, "node": socket.gethostname(),
            **{k: v for k, v in result.items() if k != "model"}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"trial_{args.index:05d}.json").write_text(json.dumps(row))
+    (out / f"{name}.json").write_text(json.dumps(row))
     return 0
 
 

@@ -70,6 +70,11 @@ def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_s
     proc = subprocess.run(resume, capture_output=True, text=True, env=job_env(None), cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if runner == ARRAY:  # a requeue of the finished task leaves its result (its time in it) as it is
+        result = next(exp.glob("*/trial_00000.json"))
+        before = result.read_text()
+        assert subprocess.run(resume, env=job_env(None), cwd=ROOT, timeout=300).returncode == 0
+        assert result.read_text() == before
 
     want = plain_ranks(world, LR, SEED, ps_seed if runner.startswith("ps") else None, epochs)
     weights, val, train, steps = trained(runner, exp, epochs)

@@ -10,6 +10,7 @@ run sets the same learning rate as the uninterrupted one without saving schedule
 from __future__ import annotations
 
 import inspect
+import sys
 import math
 
 import torch
@@ -39,8 +40,19 @@ def optimizer_kwargs(hp: dict, cls: type) -> dict:
 
 def make_optimizer(hp: dict, params) -> torch.optim.Optimizer:
     """The trial's optimizer over `params`, with its lr, weight decay, momentum, betas and eps."""
-    cls = optimizer_class(hp["optimizer"])
-    return cls(params, **optimizer_kwargs(hp, cls))
+    cls, params = optimizer_class(hp["optimizer"]), list(params)
+    kwargs = optimizer_kwargs(hp, cls)
+    # torch steps CPU parameters one at a time; on DTensors (FSDP2, TP) each element-wise op of that loop
+    # goes through DTensor's dispatch, where the multi-tensor form dispatches once per op for all of them
+    # (the same values, bit for bit)
+    if "foreach" in inspect.signature(cls).parameters and any(_is_dtensor(p) for p in params):
+        kwargs["foreach"] = True
+    return cls(params, **kwargs)
+
+
+def _is_dtensor(param) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: nothing was sharded (and a sweep
+    return dtensor is not None and isinstance(param, dtensor.DTensor)  # does not pay for its import)
 
 
 def warmup_steps(hp: dict, total_steps: int) -> int:

@@ -29,10 +29,10 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh=None, bf16: bool =
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     # on one rank the "shard" is the whole parameter: a group per unit saves no memory and costs each unit
-    # its own gather, gradient reduction and hooks, so the model is one group, kept gathered from forward
-    # to backward (FSDP2 one worker: see docs/benchmarks.md)
+    # its own gather, gradient reduction and hooks, so the model is one group (FSDP2 one worker: see
+    # docs/benchmarks.md)
     shared = (mesh.size(mesh.ndim - 1) if mesh is not None else torch.distributed.get_world_size()) > 1
     for i, unit in enumerate(units if shared else []):
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(units) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=shared)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: kept gathered from forward to backward
     return model

@@ -44,8 +44,8 @@ def make_optimizer(hp: dict, params) -> torch.optim.Optimizer:
     kwargs = optimizer_kwargs(hp, cls)
     # torch steps CPU parameters one at a time; on DTensors (FSDP2, TP) each element-wise op of that loop
     # goes through DTensor's dispatch, where the multi-tensor form dispatches once per op for all of them
-    # (the same values, bit for bit)
-    if "foreach" in inspect.signature(cls).parameters and any(_is_dtensor(p) for p in params):
+    # (the same values, bit for bit); not where plain tensors are mixed in (TP alone), which it refuses
+    if "foreach" in inspect.signature(cls).parameters and params and all(_is_dtensor(p) for p in params):
         kwargs["foreach"] = True
     return cls(params, **kwargs)
 

@@ -10,8 +10,8 @@ run sets the same learning rate as the uninterrupted one without saving schedule
 from __future__ import annotations
 
 import inspect
-import sys
 import math
+import sys
 
 import torch
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -195,7 +196,11 @@ def _gather_servers(paths: list[Path]) -> dict[str, torch.Tensor]:
 
 def write_progress(folder: str | Path, progress: Progress) -> None:
     """Where training stands, written last into a checkpoint folder: it marks the folder complete."""
-    (Path(folder) / PROGRESS_FILE).write_text(json.dumps(dataclasses.asdict(progress)))
+    # whole or not at all: a process killed while it writes (the parameter server's driver marks folders
+    # complete) must not leave an empty progress file, which would stop every resume
+    tmp = Path(folder) / f".{PROGRESS_FILE}.tmp"
+    tmp.write_text(json.dumps(dataclasses.asdict(progress)))
+    os.replace(tmp, Path(folder) / PROGRESS_FILE)
 
 
 def load_progress(folder: str | Path) -> Progress:

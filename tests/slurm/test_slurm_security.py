@@ -470,7 +470,8 @@ def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_nex
     deadline = time.monotonic() + 30
     while [path for path in secrets if path.exists()] and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert [path for path in secrets if path.exists()] == [], "the job's secrets outlived its head"
+    assert [path for path in secrets if path.exists()] == [], f"the job's secrets outlived its head:\n{job_log(job)}\n" + "\n".join(
+        f"{path.name}: {path.read_text()}" for path in sorted((LOGS / job / "nodes").glob("*.json")))
     # the surviving node removes the secrets first, then reaps its Ray and removes its own temp folder
     # (/tmp is shared by the test cluster's nodes): wait for that, so only the lost head's folder is left
     deadline = time.monotonic() + 30
@@ -482,26 +483,29 @@ def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_nex
     assert_nothing_left(job)
 
 
-@pytest.mark.parametrize("head", ["gone", "up"])
+@pytest.mark.parametrize("head", ["gone", "up", "up, the job ends"])
 def test_a_worker_nodes_ray_that_ends_by_itself_removes_the_token_only_when_the_head_is_gone(slurm, tmp_path,
                                                                                                head):
     """The lost-head test above may see the job end before the surviving node's Ray notices; here the node's
     Ray (a stand-in that exits 1) ends first. With the head's port refusing, its token and targets go; with
-    the head up (a listening socket), they stay for the command still running there."""
+    the head up (a listening socket), they stay for the command still running there. When the job ends
+    (SIGTERM, here with a SIGHUP hard on its heels, as from a lost srun) they go whatever the head."""
     job, job_dir = "990001", tmp_path / "990001"
     job_dir.mkdir(mode=0o700)
     (tmp_path / "prometheus").mkdir(mode=0o700)
     secrets = [job_dir / "auth_token", job_dir / "cluster.json", tmp_path / "prometheus" / f"{job}.json"]
     for path in secrets:
         path.write_text("x")
+    ends = head.endswith("ends")
+    stand_in = "kill -TERM $PPID; kill -HUP $PPID; sleep 30" if ends else "exit 1"
     with socket.socket() as gcs:
         gcs.bind(("127.0.0.1", 0))
-        if head == "up":  # else bound and not listening: connections are refused
+        if head.startswith("up"):  # else bound and not listening: connections are refused
             gcs.listen()
         env = {**os.environ, "SLURM_JOB_ID": job, "RAY_ADDRESS": f"127.0.0.1:{gcs.getsockname()[1]}"}
         node = subprocess.run([sys.executable, "-m", "rayhpc.slurm.node", "run", str(job_dir), "--", "sh", "-c",
-                               "exit 1"], env=env, capture_output=True, text=True, timeout=60)
-    assert node.returncode == 1, node.stderr
+                               stand_in], env=env, capture_output=True, text=True, timeout=60)
+    assert node.returncode == (0 if ends else 1), node.stderr
     assert [path.exists() for path in secrets] == [head == "up"] * 3, (head, node.stdout, node.stderr)
     assert not glob.glob(f"/tmp/rh-{job}-*"), "the node's temp folder outlived its Ray"
 

@@ -185,8 +185,22 @@ class _Stop(Exception):
     """Raised by the signal handler, to leave `wait()` at once."""
 
 
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def _stop(signum, _frame):
+    # only the first signal raises: a second one (Slurm's SIGTERM after a forwarded one, SIGHUP from a lost
+    # srun) raised inside the `except` that handles the first would skip the clean-up that removes the secrets
+    for other in ENDING_SIGNALS:
+        signal.signal(other, signal.SIG_IGN)
     raise _Stop(signum)
+
+
+def _say(line: str) -> None:
+    """A line to the job's log; the srun that carries it may be gone with a lost head node, which must not
+    keep this node from cleaning up."""
+    with contextlib.suppress(OSError):
+        print(f"rayhpc: {node_name()}: {line}", flush=True)
 
 
 # Ray's raylet waits a fixed 15 s (not configurable) for its dashboard agent's port files, then aborts; on a
@@ -198,7 +212,7 @@ AGENT_TIMED_OUT, AGENT_RETRIES = "Timed out waiting for file", 3
 def _ray_node(job: str, command: list[str], env: dict, root: Path, retries: int) -> tuple[int, bool]:
     """Run `ray start --block` (again, up to `retries` times, where its raylet gave up on a slow agent);
     its exit code, and whether the job is ending (SIGTERM, SIGINT or SIGHUP to this process)."""
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in ENDING_SIGNALS:
         signal.signal(signum, _stop)
     code, ending = 0, False
     try:
@@ -206,20 +220,20 @@ def _ray_node(job: str, command: list[str], env: dict, root: Path, retries: int)
             code = subprocess.Popen(command, env=env).wait()
             fatal = fatal_lines(root) if code else []
             for line in fatal:
-                print(f"rayhpc: {node_name()}: {line}", flush=True)
+                _say(line)
             if attempt == retries or not any(AGENT_TIMED_OUT in line for line in fatal):
                 break
-            print(f"rayhpc: {node_name()}: Ray's agent took longer than the raylet waits for it (a loaded node): "
-                  f"starting the node's Ray again ({attempt + 2} of {retries + 1})", flush=True)
+            _say(f"Ray's agent took longer than the raylet waits for it (a loaded node): starting the node's Ray "
+                 f"again ({attempt + 2} of {retries + 1})")
             reap(job, [f"{NODE_MARKER}={job}:{node_name()}"], subreaper=True)
             for session in root.glob("r/session_*"):  # the aborted start's logs are read: the next start's are new
                 shutil.rmtree(session, ignore_errors=True)
+        for signum in ENDING_SIGNALS:  # inside the `try`: a signal before this loop ends still counts
+            signal.signal(signum, signal.SIG_IGN)
     except _Stop:
         # the job is ending (Slurm gives KillWait, 10-30 s, before SIGKILL): no graceful drain, which
         # `ray start` would spend up to 30 s on; the caller's clean-up kills every process of this node's Ray
         code, ending = 0, True
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
     return code, ending
 
 
@@ -242,12 +256,14 @@ def run(job_dir: Path, command: list[str]) -> int:
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
     remove_stale_temp_roots()
     code, ending = _ray_node(job, command, env, Path(root), retries=0 if head else AGENT_RETRIES)
-    if head or ending or head_gone(os.environ.get("RAY_ADDRESS", "")):
+    secrets = head or ending or head_gone(os.environ.get("RAY_ADDRESS", ""))
+    if secrets:
         # the job's secrets and targets go with its head, and with every node when the job ends or its head is
         # gone: after a lost head node (the batch script died with it) the nodes that survive remove them.
         # Before the reap, which a loaded node may not finish within Slurm's KillWait (then SIGKILL)
         for path in (job_dir / "auth_token", job_dir / "cluster.json", job_dir.parent / "prometheus" / f"{job}.json"):
             path.unlink(missing_ok=True)
+    report(job_dir, "ended", {"node": node_name(), "code": code, "signalled": ending, "secrets_removed": secrets})
     clean_up(job, job_dir, root)
     return code
 

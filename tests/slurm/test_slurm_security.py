@@ -497,7 +497,8 @@ def test_a_worker_nodes_ray_that_ends_by_itself_removes_the_token_only_when_the_
     for path in secrets:
         path.write_text("x")
     ends = head.endswith("ends")
-    stand_in = "kill -TERM $PPID; kill -HUP $PPID; sleep 30" if ends else "exit 1"
+    # stopped while both arrive, so both are pending when it goes on
+    stand_in = "kill -STOP $PPID; kill -TERM $PPID; kill -HUP $PPID; kill -CONT $PPID; sleep 30" if ends else "exit 1"
     with socket.socket() as gcs:
         gcs.bind(("127.0.0.1", 0))
         if head.startswith("up"):  # else bound and not listening: connections are refused

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -451,7 +452,9 @@ def signal_all(pids: set[int], signum: int) -> None:
 def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_next_job_its_temp_folder(slurm):
     """A lost head takes the batch script and its clean-up with it: every process of the job on the head is
     killed at once. The node that survives removes the job's token, connection file and Prometheus targets
-    when Slurm ends the job; the head's temp folder is removed by the user's next job there."""
+    when Slurm ends the job; the head's temp folder is removed by the user's next job there, as are the
+    secrets of an ended job whose every node was killed before its clean-up (only of a job that ran on that
+    node: a log folder two Slurm clusters share holds the other's jobs too)."""
     job = submit("python", "-c", "import time; time.sleep(600)")
     head = wait_cluster(job)["head"]
     secrets = [LOGS / job / "auth_token", LOGS / job / "cluster.json", LOGS / "prometheus" / f"{job}.json"]
@@ -467,20 +470,34 @@ def test_after_a_lost_head_node_the_surviving_node_removes_the_token_and_the_nex
         time.sleep(0.2)
     assert not alive, f"processes of job {job} on {head} outlived SIGKILL: {alive}"
     wait_done(job)
+    # the surviving node removes the secrets, then reaps its Ray and removes its own temp folder (/tmp is
+    # shared by the test cluster's nodes); wait for that. A node killed before its clean-up ran leaves both to
+    # the user's next job, as the lost head does (the test below proves the surviving node's part alone)
     deadline = time.monotonic() + 30
-    while [path for path in secrets if path.exists()] and time.monotonic() < deadline:
+    while (any(path.exists() for path in secrets) or len(glob.glob(f"/tmp/rh-{job}-*")) > 1) \
+            and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert [path for path in secrets if path.exists()] == [], f"the job's secrets outlived its head:\n{job_log(job)}\n" + "\n".join(
-        f"{path.name}: {path.read_text()}" for path in sorted((LOGS / job / "nodes").glob("*.json")))
-    # the surviving node removes the secrets first, then reaps its Ray and removes its own temp folder
-    # (/tmp is shared by the test cluster's nodes): wait for that, so only the lost head's folder is left
-    deadline = time.monotonic() + 30
-    while len(glob.glob(f"/tmp/rh-{job}-*")) > 1 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert len(glob.glob(f"/tmp/rh-{job}-*")) == 1, "the lost head's temp folder (the test's precondition)"
+    head_temp = Path(json.loads((LOGS / job / "nodes" / f"{head}.ray.json").read_text())["temp_dir"]).parent
+    assert head_temp.exists(), "the lost head's temp folder (the test's precondition)"
+    killed, elsewhere = (stale_job_secrets(fake, node) for fake, node in (("990101", head), ("990102", "nodeX")))
     next_job = submit("true")
     assert wait_done(next_job)["JobState"] == "COMPLETED", job_log(next_job)
     assert_nothing_left(job)
+    assert [path for path in secrets if path.exists()] == [], job_log(job)
+    assert [path.exists() for path in killed + elsewhere] == [False] * 3 + [True] * 3
+    for fake in ("990101", "990102"):
+        shutil.rmtree(LOGS / fake)
+        (LOGS / "prometheus" / f"{fake}.json").unlink(missing_ok=True)
+
+
+def stale_job_secrets(job: str, ran_on: str) -> list[Path]:
+    """The secrets of an ended job whose Ray ran on `ran_on`, as a job whose every node was killed leaves them."""
+    (LOGS / job / "nodes").mkdir(mode=0o700, parents=True, exist_ok=True)
+    (LOGS / job / "nodes" / f"{ran_on}.ray.json").write_text("{}")
+    paths = [LOGS / job / "auth_token", LOGS / job / "cluster.json", LOGS / "prometheus" / f"{job}.json"]
+    for path in paths:
+        path.write_text("x")
+    return paths
 
 
 @pytest.mark.parametrize("head", ["gone", "up", "up, the job ends"])

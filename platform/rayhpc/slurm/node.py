@@ -134,9 +134,15 @@ def remove_temp_roots(job: str) -> list[str]:
     return left
 
 
-def remove_stale_temp_roots() -> None:
-    """Remove this user's temp folders of jobs no longer in the queue, left on this node by a node lost
-    mid-job (nothing ran its clean-up); when Slurm cannot be asked, nothing."""
+def secrets_of(job: str, job_dir: Path) -> list[Path]:
+    """The job's token, connection file and Prometheus targets: they go when its Ray does."""
+    return [job_dir / "auth_token", job_dir / "cluster.json", job_dir.parent / "prometheus" / f"{job}.json"]
+
+
+def remove_stale(log_dir: Path) -> None:
+    """Remove what this user's jobs no longer in the queue left: temp folders on this node, from a node lost
+    mid-job (nothing ran its clean-up), and secrets in `log_dir`, where every node of a job was killed before
+    its clean-up ran; when Slurm cannot be asked, nothing."""
     proc = subprocess.run(["squeue", "-h", "-u", str(os.getuid()), "-o", "%A"], capture_output=True, text=True)
     if proc.returncode:
         return
@@ -144,6 +150,12 @@ def remove_stale_temp_roots() -> None:
     for job in {entry.name.split("-")[1] for entry in Path(temp_base()).glob(TEMP_PREFIX.format(job="*") + "*")}:
         if job.isdigit() and job not in live:
             remove_temp_roots(job)
+    for token in log_dir.glob("*/auth_token"):
+        job = token.parent.name  # only jobs whose Ray ran on this node: a log folder shared by two Slurm
+        ran_here = (token.parent / "nodes" / f"{node_name()}.ray.json").exists()  # clusters holds both's jobs
+        if job.isdigit() and job not in live and ran_here:
+            for path in secrets_of(job, token.parent):
+                path.unlink(missing_ok=True)
 
 
 def report(job_dir: Path | None, name: str, data: dict) -> None:
@@ -254,14 +266,14 @@ def run(job_dir: Path, command: list[str]) -> int:
     env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}", "RAY_TMPDIR": root, "TMPDIR": root,
            OWN_TMPDIR_BASE: temp_base()}
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
-    remove_stale_temp_roots()
+    remove_stale(job_dir.parent)
     code, ending = _ray_node(job, command, env, Path(root), retries=0 if head else AGENT_RETRIES)
     secrets = head or ending or head_gone(os.environ.get("RAY_ADDRESS", ""))
     if secrets:
         # the job's secrets and targets go with its head, and with every node when the job ends or its head is
         # gone: after a lost head node (the batch script died with it) the nodes that survive remove them.
         # Before the reap, which a loaded node may not finish within Slurm's KillWait (then SIGKILL)
-        for path in (job_dir / "auth_token", job_dir / "cluster.json", job_dir.parent / "prometheus" / f"{job}.json"):
+        for path in secrets_of(job, job_dir):
             path.unlink(missing_ok=True)
     report(job_dir, "ended", {"node": node_name(), "code": code, "signalled": ending, "secrets_removed": secrets})
     clean_up(job, job_dir, root)

@@ -80,9 +80,9 @@ def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_s
     weights, val, train, steps = trained(runner, exp, epochs)
     want_val = [v for v, _ in want.epochs]
     close(runner, "val_loss", val, [min(want_val), want_val[-1]] if runner in (*SWEEPS, ARRAY) else want_val)
-    # an epoch resumed mid-way reports the loss of all its steps; the parameter server's driver holds its
-    # workers' step records until their epoch ends, so a killed driver's are lost (its rows say so: NaN)
-    if train is not None and not runner.startswith("ps"):
+    # an epoch resumed mid-way reports the loss of all its steps (the parameter server's driver holds its
+    # workers' step records until their epoch ends: a killed driver's come from server 0's checkpoint)
+    if train is not None:
         close(runner, "epoch loss", train, [t for _, t in want.epochs])
     if steps is not None:
         close(runner, "step loss", list(steps.values()), [want.step_losses[s - 1] for s in steps])
@@ -151,8 +151,8 @@ def saved_steps(exp: Path) -> list[int]:
         if not snapshot.exists() or progress.parent.name in snapshot.read_text():
             try:
                 steps.append(load_progress(progress.parent).global_step)
-            except ValueError:  # being copied into the trial's folder (Tune persists a checkpoint so)
-                continue
+            except (ValueError, OSError):  # being copied into the trial's folder (Tune persists a checkpoint
+                continue  # so), or pruned since the glob (a job keeps its newest few)
     return steps or [0]
 
 

@@ -36,7 +36,7 @@ from rayhpc.job import start_job
 from rayhpc.optim import step_plan
 from rayhpc.ps import shards
 from rayhpc.ps.config import PSConfig
-from rayhpc.ps.progress import Progress, checkpoint_step, checkpoint_steps, latest_checkpoint
+from rayhpc.ps.progress import Progress, checkpoint_step, checkpoint_steps, epoch_loss, latest_checkpoint
 from rayhpc.ps.server import ParameterServer
 from rayhpc.ps.worker import PSEvaluator, PSWorker, weights
 from rayhpc.task.batches import epoch_steps
@@ -158,7 +158,7 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
     """Servers (restored from `checkpoint`, or with the initial parameters), then workers, each given
     its first epoch from the checkpoint's step."""
     step = checkpoint_step(checkpoint)
-    run.restart_at(step)
+    run.restart_at(step, epoch_loss(checkpoint))
     per_epoch, total = made["steps_per_epoch"], made["total_steps"]
     ends = [run.end_of(e) for e in range(made["epochs"])]
     server_cls = ray.remote(ParameterServer).options(**made["resources"]["server"])
@@ -168,7 +168,7 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
     servers = [server_cls.remote(j, made["initial"][j], holds[j], made["hp"], cfg.compute.num_workers, cfg.mode,
                                  cfg.staleness, cfg.name, total, checkpoint_steps(cfg, per_epoch, total),
                                  ends if made["validates"] else [],
-                                 str(cfg.experiment_dir), str(checkpoint) if checkpoint else None)
+                                 str(cfg.experiment_dir), str(checkpoint) if checkpoint else None, per_epoch)
                for j in range(cfg.compute.num_servers)]
     ray.get([server.set_peers.remote(servers) for server in servers])  # sync clipping adds their norms
     fleet = Fleet(servers, [None] * cfg.compute.num_workers, {})

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import pandas as pd
+import torch
 
 from rayhpc.engine import checkpoint
 from rayhpc.engine.loop import Best
@@ -48,6 +49,15 @@ def checkpoint_step(folder: Path | None) -> int:
     return int(folder.name.removeprefix("checkpoint_")) if folder is not None else 0
 
 
+def epoch_loss(folder: Path | None) -> tuple[float, int]:
+    """(loss x samples, samples) over every worker, of the checkpoint's epoch up to its step (server 0 keeps
+    them: `rayhpc.ps.server`); mapped, not read: the shard beside them may be large."""
+    if folder is None:
+        return 0.0, 0
+    kept = torch.load(folder / checkpoint.SERVER_FILE.format(index=0), weights_only=True, mmap=True).get("losses", [])
+    return sum(total for _, total, _ in kept), sum(n for *_, n in kept)
+
+
 class Progress:
     def __init__(self, cfg, made: dict, started: float):
         """`made`: the run's plan (`rayhpc.ps.driver.plan_run`)."""
@@ -59,16 +69,18 @@ class Progress:
         self.steps_path = cfg.experiment_dir / STEPS_FILE
         self.next_epoch = 0  # the first epoch without a metrics row
         self.best = Best(("val_loss", "min"))
-        self.restored = 0
+        self.restored, self.before = 0, (0.0, 0)
         self.epoch_ended: float | None = None  # unix time; None: from the first step of this session
         self.track: Callable[[int, dict], None] | None = None  # the job's tracked run's log (`tracking:`)
 
-    def restart_at(self, step: int) -> None:
+    def restart_at(self, step: int, before: tuple[float, int] = (0.0, 0)) -> None:
         """Forget what comes after `step` (restored from a checkpoint): it will be computed again. Epochs
         that ended by `step` without a row (a driver killed between the checkpoint and the row) get one;
-        the validation of an epoch that ended before `step` is gone with its weights."""
+        the validation of an epoch that ended before `step` is gone with its weights. `before`: the loss x
+        samples and samples of the epoch of step `step` - 1 up to `step` (`epoch_loss`)."""
         self.records = {k: r for k, r in self.records.items() if k[1] < step}
         self.restored = step  # steps before it count as done, recorded or not (a killed driver's last steps)
+        self.before = before
         rows = pd.DataFrame()
         if self.cfg.experiment_dir.joinpath(METRICS_FILE).exists():
             rows = pd.read_parquet(self.cfg.experiment_dir / METRICS_FILE)
@@ -124,11 +136,10 @@ class Progress:
         began = self.epoch_ended or min(r["time"] - r["pull_s"] - r["compute_s"] - r["push_s"] for r in recs)
         seconds = max(ended - began, 1e-9)
         self.epoch_ended = ended if ended == ended else self.epoch_ended
-        samples, measured = sum(r["samples"] for r in every), sum(r["samples"] for r in recs)
+        samples = sum(r["samples"] for r in every)
         mean = lambda key: sum(r[key] for r in recs) / len(recs)  # noqa: E731
         val = self.val.get(epoch, {})
-        row = {"kind": "epoch", "epoch": epoch + 1, "global_step": self.end_of(epoch),
-               "loss": sum(r["loss"] * r["samples"] for r in recs) / measured if measured else float("nan"), **val,
+        row = {"kind": "epoch", "epoch": epoch + 1, "global_step": self.end_of(epoch), "loss": self._loss(epoch, recs), **val,
                **(self.best.update(val) if "val_loss" in val else {}),
                "samples_per_s": samples / seconds, "step_ms": 1000 * mean("pull_s") + 1000 * mean("compute_s")
                + 1000 * mean("push_s"), "pull_ms": 1000 * mean("pull_s"), "push_ms": 1000 * mean("push_s"),
@@ -148,6 +159,15 @@ class Progress:
         tmp = self.steps_path.with_suffix(".tmp")
         pd.DataFrame(sorted(self.records.values(), key=lambda r: (r["step"], r["worker"]))).to_parquet(tmp, index=False)
         tmp.replace(self.steps_path)
+
+    def _loss(self, epoch: int, recs: list[dict]) -> float:
+        """The epoch's mean loss per sample: the epoch a restart fell into counts what its checkpoint kept of
+        the steps before the restart (whether this driver still holds their records or not) and its records
+        after; any other epoch, the steps measured."""
+        total, n = self.before if epoch * self.per_epoch < self.restored <= self.end_of(epoch) else (0.0, 0)
+        counted = [r for r in recs if not n or r.get("step", -1) >= self.restored]
+        n += sum(r["samples"] for r in counted)
+        return (total + sum(r["loss"] * r["samples"] for r in counted)) / n if n else float("nan")
 
     def table(self) -> pd.DataFrame:
         path = self.cfg.experiment_dir / METRICS_FILE

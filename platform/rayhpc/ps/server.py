@@ -40,9 +40,11 @@ def as_tensor(array: np.ndarray) -> torch.Tensor:
 class ParameterServer:
     def __init__(self, index: int, flat: np.ndarray, holds: dict, hp: dict, num_workers: int, mode: str,
                  staleness: int | None, run: str, total_steps: int, checkpoints: list[int], epoch_ends: list[int],
-                 run_dir: str, restore: str | None = None):
+                 run_dir: str, restore: str | None = None, steps_per_epoch: int = 0):
         """`flat`: the initial values of the pieces of parameters it `holds` ({"pieces": [(name, start, stop)],
-        "shapes": {name: shape}}, written into its checkpoints so they read as the whole model)."""
+        "shapes": {name: shape}}, written into its checkpoints so they read as the whole model). Server 0 also
+        sums the workers' losses of each step, kept in its checkpoints from the epoch's start (a driver killed
+        mid-epoch loses the step records it held; its resume reports the whole epoch from these)."""
         torch.set_num_threads(1)
         self.index, self.n, self.mode, self.staleness, self.holds = index, num_workers, mode, staleness, holds
         self.param = torch.nn.Parameter(torch.tensor(flat, dtype=torch.float32))
@@ -60,6 +62,7 @@ class ParameterServer:
         self.saved_step = 0
         self.peers: list = []  # every server of the run (sync clipping); `set_peers` after they all exist
         self.norm_parts: dict[int, dict[int, float]] = {}  # step -> server -> its shard's squared gradient norm
+        self.per_epoch, self.losses = steps_per_epoch, {}  # step -> [loss x samples, samples] over the workers
         if restore is not None:
             self._load(restore)
         self._reached()
@@ -107,7 +110,8 @@ class ParameterServer:
             self.snapshot = (key, ray.put(self.param.detach().numpy().copy()))
         return self.snapshot[1]
 
-    async def push(self, worker: int, step: int, grad: np.ndarray) -> None:
+    async def push(self, worker: int, step: int, grad: np.ndarray, loss: tuple[float, int] | None = None) -> None:
+        """`loss`: the worker's (mean loss, samples) of the step, to server 0."""
         if step < self.pushed[worker]:
             return  # a redone step this server already has
         if step != self.pushed[worker]:
@@ -126,6 +130,9 @@ class ParameterServer:
                 self._apply(await self._clipped(step, mean) if self.hp.get("clip_grad_norm") else mean)
         else:
             self._apply(as_tensor(grad) / self.n)
+        if loss is not None:
+            kept = self.losses.setdefault(step, [0.0, 0])
+            kept[0], kept[1] = kept[0] + loss[0] * loss[1], kept[1] + loss[1]
         self.pushed[worker] = step + 1
         self.apply_seconds = time.perf_counter() - started
         if self.global_step() > before:
@@ -185,8 +192,11 @@ class ParameterServer:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / checkpoint.SERVER_FILE.format(index=self.index)
         tmp = path.with_suffix(".tmp")
+        begins = (step - 1) // self.per_epoch * self.per_epoch if self.per_epoch else step  # the epoch of step - 1
+        self.losses = {s: kept for s, kept in self.losses.items() if s >= begins}  # later checkpoints start there too
         torch.save({"param": self.param.detach().clone(), **self.holds, "optimizer": self.optimizer.state_dict(),
-                    "pushed": [min(p, step) for p in self.pushed], "version": self.version, "step": step}, tmp)
+                    "pushed": [min(p, step) for p in self.pushed], "version": self.version, "step": step,
+                    "losses": [[s, *kept] for s, kept in sorted(self.losses.items()) if s < step]}, tmp)
         os.replace(tmp, path)
         self.saved_step = step
 
@@ -196,6 +206,7 @@ class ParameterServer:
             self.param.copy_(state["param"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.pushed, self.version, self.saved_step = state["pushed"], state["version"], state["step"]
+        self.losses = {int(s): [total, int(n)] for s, total, n in state.get("losses", [])}
 
     def weights(self) -> np.ndarray:
         return self.param.detach().numpy()

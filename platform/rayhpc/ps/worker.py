@@ -97,12 +97,13 @@ class PSWorker(Runner):
         loss = train_step(self.trained, batch, self.hp["accumulate"], step, 0)
         grads = [g.cpu().numpy() for g in self.layout.flatten(
             {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.params.items()})]
-        computed = time.perf_counter()
-        ray.get([s.push.remote(self.index, step, g) for s, g in zip(self.servers, grads)])
+        computed, loss, samples = time.perf_counter(), float(loss.detach()), batch_size_of(batch)
+        ray.get([s.push.remote(self.index, step, g, None if j else (loss, samples))
+                 for j, (s, g) in enumerate(zip(self.servers, grads))])
         done = time.perf_counter()
         staleness = max(info["staleness"] for info in infos)
         self.gauges.set_worker(pulled - started, done - computed, staleness)
-        return {"worker": self.index, "step": step, "loss": float(loss.detach()), "samples": batch_size_of(batch),
+        return {"worker": self.index, "step": step, "loss": loss, "samples": samples,
                 "staleness": staleness, "versions": [info["version"] for info in infos],
                 "pull_s": pulled - started, "compute_s": computed - pulled, "push_s": done - computed, "wait_s": max(info["wait_s"] for info in infos),
                 "bytes": sum(s.nbytes for s in shards) + sum(g.nbytes for g in grads),

@@ -154,11 +154,19 @@ def kill_pid(actor) -> int:
 
 
 def kill_once(which: str, index: int):
-    """on_epoch hook: when worker 0 finishes epoch 1, SIGKILL `which` (a worker or server) `index`."""
+    """on_epoch hook: SIGKILL `which` (a worker or server) `index` when worker 0 finishes epoch 1; a worker
+    when it finishes its own epoch 1, a few steps into the epoch it was just given (an async worker may have
+    ended every epoch by the time worker 0 ends its first, on a loaded machine: killed idle, nothing fails)."""
     killed = []
+    when = index if which == "worker" else 0
 
     def hook(worker, epoch, fleet):
-        if not killed and worker == 0 and epoch == 0:
+        if not killed and worker == when and epoch == 0:
+            if which == "worker":  # a sync worker may wait for worker 0's next epoch, which this hook holds
+                pushed = lambda: ray.get(fleet.servers[0].info.remote())["pushed"][index]  # noqa: E731
+                start, deadline = pushed(), time.monotonic() + 5
+                while pushed() < start + 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
             killed.append(kill_pid((fleet.workers if which == "worker" else fleet.servers)[index]))
     return hook, killed
 

@@ -153,7 +153,7 @@ def remove_stale(log_dir: Path) -> None:
     for token in log_dir.glob("*/auth_token"):
         job = token.parent.name  # only jobs whose Ray ran on this node: a log folder shared by two Slurm
         ran_here = (token.parent / "nodes" / f"{node_name()}.ray.json").exists()  # clusters holds both's jobs
-        if job.isdigit() and job not in live and ran_here:
+        if job.isdigit() and job not in live and job != os.environ.get("SLURM_JOB_ID") and ran_here:
             for path in secrets_of(job, token.parent):
                 path.unlink(missing_ok=True)
 

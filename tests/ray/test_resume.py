@@ -34,8 +34,9 @@ TRAINING = ["--task", TASK, "--epochs", str(EPOCHS), "--seed", str(SEED), "--glo
             "--accumulate", str(FIXED["accumulate"]), "--hp", "step_ms=120",
             *(a for k, v in {**OPTIM, **SCHEDULE}.items() for a in (f"--{k.replace('_', '-')}", str(v))),
             "--checkpoint-every", "3"]
+# one configuration of each runner (`rayhpc train` on 1 worker, and a trial alone, run the same runner as DDP
+# and a pack member: test_one_engine proves them equal, test_sweep resumes a trial alone after its process died)
 JOBS = {  # name: (ranks, script, its own arguments)
-    "train 1 worker": (1, "train_mlp.py", ["--num-workers", "1", "--metrics-every-steps", "1"]),
     "ddp 2 workers": (2, "train_mlp.py", ["--num-workers", "2", "--metrics-every-steps", "1"]),
     "fsdp2 2 workers": (2, "train_mlp.py", ["--num-workers", "2", "--strategy", "fsdp"]),
     "parallel dp 2": (2, "train_parallel.py", ["--dp", "2"]),
@@ -45,7 +46,6 @@ JOBS = {  # name: (ranks, script, its own arguments)
 # resume after it
 SWEEP_EPOCHS = EPOCHS + 1
 SWEEPS = {  # name: (ranks, the sweep's own keys)
-    "sweep trial": (1, {"pack": 1}),
     "pack member": (1, {"pack": 4}),
     "warm group trial": (2, {"workers_per_trial": 2, "trial_runner": "warm", "max_concurrent": 1}),
 }

@@ -111,6 +111,31 @@ def test_cnn_members_with_dropout_equal_plain_trials(optimizer, lrs):
     assert history[-1]["val_accuracy"].max() > 0.5  # it learns (10 classes: chance is 0.1)
 
 
+LLAMA = str(ROOT / "jobs" / "tasks" / "llama.py:Llama")
+LLAMA_HP = {"block": 16, "dim": 32, "heads": 4, "kv_heads": 2, "layers": 2, "corpus_bytes": 6000}
+
+
+def test_members_of_a_hugging_face_llama_equal_the_trial_alone():
+    """The example Llama task, built by transformers and used unchanged (its loss reads `.logits` of
+    `model(input_ids=x)`): packed members with their own lr equal each trained alone."""
+    pytest.importorskip("transformers", reason="the hf extra (pip install 'rayhpc[hf]')")
+    llama = task_for(LLAMA, DataConfig())
+    members = [full_hparams(llama.hp_model, dict(LLAMA_HP, lr=lr, optimizer="adam", batch_size=16, seed=3))
+               for lr in (3e-3, 1e-3)]
+    train, val = llama.data(members[0])
+    pack, history = packed_trials(llama, members, train, val, epochs=1)
+    assert isinstance(pack, FuncPack) and pack.size == 2
+    for i, hp in enumerate(members):
+        torch.manual_seed(hp["seed"])
+        want, plain = plain_trial(llama.obj.model(hp), train, val, hp, 1,
+                                  lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()))
+        got = pack.member(i).state_dict()
+        for key in want:  # batched matmuls round in another order than one member's
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-4, msg=lambda m: f"{i} {key}: {m}")
+        torch.testing.assert_close(history[0]["val_loss"][i], torch.as_tensor(plain[0][0], dtype=torch.float32),
+                                   rtol=1e-4, atol=1e-4)
+
+
 ODD = ROOT / "tests" / "tasks" / "odd.py"
 
 

@@ -11,6 +11,7 @@ path or value and the sizes, with close candidates for a path that is not in the
 from __future__ import annotations
 
 import difflib
+import re
 
 from torch import nn
 
@@ -54,6 +55,54 @@ def check_tp_plan(model: nn.Module, plan: dict, tp: int, key: str = "tp_plan") -
             if size % tp:
                 raise ConfigError(f"{key}: {path} ({type(module).__name__}, {type(style).__name__}) splits "
                                   f"{what} {size}, not divisible by tp (--tp) {tp}")
+
+
+def _hf_style(name: str):
+    """Hugging Face's TP style `name` (a `_tp_plan` value) as torch's own style, the layouts transformers
+    registers for it (`transformers.distributed.tensor_parallel`); None for one without a torch equivalent."""
+    from torch.distributed.tensor import Replicate  # DTensor: only where a run shards
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}.get(name, lambda: None)()
+
+
+def hf_tp_plan(model: nn.Module) -> dict | None:
+    """A `transformers` model's own TP plan, for a task that writes none: its config's `base_model_tp_plan`
+    (under the base model's prefix) and the model's `_tp_plan` (the head's, and in transformers 5 the whole
+    plan), each wildcard (`layers.*.mlp.up_proj`) expanded over the modules `model` holds (a pipeline
+    stage holds some). None for a model without one."""
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):  # a head model around its base model
+        base = {f"{prefix}.{path}": style for path, style in base.items()}
+    plan = {**base, **(getattr(model, "_tp_plan", None) or {})}
+    if not plan:
+        return None
+    modules, found = [path for path, _ in model.named_modules()], {}
+    for pattern, name in plan.items():
+        if _hf_style(name) is None:
+            raise ConfigError(f"tp_plan: {type(model).__name__}'s own plan shards {pattern} as {name!r}, which has "
+                              "no torch style here; give the task a tp_plan(model)")
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        found.update({path: _hf_style(name) for path in modules if regex.fullmatch(path)})
+    return found
+
+
+def check_hf_heads(model: nn.Module, tp: int) -> None:
+    """A `transformers` model's attention heads and key-value heads: tensor parallelism splits q, k and v by
+    whole heads."""
+    config = getattr(model, "config", None)
+    heads = {name: getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
+    for name, count in heads.items():
+        if isinstance(count, int) and count % tp:
+            have = ", ".join(f"{n} {c}" for n, c in heads.items() if c is not None)
+            raise ConfigError(f"parallelism.tp (--tp) {tp}: the model's {name} {count} is not divisible by it "
+                              f"({type(config).__name__}: {have})")
 
 
 def check_divisible(sizes: dict[str, int], tp: int) -> None:

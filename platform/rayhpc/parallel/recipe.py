@@ -12,19 +12,27 @@ from torch import nn
 
 from rayhpc.config import ConfigError
 from rayhpc.parallel.config import ParallelConfig
-from rayhpc.parallel.plan import check_divisible, check_tp_plan, choose_stage_starts, keep_stage
+from rayhpc.parallel.plan import (
+    check_divisible,
+    check_hf_heads,
+    check_tp_plan,
+    choose_stage_starts,
+    hf_tp_plan,
+    keep_stage,
+)
 
 
 class _Returns(nn.Module):
-    """A stand-in model that returns a pipeline's last-stage output, so a task's `loss(model, batch)`
-    and `metrics(model, batch)` can score it: `loss(_Returns(output), (None, target))` is the task's
-    loss of that output."""
+    """A stand-in model that returns the model's output (a pipeline's last-stage output), so a task's
+    `loss(model, batch)` and `metrics(model, batch)` can score it: `loss(_Returns(output), (None, target))`
+    is the task's loss of that output, however the loss calls the model (`model(x)`, `model(input_ids=x)`)
+    and whatever the model returns (a tensor, a Hugging Face `ModelOutput` with `.logits`)."""
 
-    def __init__(self, output: torch.Tensor):
+    def __init__(self, output: Any):
         super().__init__()
         self.output = output
 
-    def forward(self, _inputs) -> torch.Tensor:
+    def forward(self, *_args, **_kwargs) -> Any:
         return self.output
 
 
@@ -54,8 +62,11 @@ class Recipe:
         return method
 
     def tp_plan(self, stage: nn.Module) -> dict:
-        """The task's TP plan of this stage's modules (a stage may start anywhere: the plan is asked of it)."""
+        """The task's TP plan of this stage's modules (a stage may start anywhere: the plan is asked of it); a
+        task without one whose model is a Hugging Face `transformers` model gets the model's own plan."""
         present = dict(stage.named_modules())
+        if getattr(self.task.obj, "tp_plan", None) is None and (plan := hf_tp_plan(stage)) is not None:
+            return plan
         plan = self.hook("tp_plan", f"tensor parallelism (--tp {self.cfg.parallelism.tp})")(stage)
         return {path: style for path, style in plan.items() if path in present}
 
@@ -74,16 +85,43 @@ class Recipe:
         per_sample = self.task.tokens_per_sample(self.hp)
         return f", {samples_per_s * per_sample:,.0f} tokens/s" if per_sample else ""
 
+    def check_stand_in(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The task's loss as every rank computes it (the model called once on the batch's inputs, the loss given
+        the stand-in that returns that output) equals its loss of the model itself, on a few samples in the
+        driver, before any actor starts: a loss that calls the model another way is one line now."""
+        from rayhpc.task.load import one_line
+
+        torch.manual_seed(self.cfg.seed)
+        model, where = self.build().eval(), self.task.where()  # eval: the two forwards draw no dropout
+        with torch.no_grad():
+            try:
+                direct = self.task.obj.loss(model, (x, y))
+            except Exception as exc:  # noqa: BLE001 - the user's code: any failure is their input's
+                raise ConfigError(f"{where}: loss(model, batch) raised {one_line(exc)}") from None
+            try:
+                served = self.loss(model(x), y)
+            except Exception as exc:  # noqa: BLE001
+                raise ConfigError(f"{where}: loss(model, batch) fails on the model's output for the batch's inputs, "
+                                  f"as model parallelism gives it ({one_line(exc)}); the loss must call the model "
+                                  "once, on batch[0], and score what it returns") from None
+        if not torch.allclose(torch.as_tensor(served, dtype=torch.float64), torch.as_tensor(direct, dtype=torch.float64),
+                              rtol=1e-4, atol=1e-6):
+            raise ConfigError(f"{where}: loss(model, batch) is {float(direct):.6g} on the model but {float(served):.6g} "
+                              "on its output for the batch's inputs, which is what model parallelism gives it; the "
+                              "loss must call the model once, on batch[0], and score what it returns")
+
     def check(self) -> None:
         """Every plan error, before any actor starts: each stage built on the meta device (shapes only) and
         its TP plan checked."""
         tp = self.cfg.parallelism.tp
         with torch.device("meta"):
-            starts = self.stage_starts(self.build())
+            model = self.build()
+            starts = self.stage_starts(model)
         if tp == 1:
             return
         divisible = getattr(self.task.obj, "tp_divisible", None)
         check_divisible(divisible(self.hp) if divisible else {}, tp)
+        check_hf_heads(model, tp)
         for stage_id in range(len(starts) + 1):
             with torch.device("meta"):
                 stage = keep_stage(self.build(), starts, stage_id)

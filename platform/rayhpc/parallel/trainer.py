@@ -23,6 +23,7 @@ from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.task import task_for
 from rayhpc.task.batches import collate
+from rayhpc.task.check import CHECK_BATCH
 from rayhpc.tracking.runs import job_run
 from rayhpc.train.config import train_hparams
 from rayhpc.workers.group import WorkerGroup
@@ -54,6 +55,7 @@ def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, dict]:
     val = stack_pairs(held_out, task.where()) if held_out is not None and len(held_out) else None
     recipe = Recipe(cfg, hp=hp, task=task)
     recipe.check()
+    recipe.check_stand_in(x[:CHECK_BATCH], y[:CHECK_BATCH])
     return recipe, {"train": (x, y), "val": val}
 
 

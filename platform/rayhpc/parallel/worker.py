@@ -85,7 +85,9 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     data = ray.get(data) if isinstance(data, ray.ObjectRef) else data
     set_matmul_precision(cfg.precision)
     torch.manual_seed(cfg.seed)
-    initial = recipe.build().state_dict()  # host memory: the one-process run's weights
+    whole = recipe.build()  # host memory: the one-process run's weights, and every buffer, persistent or not
+    initial = {**whole.state_dict(), **dict(whole.named_buffers())}  # (RoPE's inv_freq in a transformers model)
+    del whole
     total = sum(t.numel() for t in initial.values())
     p = cfg.parallelism
     mesh = build_mesh(p, ctx.device.type)

@@ -187,7 +187,13 @@ class FuncPack:
     def member(self, i: int) -> nn.Module:
         """Member `i` as a stand-alone module (a copy)."""
         module = copy.deepcopy(self.loss_fn.model)
-        module.load_state_dict({k: v[i] for k, v in {**self.params, **self.buffers}.items()})
+        state = {k: v[i] for k, v in {**self.params, **self.buffers}.items()}
+        saved = module.state_dict().keys()  # not the non-persistent buffers (RoPE's in a transformers model)
+        module.load_state_dict({k: v for k, v in state.items() if k in saved})
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                if name not in saved:
+                    buffer.copy_(state[name])
         return module
 
 

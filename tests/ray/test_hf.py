@@ -1,0 +1,120 @@
+"""A Hugging Face `transformers` model, used unchanged (the example task: a `LlamaForCausalLM` from its config,
+its loss `model(input_ids=x).logits`): tensor parallelism takes the model's own plan and equals one plain
+process; data parallelism equals the plain loop; what model parallelism cannot serve is one line before Ray."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from helpers import ROOT, run_job_warm
+from rayhpc.config import validate
+from rayhpc.data import DataConfig
+from rayhpc.engine.checkpoint import load_full_state_dict
+from rayhpc.parallel import ParallelConfig, run_parallel
+from rayhpc.task import task_for
+from rayhpc.train import TrainConfig, run_training
+
+pytest.importorskip("transformers", reason="the hf extra (pip install 'rayhpc[hf]')")
+
+LLAMA = f"{ROOT}/jobs/tasks/llama.py:Llama"
+HP = {"block": 16, "dim": 32, "heads": 4, "kv_heads": 2, "layers": 2, "corpus_bytes": 6000}
+SEED, LR, BATCH = 5, 3e-3, 8
+
+
+def plain_loop(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the model itself (no stand-in, no plan): torch's Adam, the batches of a plain
+    `DataLoader(sampler=DistributedSampler(shuffle=True, seed))` with `set_epoch`, the task's loss."""
+    task = task_for(LLAMA, DataConfig())
+    hp = {**HP, "seed": SEED}
+    train, _ = task.obj.data(hp)
+    torch.manual_seed(SEED)
+    model = task.obj.model(hp)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    sampler, losses, epoch = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=SEED), [], 0
+    while len(losses) < steps:
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(train, batch_size=BATCH, sampler=sampler):
+            if len(losses) == steps:
+                break
+            loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        epoch += 1
+    return losses, {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_a_llama_under_tensor_parallelism_takes_its_own_plan_and_equals_one_process(ray_address, tmp_path):
+    """No tp_plan in the task: the model's own (q/k/v/gate/up column-wise, o/down row-wise, the embedding's rows
+    and the head's columns), its RoPE buffers (not in its state dict) on every rank as the model made them."""
+    cfg = ParallelConfig(task=LLAMA, hparams=HP, parallelism={"tp": 2}, optim={"optimizer": "adam", "lr": LR},
+                         seed=SEED, steps=4, global_batch_size=BATCH, storage_path=tmp_path, name="tp")
+    result = run_parallel(cfg, log_level=logging.DEBUG)
+    losses, weights = plain_loop(4)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses))
+    assert sorted(result.weights) == sorted(weights)
+    for name, want in weights.items():
+        torch.testing.assert_close(result.weights[name], want, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_llama_under_ddp_and_fsdp2_on_two_workers_equals_the_plain_loop(strategy, ray_address, tmp_path):
+    cfg = validate(TrainConfig, {"task": LLAMA, "hparams": HP, "seed": SEED, "steps": 4, "strategy": strategy,
+                                 "storage_path": str(tmp_path), "name": strategy, "compute": {"num_workers": 2},
+                                 "batch_size_per_worker": BATCH // 2, "optim": {"optimizer": "adam", "lr": LR},
+                                 "metrics_every_steps": 1})
+    run = run_training(cfg)
+    losses, weights = plain_loop(4)
+    rows = run.metrics.sort_values("global_step")
+    steps, epoch = rows[rows["kind"] == "step"], rows[rows["kind"] == "epoch"]  # the run's last step ends its epoch
+    assert steps["global_step"].tolist() == [1, 2, 3] and epoch["global_step"].tolist() == [4], rows
+    torch.testing.assert_close(torch.tensor([*steps["loss"], *epoch["loss"]]),
+                               torch.tensor([*losses[:3], sum(losses) / 4]), check_dtype=False)
+    got = load_full_state_dict(run.checkpoint_dir)
+    for name, want in weights.items():
+        torch.testing.assert_close(got[name], want, msg=lambda m: f"{name}: {m}")
+
+
+ODD_LOSSES = '''
+import torch.nn.functional as F
+from rayhpc.examples.llama import Llama
+
+
+class Flipped(Llama):
+    def loss(self, model, batch):  # the model called on something made of the inputs: no rank has them
+        x, y = batch
+        return F.cross_entropy(model(input_ids=x.flip(1)).logits.flatten(0, 1), y.flatten())
+
+
+class OnTargets(Llama):
+    def loss(self, model, batch):  # the model called on other inputs than the batch's: no rank computes that
+        x, y = batch
+        return F.cross_entropy(model(input_ids=y).logits.flatten(0, 1), y.flatten())
+'''
+FAILS_ON_THE_OUTPUT = ("loss(model, batch) fails on the model's output for the batch's inputs, as model parallelism "
+                       "gives it (AttributeError: 'NoneType' object has no attribute 'flip'); the loss must call the "
+                       "model once, on batch[0], and score what it returns")
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("heads", "error: parallelism.tp (--tp) 4: the model's num_key_value_heads 2 is not divisible by it "
+              "(LlamaConfig: num_attention_heads 4, num_key_value_heads 2)"),
+    ("Flipped", "error: task (--task) {task}: " + FAILS_ON_THE_OUTPUT),
+    ("OnTargets", "error: task (--task) {task}: loss(model, batch) is "),  # then its two values
+])
+def test_what_model_parallelism_cannot_serve_is_one_line_before_ray_starts(case, expected, tmp_path):
+    task = tmp_path / "odd_losses.py"
+    task.write_text(ODD_LOSSES)
+    args = ["--task", LLAMA, "--tp", "4", "--cpus-per-worker", "0.5"] if case == "heads" else \
+        ["--task", f"{task}:{case}", "--tp", "2"]
+    proc = run_job_warm("train_parallel.py", "--storage-path", str(tmp_path), *args,
+                        "--hp", ",".join(f"{k}={v}" for k, v in HP.items()), env={"RAY_TMPDIR": str(tmp_path / "ray")})
+    assert proc.returncode == 2 and proc.stderr.startswith(expected.format(task=f"{task}:{case}")), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "ray").exists(), "Ray was started before the input was rejected"

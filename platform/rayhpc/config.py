@@ -28,6 +28,11 @@ class ConfigError(ValueError):
     """Bad user input. The message is one line that names the key and what is allowed."""
 
 
+class JobFailed(RuntimeError):
+    """A job that started and failed in the user's code: one line naming where and why, the full tracebacks in
+    the log file it names (exit status 1)."""
+
+
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, values are immutable."""
 

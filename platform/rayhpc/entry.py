@@ -1,8 +1,8 @@
 """Running a command (`run_main`): what every job command, `jobs/*.py` and each `python -m` entry point of
 the platform goes through, whatever it runs. Bad input never produces a traceback: `ConfigError`s and
-argparse errors are one `error: ...` line on stderr and exit status 2; a stop signal is one line and
-128 + its number. Nothing here imports a command's modules: the commands (`rayhpc.cli`) and the modules
-run with `python -m` sit above it.
+argparse errors are one `error: ...` line on stderr and exit status 2; a rank that fails in the task's
+code one line and 1 (`JobFailed`); a stop signal is one line and 128 + its number. Nothing here imports a
+command's modules: the commands (`rayhpc.cli`) and the modules run with `python -m` sit above it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable, NoReturn, Sequence
 
 from rayhpc import cluster, interrupt
 from rayhpc import log as rayhpc_log
-from rayhpc.config import ConfigError
+from rayhpc.config import ConfigError, JobFailed
 from rayhpc.slurm.private import UnsafePath, private_tmpdir
 
 USAGE_ERROR = 2
@@ -56,6 +56,9 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         except (ConfigError, UnsafePath) as exc:  # UnsafePath: a folder or file another user may control
             print(f"error: {exc}", file=sys.stderr)
             code = USAGE_ERROR
+        except JobFailed as exc:  # a rank failed in the task's code: its tracebacks are in the file it names
+            print(f"error: {exc}", file=sys.stderr)
+            code = 1
         except KeyboardInterrupt:
             code = interrupt.report()
     except SystemExit as exc:  # argparse's errors and --help; a status as the interpreter makes it

@@ -35,9 +35,10 @@ FAILURE_GRACE_S = 2.0  # after a rank fails, how long the others get to report t
 class WorkerGroupError(RuntimeError):
     """Some ranks failed (`failed`: rank -> traceback) or did not answer in time (`silent`)."""
 
-    def __init__(self, message: str, failed: dict[int, str] | None = None, silent: list[int] | None = None):
+    def __init__(self, message: str, failed: dict[int, str] | None = None, silent: list[int] | None = None,
+                 what: str = "", describe: Callable[[int], str] = lambda rank: f"rank {rank}"):
         super().__init__(message)
-        self.failed, self.silent = failed or {}, silent or []
+        self.failed, self.silent, self.what, self.describe = failed or {}, silent or [], what, describe
 
 
 @dataclasses.dataclass
@@ -254,7 +255,7 @@ class WorkerGroup:
             silent = sorted(pending.values())
             self.shutdown(graceful=False)
             raise WorkerGroupError(_failure_message(what, failed, silent, self.describe_rank, timeout_s),
-                                   failed=failed, silent=silent)
+                                   failed=failed, silent=silent, what=what, describe=self.describe_rank)
         return [results[rank] for rank in ranks]
 
     def shutdown(self, graceful: bool = True) -> None:

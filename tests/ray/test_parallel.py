@@ -282,6 +282,9 @@ def test_mesh_mismatch_names_every_factor():
     (["--task", GPT, "--pp", "3", "--microbatches", "2", "--cpus-per-worker", "0.5"],
      "error: parallelism.pp (--pp) 3: 3 stages need 2 split points; the task's pipeline_split gives 1: blocks.1"),
     (["--hp", "dim=128"], "error: hparams.dim (--hp)"),
+    (["--task", f"{ROOT}/jobs/tasks/seed_listing.py:SeedListing", "--tp", "2"],
+     f"error: task (--task) {ROOT}/jobs/tasks/seed_listing.py:SeedListing: has no tp_plan(model), which tensor "
+     "parallelism (--tp 2) needs"),
 ])
 def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
     proc = run_job_warm("train_parallel.py", "--storage-path", str(tmp_path), *args,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +71,9 @@ def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_s
     proc = subprocess.run(resume, capture_output=True, text=True, env=job_env(None), cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if "train_mlp.py" in args[1]:  # its start-up line times this session's first step, not the first session's
+        first_step = float(re.search(r"fit\(\) to first step (\S+) s", proc.stdout).group(1))
+        assert 0 < first_step < 300, proc.stdout[-3000:]
     if runner == ARRAY:  # a requeue of the finished task leaves its result (its time in it) as it is
         result = next(exp.glob("*/trial_00000.json"))
         before = result.read_text()

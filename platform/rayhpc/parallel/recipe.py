@@ -58,7 +58,7 @@ class Recipe:
         """The task's `name` method, which `needed_for` requires."""
         method = getattr(self.task.obj, name, None)
         if method is None:
-            raise ConfigError(f"task {self.task.where()}: has no {name}(model), which {needed_for} needs")
+            raise ConfigError(f"{self.task.where()}: has no {name}(model), which {needed_for} needs")
         return method
 
     def tp_plan(self, stage: nn.Module) -> dict:

@@ -31,8 +31,11 @@ class TrainResult:
 
     @property
     def fit_to_first_step(self) -> float:
-        """Seconds from fit() to the end of the first optimizer step (worker start-up, placement, rendezvous)."""
-        return float(self.metrics["first_step_time"].iloc[0]) - self.fit_started
+        """Seconds from fit() to the end of the first optimizer step (worker start-up, placement, rendezvous);
+        of this session's first step where the run resumed (the rows before it are an earlier session's), NaN where
+        it had no step left to run."""
+        times = self.metrics["first_step_time"]
+        return float(times[times >= self.fit_started].min()) - self.fit_started
 
 
 def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callbacks: tuple = ()) -> TrainResult:

@@ -159,49 +159,6 @@ def test_a_failing_rank_is_named_with_its_traceback(ray_address):
     assert group.actors == [] and placement_groups_left() == 0
 
 
-FAILS_ON_THE_RANKS = '''
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
-
-
-class FailsOnTheRanks:
-    def model(self, hp):
-        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-
-    def data(self, hp):
-        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
-        return TensorDataset(x, x.sum(1, keepdim=True)), None
-
-    def loss(self, model, batch):  # passes the driver's check, fails on every rank
-        x, y = batch
-        if dist.is_initialized():
-            raise RuntimeError(f"no loss on rank {dist.get_rank()}")
-        return F.mse_loss(model(x), y)
-'''
-
-
-def test_a_rank_failing_in_the_task_is_one_line_and_a_run_that_never_stepped_can_start_again(ray_address, tmp_path):
-    """One `error:` line naming the rank, the task's function and line, and the cause; every rank's traceback in
-    the run's error.log, which the line names; the same command again fails the same way (no "already exists")."""
-    task = tmp_path / "fails.py"
-    task.write_text(FAILS_ON_THE_RANKS)
-    args = ["--task", f"{task}:FailsOnTheRanks", "--dp", "2", "--steps", "2", "--address", ray_address,
-            "--storage-path", str(tmp_path), "--name", "fails"]
-    log = tmp_path / "fails" / "error.log"
-    raises = next(i for i, text in enumerate(FAILS_ON_THE_RANKS.splitlines(), 1) if "raise RuntimeError" in text)
-    for attempt in range(2):
-        proc = run_job("train_parallel.py", *args)
-        line = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
-        assert proc.returncode == 1 and line.startswith("error: rank 0 (pp=0, dp=0, fsdp=0, tp=0) failed in the "
-                                                        f"task's loss() at {task}:{raises}: RuntimeError: no loss on rank 0 "
-                                                        f"(every rank's traceback: {log})"), (attempt, proc.stderr)
-        assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
-        assert "no loss on rank 1" in log.read_text() and oct(log.stat().st_mode & 0o777) == "0o600"
-
-
 def test_a_silent_rank_is_named_after_the_timeout(ray_address):
     group = WorkerGroup(2, cpus_per_worker=0.5, timeout_s=60)
     with pytest.raises(WorkerGroupError, match=r"^rank 1 did not answer sleep_on_rank_1 within 3 s") as err:

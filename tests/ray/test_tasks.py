@@ -428,3 +428,49 @@ def test_the_byte_gpt_learns_standard_library_source(ray_address, tmp_path):
     torch.testing.assert_close(torch.tensor(epochs["val_bits_per_byte"].tolist()),
                                torch.tensor(epochs["val_loss"].tolist()) / 0.6931471805599453)
     assert (epochs["tokens_per_s"] == epochs["samples_per_s"] * 64).all()  # 64 bytes predicted per sample
+
+
+FAILS_ON_THE_RANKS = '''
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class FailsOnTheRanks:
+    def model(self, hp):
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def data(self, hp):
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        return TensorDataset(x, x.sum(1, keepdim=True)), None
+
+    def loss(self, model, batch):  # passes the driver's check, fails on every rank
+        x, y = batch
+        if dist.is_initialized():
+            raise RuntimeError(f"no loss on rank {dist.get_rank()}")
+        return F.mse_loss(model(x), y)
+'''
+
+
+@pytest.mark.parametrize("script, args, rank", [
+    ("train_parallel.py", ["--dp", "2", "--steps", "2"], "rank 0 (pp=0, dp=0, fsdp=0, tp=0)"),
+    ("train_mlp.py", ["--num-workers", "2", "--epochs", "1", "--max-failures", "0"], "rank 0"),
+])
+def test_a_rank_failing_in_the_task_is_one_line_and_a_run_that_never_stepped_can_start_again(script, args, rank,
+                                                                                             ray_address, tmp_path):
+    """One `error:` line naming the rank, the task's function and line, and the cause; every rank's traceback in
+    the run's error.log, which the line names; the same command again fails the same way (no "already exists")."""
+    task = tmp_path / "fails.py"
+    task.write_text(FAILS_ON_THE_RANKS)
+    raises = next(i for i, text in enumerate(FAILS_ON_THE_RANKS.splitlines(), 1) if "raise RuntimeError" in text)
+    log = tmp_path / "fails" / "error.log"
+    for attempt in range(2):
+        proc = run_job(script, "--task", f"{task}:FailsOnTheRanks", *args, "--address", ray_address,
+                       "--storage-path", str(tmp_path), "--name", "fails")
+        assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1:] == [
+            f"error: {rank} failed in the task's loss() at {task}:{raises}: RuntimeError: no loss on rank 0 "
+            f"(every rank's traceback: {log})"], (attempt, proc.stderr)
+        assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stdout + proc.stderr
+        assert "no loss on rank 1" in log.read_text() and oct(log.stat().st_mode & 0o777) == "0o600"

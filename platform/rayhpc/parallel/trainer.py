@@ -7,7 +7,6 @@ import functools
 import json
 import logging
 import math
-import re
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from rayhpc.parallel.recipe import Recipe
 from rayhpc.task import task_for
 from rayhpc.task.batches import collate
 from rayhpc.task.check import CHECK_BATCH
+from rayhpc.task.failure import rank_failure
 from rayhpc.tracking.runs import job_run
 from rayhpc.train.config import train_hparams
 from rayhpc.workers.group import WorkerGroup, WorkerGroupError
@@ -82,7 +82,11 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), log_l
     try:
         return _run(cfg, recipe, made, log_level)
     except WorkerGroupError as exc:
-        raise rank_failure(exc, cfg, recipe.task.spec) from None
+        if latest_checkpoint(cfg.experiment_dir) is None:  # nothing to resume: the same --name may start again
+            cfg.saved_file.unlink(missing_ok=True)
+        if not exc.failed:  # ranks that did not answer in time: the summary is one line
+            raise JobFailed(str(exc).splitlines()[0]) from None
+        raise rank_failure(exc.failed, cfg.experiment_dir, recipe.task.spec, exc.what, exc.describe) from None
 
 
 def _run(cfg: ParallelConfig, recipe: Recipe, made: dict, log_level: int) -> ParallelResult:
@@ -108,28 +112,6 @@ def _run(cfg: ParallelConfig, recipe: Recipe, made: dict, log_level: int) -> Par
                                             tracked, log_level)
         weights = {k: v for part in group.run(worker.gather_weights) for k, v in part.items()}
     return ParallelResult(cfg, losses, step_seconds, weights, validation, start_seconds, checkpoint)
-
-
-ERROR_LOG = "error.log"  # a failed run's every rank traceback, in its folder
-
-
-def rank_failure(exc: WorkerGroupError, cfg: ParallelConfig, task_spec: str) -> JobFailed:
-    """`exc` as one line: the first rank that failed, the task's function it failed in (the last frame in the
-    task's file) and the cause; every rank's traceback goes to the run's `error.log`, which the line names. A run
-    that failed before its first checkpoint keeps nothing a new start with the same --name would refuse."""
-    log_file = cfg.experiment_dir / ERROR_LOG
-    log_file.write_text(str(exc) + "\n")
-    if latest_checkpoint(cfg.experiment_dir) is None:
-        cfg.saved_file.unlink(missing_ok=True)
-    if not exc.failed:  # ranks that did not answer in time: the summary is one line
-        return JobFailed(f"{str(exc).splitlines()[0]} (details: {log_file})")
-    rank, trace = min(exc.failed.items())
-    cause = [line for line in trace.splitlines() if line.strip()][-1].strip()
-    task_file = Path(task_spec.rpartition(":")[0] or task_spec).name
-    frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace) if Path(f[0]).name == task_file]
-    where = f"the task's {frames[-1][2]}() at {frames[-1][0]}:{frames[-1][1]}" if frames and task_file.endswith(".py") \
-        else exc.what
-    return JobFailed(f"{exc.describe(rank)} failed in {where}: {cause} (every rank's traceback: {log_file})")
 
 
 def _train(cfg: ParallelConfig, group: WorkerGroup, recipe: Recipe, made: dict, start: int, losses: list[float],

@@ -192,7 +192,7 @@ def _tracked(w: Worker):
 
 
 def _quiet_report_logs() -> None:
-    """Silence Ray Train's per-report INFO line on workers (one per rank per report).
+    """Silence Ray Train's per-report INFO line on workers (one per rank per report), and its traceback lines.
 
     Ray 2.60 names that logger after its file path (`logging.getLogger(__file__)`),
     so `LoggingConfig(log_level=...)`, which filters `ray.train.*`, misses it.
@@ -201,6 +201,9 @@ def _quiet_report_logs() -> None:
 
     path = os.path.join(os.path.dirname(ray.train.__file__), "v2", "_internal", "execution", "context.py")
     logging.getLogger(path).setLevel(logging.WARNING)
+    # and its ERROR line with a failed rank's traceback (a private module's logger, which no config reaches):
+    # the driver writes every rank's to the run's error.log and prints one line (`rayhpc.task.failure`)
+    logging.getLogger("ray.train.v2._internal.util").setLevel(logging.CRITICAL)
 
 
 def run_epoch(w: Worker, epoch: int) -> None:

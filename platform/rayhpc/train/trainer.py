@@ -11,9 +11,10 @@ from pathlib import Path
 import pandas as pd
 
 from rayhpc import interrupt
-from rayhpc.engine.checkpoint import checkpoint_config
+from rayhpc.engine.checkpoint import checkpoint_config, latest_checkpoint
 from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
 from rayhpc.job import start_job
+from rayhpc.task.failure import rank_failure
 from rayhpc.train.config import TrainConfig, bind_training, train_hparams
 from rayhpc.train.loop import train_loop_per_worker
 
@@ -56,6 +57,8 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     hp = train_hparams(cfg, job.task.hp_model)
     trainer = make_trainer(cfg, job.task, hp, callbacks,
                            init=weights.state if weights is not None else None)
+    import ray.train  # Ray Train: only where a training run is
+
     fit_started, started = time.time(), time.perf_counter()
     try:
         result = trainer.fit()
@@ -63,6 +66,14 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
         # Ray Train's own SIGINT handler (installed by fit(), reached by our SIGTERM and SIGUSR1 too)
         # aborts the run, removing its workers and placement group, then exits with status 0: a stop
         raise KeyboardInterrupt from None
+    except ray.train.WorkerGroupError as exc:  # a rank failed in the task's code, after the retries it had
+        if latest_checkpoint(cfg.experiment_dir) is None:  # nothing to resume: the same --name may start again
+            cfg.saved_file.unlink(missing_ok=True)
+        # each rank's exception; its frames are in Ray Train's message (one snippet of the ranks' tracebacks)
+        failed = {rank: str(error) if "Traceback" in str(error) else
+                  f"{str(exc).rstrip().rsplit(chr(10), 1)[0]}\n{type(error).__name__}: {error}"
+                  for rank, error in exc.worker_failures.items()}
+        raise rank_failure(failed, cfg.experiment_dir, job.task.spec, "the training function") from None
     finally:
         interrupt.install()  # Ray Train's handler stays installed after fit()
     fit_seconds = time.perf_counter() - started

@@ -1,0 +1,29 @@
+"""A rank that failed in the task's code, as one line: the rank, the task's function and line it failed in,
+and the cause; every rank's traceback goes to the run's `error.log`, which the line names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+from rayhpc.config import JobFailed
+
+ERROR_LOG = "error.log"  # a failed run's every rank traceback, in its folder
+
+
+def rank_failure(failed: dict[int, str], folder: Path, task_spec: str, what: str,
+                 describe: Callable[[int], str] = lambda rank: f"rank {rank}") -> JobFailed:
+    """The first rank of `failed` (rank -> its traceback) as one line: the last frame in the task's file names
+    the function (else `what` does), the traceback's last line the cause; every rank's traceback goes to
+    `folder`/error.log."""
+    log_file = folder / ERROR_LOG
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_file.write_text("".join(f"--- {describe(r)} ---\n{trace.rstrip()}\n" for r, trace in sorted(failed.items())))
+    rank, trace = min(failed.items())
+    cause = [line for line in trace.splitlines() if line.strip()][-1].strip()
+    task_file = Path(task_spec.rpartition(":")[0] or task_spec).name
+    frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
+              if task_file.endswith(".py") and Path(f[0]).name == task_file]
+    where = f"the task's {frames[-1][2]}() at {frames[-1][0]}:{frames[-1][1]}" if frames else what
+    return JobFailed(f"{describe(rank)} failed in {where}: {cause} (every rank's traceback: {log_file})")

@@ -219,6 +219,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return next(reversed(complete_checkpoints(run_dir)), None)
 
 
+def forget_if_unstarted(job) -> None:
+    """A run that failed before its first complete checkpoint has nothing to resume: its saved config (`job`'s)
+    goes, so the command that started it starts it again instead of asking for --resume."""
+    if latest_checkpoint(job.experiment_dir) is None:
+        job.saved_file.unlink(missing_ok=True)
+
+
 def prune(run_dir: str | Path, keep: int) -> None:
     """Remove all but the `keep` complete checkpoints furthest into training, and the incomplete folders
     before the oldest kept (a save a failure cut short: it never completes). Ray Train prunes the training

@@ -13,7 +13,14 @@ from pathlib import Path
 import torch
 
 from rayhpc.config import ConfigError, JobFailed
-from rayhpc.engine.checkpoint import Progress, latest_checkpoint, load_progress, prune, write_progress
+from rayhpc.engine.checkpoint import (
+    Progress,
+    forget_if_unstarted,
+    latest_checkpoint,
+    load_progress,
+    prune,
+    write_progress,
+)
 from rayhpc.engine.loop import Due, Plan, Runner, Window, fit
 from rayhpc.engine.metrics import MetricsRecorder
 from rayhpc.job import start_job
@@ -82,8 +89,7 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), log_l
     try:
         return _run(cfg, recipe, made, log_level)
     except WorkerGroupError as exc:
-        if latest_checkpoint(cfg.experiment_dir) is None:  # nothing to resume: the same --name may start again
-            cfg.saved_file.unlink(missing_ok=True)
+        forget_if_unstarted(cfg)
         if not exc.failed:  # ranks that did not answer in time: the summary is one line
             raise JobFailed(str(exc).splitlines()[0]) from None
         raise rank_failure(exc.failed, cfg.experiment_dir, recipe.task.spec, exc.what, exc.describe) from None

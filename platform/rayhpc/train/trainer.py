@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from rayhpc import interrupt
-from rayhpc.engine.checkpoint import checkpoint_config, latest_checkpoint
+from rayhpc.engine.checkpoint import checkpoint_config, forget_if_unstarted
 from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
 from rayhpc.job import start_job
 from rayhpc.task.failure import rank_failure
@@ -67,8 +67,7 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
         # aborts the run, removing its workers and placement group, then exits with status 0: a stop
         raise KeyboardInterrupt from None
     except ray.train.WorkerGroupError as exc:  # a rank failed in the task's code, after the retries it had
-        if latest_checkpoint(cfg.experiment_dir) is None:  # nothing to resume: the same --name may start again
-            cfg.saved_file.unlink(missing_ok=True)
+        forget_if_unstarted(cfg)
         # each rank's exception; its frames are in Ray Train's message (one snippet of the ranks' tracebacks)
         failed = {rank: str(error) if "Traceback" in str(error) else
                   f"{str(exc).rstrip().rsplit(chr(10), 1)[0]}\n{type(error).__name__}: {error}"

@@ -45,6 +45,9 @@ def _rank(rank: int, world: int, folder: str) -> None:
         if rank == 0:
             with open(f"{folder}/out.json", "w") as out:
                 json.dump({"groups": groups, "foreach": opt.defaults["foreach"], "weights": weights}, out)
+        # neither rank tears gloo down while the other still has a collective in flight: a rank that exited
+        # first once made gloo abort the other ("terminate called without an active exception", seen in CI)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -11,11 +11,11 @@ path or value and the sizes, with close candidates for a path that is not in the
 from __future__ import annotations
 
 import difflib
-import re
 
 from torch import nn
 
 from rayhpc.config import ConfigError
+from rayhpc.parallel import hf
 
 
 def _module(modules: dict[str, nn.Module], path: str, key: str) -> nn.Module:
@@ -57,54 +57,6 @@ def check_tp_plan(model: nn.Module, plan: dict, tp: int, key: str = "tp_plan") -
                                   f"{what} {size}, not divisible by tp (--tp) {tp}")
 
 
-def _hf_style(name: str):
-    """Hugging Face's TP style `name` (a `_tp_plan` value) as torch's own style, the layouts transformers
-    registers for it (`transformers.distributed.tensor_parallel`); None for one without a torch equivalent."""
-    from torch.distributed.tensor import Replicate  # DTensor: only where a run shards
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}.get(name, lambda: None)()
-
-
-def hf_tp_plan(model: nn.Module) -> dict | None:
-    """A `transformers` model's own TP plan, for a task that writes none: its config's `base_model_tp_plan`
-    (under the base model's prefix) and the model's `_tp_plan` (the head's, and in transformers 5 the whole
-    plan), each wildcard (`layers.*.mlp.up_proj`) expanded over the modules `model` holds (a pipeline
-    stage holds some). None for a model without one."""
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and isinstance(getattr(model, prefix, None), nn.Module):  # a head model around its base model
-        base = {f"{prefix}.{path}": style for path, style in base.items()}
-    plan = {**base, **(getattr(model, "_tp_plan", None) or {})}
-    if not plan:
-        return None
-    modules, found = [path for path, _ in model.named_modules()], {}
-    for pattern, name in plan.items():
-        if _hf_style(name) is None:
-            raise ConfigError(f"tp_plan: {type(model).__name__}'s own plan shards {pattern} as {name!r}, which has "
-                              "no torch style here; give the task a tp_plan(model)")
-        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
-        found.update({path: _hf_style(name) for path in modules if regex.fullmatch(path)})
-    return found
-
-
-def check_hf_heads(model: nn.Module, tp: int) -> None:
-    """A `transformers` model's attention heads and key-value heads: tensor parallelism splits q, k and v by
-    whole heads."""
-    config = getattr(model, "config", None)
-    heads = {name: getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
-    for name, count in heads.items():
-        if isinstance(count, int) and count % tp:
-            have = ", ".join(f"{n} {c}" for n, c in heads.items() if c is not None)
-            raise ConfigError(f"parallelism.tp (--tp) {tp}: the model's {name} {count} is not divisible by it "
-                              f"({type(config).__name__}: {have})")
-
-
 def check_divisible(sizes: dict[str, int], tp: int) -> None:
     """The task's own sizes that tensor parallelism must divide (`tp_divisible(hp)`)."""
     for name, size in sizes.items():
@@ -121,8 +73,11 @@ def choose_stage_starts(model: nn.Module, points: list[str], pp: int, key: str =
     for path in points:
         _module(modules, path, key)
         if path not in order:
-            raise ConfigError(f"{key}: {path!r} is not where a pipeline unit begins; units (top-level modules, "
-                              f"and each child of a ModuleDict, ModuleList or Sequential): {', '.join(order)}")
+            kinds = "decoder layers" if hf.decoder_stack(model) else \
+                "top-level modules, and each child of a ModuleDict, ModuleList or Sequential"
+            raise ConfigError(f"{key}: {path!r} is not where a pipeline unit begins; units ({kinds}): {', '.join(order)}")
+    if sorted(points, key=order.index) != list(points) or len(set(points)) < len(points):
+        raise ConfigError(f"{key}: {', '.join(points)}: not in the model's order, each once ({', '.join(order)})")
     if pp - 1 > len(points):
         raise ConfigError(f"{label or f'pp (--pp) {pp}'}: {pp} stages need {pp - 1} split points; the task's {key} gives "
                           f"{len(points)}: {', '.join(points) or 'none'}")
@@ -130,8 +85,10 @@ def choose_stage_starts(model: nn.Module, points: list[str], pp: int, key: str =
 
 
 def units(model: nn.Module) -> list[str]:
-    """The model's pipeline units in order: its top-level modules, a container's (ModuleDict, ModuleList,
-    Sequential) children one by one."""
+    """The model's pipeline units in order: a transformers model's decoder layers; any other model's top-level
+    modules, a container's (ModuleDict, ModuleList, Sequential) children one by one."""
+    if (stack := hf.decoder_stack(model)) is not None:
+        return hf.layer_units(model, stack)
     found = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleDict, nn.ModuleList, nn.Sequential)):
@@ -144,7 +101,10 @@ def units(model: nn.Module) -> list[str]:
 def keep_stage(model: nn.Module, starts: list[str], stage: int) -> nn.Module:
     """`model` with only stage `stage`'s units left (in place; torchtitan's manual split): a container's
     other children are removed, other top-level modules set to None, so parameter names stay the whole
-    model's and `forward` runs the part it holds (the task's model skips what is None)."""
+    model's and `forward` runs the part it holds (the task's model skips what is None). A transformers
+    model's stage: `rayhpc.parallel.hf.keep_stage`."""
+    if (stack := hf.decoder_stack(model)) is not None:
+        return hf.keep_stage(model, stack, starts, stage)
     order = units(model)  # `starts` come from choose_stage_starts, which checked them
     bounds = [0, *(order.index(s) for s in starts), len(order)]
     keep = set(order[bounds[stage]:bounds[stage + 1]])

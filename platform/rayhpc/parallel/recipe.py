@@ -11,15 +11,10 @@ import torch
 from torch import nn
 
 from rayhpc.config import ConfigError
+from rayhpc.parallel import hf
 from rayhpc.parallel.config import ParallelConfig
-from rayhpc.parallel.plan import (
-    check_divisible,
-    check_hf_heads,
-    check_tp_plan,
-    choose_stage_starts,
-    hf_tp_plan,
-    keep_stage,
-)
+from rayhpc.parallel.hf import check_hf_heads, hf_tp_plan, output_field
+from rayhpc.parallel.plan import check_divisible, check_tp_plan, choose_stage_starts, keep_stage, units
 
 
 class _Returns(nn.Module):
@@ -41,18 +36,28 @@ class Recipe:
     cfg: ParallelConfig
     hp: dict  # the platform's hyperparameters (lr, optimizer, seed...) and the task's own
     task: Any  # rayhpc.task.LoadedTask: the built-in MLP unless --task names another
+    # a transformers model's output class and first field: a pipeline's last stage returns that field (a tensor:
+    # only tensors go through a schedule), and the task's loss gets the class again (`.logits`)
+    output: tuple[type, str] | None = None
 
     def build(self) -> nn.Module:
         """The whole model, initialised from torch's current RNG state (seed it first)."""
         return self.task.obj.model(self.hp)
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The mean loss of a (micro)batch's output; the pipeline schedule averages over microbatches."""
-        return self.task.obj.loss(_Returns(output), (None, target))
+        return self.task.obj.loss(_Returns(self.as_output(output)), (None, target))
 
-    def metrics(self, output: torch.Tensor, target: torch.Tensor) -> dict:
+    def metrics(self, output: Any, target: torch.Tensor) -> dict:
         """The task's own metrics of a batch's output (`metrics(model, batch)`, e.g. bits per byte)."""
-        return self.task.metrics(_Returns(output), (None, target))
+        return self.task.metrics(_Returns(self.as_output(output)), (None, target))
+
+    def as_output(self, output: Any) -> Any:
+        """What the model returns, from what a stage returned (a pipeline's last stage: the first field)."""
+        if self.output is None or not isinstance(output, torch.Tensor):
+            return output
+        cls, field = self.output
+        return cls(**{field: output})
 
     def hook(self, name: str, needed_for: str):
         """The task's `name` method, which `needed_for` requires."""
@@ -65,7 +70,7 @@ class Recipe:
         """The task's TP plan of this stage's modules (a stage may start anywhere: the plan is asked of it); a
         task without one whose model is a Hugging Face `transformers` model gets the model's own plan."""
         present = dict(stage.named_modules())
-        if getattr(self.task.obj, "tp_plan", None) is None and (plan := hf_tp_plan(stage)) is not None:
+        if getattr(self.task.obj, "tp_plan", None) is None and (plan := hf_tp_plan(stage, self.cfg.parallelism.replicas)) is not None:
             return plan
         plan = self.hook("tp_plan", f"tensor parallelism (--tp {self.cfg.parallelism.tp})")(stage)
         return {path: style for path, style in plan.items() if path in present}
@@ -75,7 +80,10 @@ class Recipe:
         p = self.cfg.parallelism
         if p.n_stages == 1:
             return []
-        points = list(self.hook("pipeline_split", f"pipeline parallelism (--pp {p.pp})")(model))
+        if getattr(self.task.obj, "pipeline_split", None) is None and hf.decoder_stack(model) is not None:
+            points = units(model)[1:]  # a transformers model: at any decoder layer
+        else:
+            points = list(self.hook("pipeline_split", f"pipeline parallelism (--pp {p.pp})")(model))
         label = f"parallelism.pp (--pp) {p.pp}" + (f" x stages_per_rank {p.per_rank_stages}"
                                                     if p.per_rank_stages > 1 else "")
         return choose_stage_starts(model, points, p.n_stages, label=label)
@@ -99,7 +107,9 @@ class Recipe:
             except Exception as exc:  # noqa: BLE001 - the user's code: any failure is their input's
                 raise ConfigError(f"{where}: loss(model, batch) raised {one_line(exc)}") from None
             try:
-                served = self.loss(model(x), y)
+                output = model(x)
+                self.output = output_field(output)
+                served = self.loss(output, y)
             except Exception as exc:  # noqa: BLE001
                 raise ConfigError(f"{where}: loss(model, batch) fails on the model's output for the batch's inputs, "
                                   f"as model parallelism gives it ({one_line(exc)}); the loss must call the model "
@@ -117,12 +127,12 @@ class Recipe:
         with torch.device("meta"):
             model = self.build()
             starts = self.stage_starts(model)
-        if tp == 1:
-            return
-        divisible = getattr(self.task.obj, "tp_divisible", None)
-        check_divisible(divisible(self.hp) if divisible else {}, tp)
-        check_hf_heads(model, tp)
-        for stage_id in range(len(starts) + 1):
+        if tp > 1:
+            divisible = getattr(self.task.obj, "tp_divisible", None)
+            check_divisible(divisible(self.hp) if divisible else {}, tp)
+            check_hf_heads(model, tp)
+        for stage_id in range(len(starts) + 1 if starts or tp > 1 else 0):
             with torch.device("meta"):
                 stage = keep_stage(self.build(), starts, stage_id)
-            check_tp_plan(stage, self.tp_plan(stage), tp)
+            if tp > 1:
+                check_tp_plan(stage, self.tp_plan(stage), tp)

@@ -1,0 +1,200 @@
+"""Hugging Face `transformers` models under model parallelism, used unchanged: tensor parallelism takes the
+model's own plan, and a pipeline stage is the whole model with the decoder layers it does not hold made
+pass-throughs, so transformers' own forward runs the stack's part on every stage.
+
+A stage is split at decoder layers (`model.layers.8`, GPT-2's `transformer.h.8`): the first holds the
+embeddings, the last the final norm and the head. A later stage takes the previous stage's hidden states
+as `inputs_embeds` and hands them to its first layer (a forward pre-hook), so what the base model computes
+before its layers (position embeddings, dropout) on that stage is discarded; the modules with weights there
+are stand-ins without any. Parameter names stay the whole model's, as on every stage of every model.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from rayhpc.config import ConfigError
+
+
+def decoder_stack(model: nn.Module) -> str | None:
+    """The path of a transformers model's decoder stack: the ModuleList of its base model's
+    `config.num_hidden_layers` blocks (Llama's and Qwen's `model.layers`, GPT-2's `transformer.h`); None for
+    a model that has none."""
+    count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    base = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or not isinstance(count, int):
+        return None
+    prefix = next(path for path, module in model.named_modules() if module is base)
+    for name, child in base.named_children():
+        if isinstance(child, nn.ModuleList) and len(child) == count:
+            return f"{prefix}.{name}" if prefix else name
+    return None
+
+
+def layer_units(model: nn.Module, stack: str) -> list[str]:
+    """The decoder layers, where pipeline stages may begin."""
+    return [f"{stack}.{i}" for i in range(len(model.get_submodule(stack)))]
+
+
+class _Skip(nn.Module):
+    """A module a stage does not hold: it passes its first argument through (a decoder layer's hidden
+    states, a final norm's input)."""
+
+    def forward(self, hidden_states, *_args, **_kwargs):
+        return hidden_states
+
+
+class _Zeros(nn.Module):
+    """An embedding a later stage does not hold (GPT-2's positions): zeros of its shape, which the stage's
+    first layer replaces with the hidden states it received."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, device=ids.device)
+
+
+def keep_stage(model: nn.Module, stack: str, starts: list[str], stage: int) -> nn.Module:
+    """`model` as pipeline stage `stage` of `len(starts) + 1`, in place: the layers from `starts[stage - 1]` up
+    to `starts[stage]`, the embeddings on the first stage, the final norm and head on the last; its forward
+    takes the stage's input (input ids on the first stage, else hidden states) and returns the next stage's
+    (hidden states; on the last, the model output's first field: the logits)."""
+    if starts:
+        check_untied(model)
+    layers, base = model.get_submodule(stack), model.base_model
+    bounds = [0, *(int(s.rpartition(".")[2]) for s in starts), len(layers)]
+    held = range(bounds[stage], bounds[stage + 1])
+    first, last = stage == 0, stage == len(starts)
+    for i in range(len(layers)):
+        if i not in held:
+            layers[i] = _Skip()
+    children = list(base.named_children())
+    at = [child for _, child in children].index(layers)
+    for i, (name, child) in enumerate(children):  # before the stack on later stages, after it on earlier ones
+        if i != at and any(True for _ in child.parameters()) and ((i < at and not first) or (i > at and not last)):
+            setattr(base, name, _Zeros(child.embedding_dim) if isinstance(child, nn.Embedding) else _Skip())
+    if not last:  # the head (the model's other children) on the last stage only
+        for name, child in list(model.named_children()):
+            if child is not base:
+                setattr(model, name, None)
+    entry = layers[held.start] if held and not first else None
+    # an instance attribute, not a wrapper module: the names stay the model's and FSDP sees the model itself
+    model.forward = functools.partial(_stage_forward, model, entry, first, last)
+    return model
+
+
+def _stage_forward(model: nn.Module, entry: nn.Module | None, first: bool, last: bool, x: torch.Tensor):
+    inputs = {"input_ids": x} if first else {"inputs_embeds": x}
+    # the stage's first layer takes the received hidden states as they are: what the base model added before
+    # its layers (GPT-2's position embeddings and dropout) was added on the first stage already
+    hook = entry.register_forward_pre_hook(lambda _m, args: (x, *args[1:]), prepend=True) if entry else None
+    try:
+        if last:  # the class's forward: the instance's is this function
+            return type(model).forward(model, **inputs, use_cache=False)[0]
+        return model.base_model(**inputs, use_cache=False)[0]
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def check_untied(model: nn.Module) -> None:
+    """The input and output embeddings are separate weights: the first and the last stage hold one each."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if outputs is not None and inputs.weight is outputs.weight:
+        raise ConfigError(f"parallelism.pp (--pp): {type(model).__name__} ties its output embedding to its input "
+                          "embedding (config.tie_word_embeddings), and the first and the last pipeline stage hold "
+                          "one each; build it with tie_word_embeddings=False")
+
+
+def output_field(output) -> tuple[type, str] | None:
+    """A transformers `ModelOutput`'s class and first field (`logits`): what a pipeline's last stage returns
+    (a tensor) is given to the task's loss as that class again. None for any other output."""
+    if not (isinstance(output, OrderedDict) and hasattr(output, "to_tuple") and output.keys()):
+        return None
+    return type(output), next(iter(output.keys()))
+
+
+def _hf_style(name: str):
+    """Hugging Face's TP style `name` (a `_tp_plan` value) as torch's own style, the layouts transformers
+    registers for it (`transformers.distributed.tensor_parallel`); None for one without a torch equivalent."""
+    from torch.distributed.tensor import Replicate  # DTensor: only where a run shards
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+            GRAD_SUM: _grad_sum}.get(name, lambda: None)()
+
+
+GRAD_SUM = "replicated_with_grad_allreduce"  # Qwen3's per-head query and key norms
+
+
+def _grad_sum():
+    """transformers' `replicated_with_grad_allreduce`: the weights stay whole on every TP rank, each rank
+    uses them on its own heads, so a weight's gradient is the sum of the TP ranks' (a gradient hook)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class GradSum(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:  # the one method of torch's style contract
+            for param in module.parameters():
+                param.register_hook(functools.partial(_summed, group=device_mesh.get_group()))
+            return module
+
+    return GradSum()
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    grad = grad.clone()
+    torch.distributed.all_reduce(grad, group=group)
+    return grad
+
+
+def hf_tp_plan(model: nn.Module, replicas: int = 1) -> dict | None:
+    """A `transformers` model's own TP plan, for a task that writes none: its config's `base_model_tp_plan`
+    (under the base model's prefix) and the model's `_tp_plan` (the head's, and in transformers 5 the whole
+    plan), each wildcard (`layers.*.mlp.up_proj`) expanded over the modules `model` holds (a pipeline
+    stage holds some). None for a model without one."""
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):  # a head model around its base model
+        base = {f"{prefix}.{path}": style for path, style in base.items()}
+    plan = {**base, **(getattr(model, "_tp_plan", None) or {})}
+    if not plan:
+        return None
+    if replicas > 1 and GRAD_SUM in plan.values():  # FSDP2 makes new parameters: the gradient hooks would be lost
+        raise ConfigError(f"tp_plan: {type(model).__name__}'s own plan keeps weights whole on every TP rank ({GRAD_SUM}: "
+                          f"{', '.join(k for k, v in plan.items() if v == GRAD_SUM)}), which runs without data-parallel "
+                          f"replicas only (dp x fsdp {replicas}); give the task a tp_plan(model)")
+    # the modules with weights of their own (a stage's stand-ins for what it does not hold have none)
+    modules, found = [path for path, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))], {}
+    for pattern, name in plan.items():
+        if _hf_style(name) is None:
+            raise ConfigError(f"tp_plan: {type(model).__name__}'s own plan shards {pattern} as {name!r}, which has "
+                              "no torch style here; give the task a tp_plan(model)")
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        found.update({path: _hf_style(name) for path in modules if regex.fullmatch(path)})
+    return found
+
+
+def check_hf_heads(model: nn.Module, tp: int) -> None:
+    """A `transformers` model's attention heads and key-value heads: tensor parallelism splits q, k and v by
+    whole heads."""
+    config = getattr(model, "config", None)
+    heads = {name: getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
+    for name, count in heads.items():
+        if isinstance(count, int) and count % tp:
+            have = ", ".join(f"{n} {c}" for n, c in heads.items() if c is not None)
+            raise ConfigError(f"parallelism.tp (--tp) {tp}: the model's {name} {count} is not divisible by it "
+                              f"({type(config).__name__}: {have})")
+
+

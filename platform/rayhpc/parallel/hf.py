@@ -146,11 +146,19 @@ def _grad_sum():
 
     class GradSum(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:  # the one method of torch's style contract
-            for param in module.parameters():
-                param.register_hook(functools.partial(_summed, group=device_mesh.get_group()))
+            # hooked at the first forward: the stage is planned on the meta device, and `to_empty` then makes
+            # new parameters, without the hooks of the old
+            module.register_forward_pre_hook(functools.partial(_hook_grads, group=device_mesh.get_group()))
             return module
 
     return GradSum()
+
+
+def _hook_grads(module: nn.Module, _args, group) -> None:
+    for param in module.parameters():
+        if not getattr(param, "_rayhpc_summed", False):
+            param.register_hook(functools.partial(_summed, group=group))
+            param._rayhpc_summed = True
 
 
 def _summed(grad: torch.Tensor, group) -> torch.Tensor:

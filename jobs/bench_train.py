@@ -3,6 +3,7 @@
     python jobs/bench_train.py [--workers 2] [--hidden 1024] [--in-features 256] [--batch 256] [--epochs 4]
     python jobs/bench_train.py --strategies [--gpu] [--hidden 8192 --depth 4 --in-features 8192 --batch 8192]
     python jobs/bench_train.py --gpt-options [--workers 1]
+    python jobs/bench_train.py --metrics-overhead
 
 Default: rayhpc DDP against torchrun-launched plain DDP on CPU (gloo).
 `--strategies`: raw PyTorch (one process, no Ray, no wrapper) against our DDP and our
@@ -13,6 +14,9 @@ pageable copies would make it, not the GPU, the bottleneck).
 `--gpt-options`: the example GPT task (jobs/tasks/gpt.py) trained eager, with each block
 compiled (`--compile blocks`), and with full and selective activation checkpointing:
 tokens/s as ratios to eager (the compile time falls in epoch 1, which is not counted).
+`--metrics-overhead`: the Hugging Face Llama example (jobs/tasks/llama.py, needs `rayhpc[hf]`) on 2 DDP
+workers with a metrics row per epoch, and with one every step (`metrics_every_steps: 1`): tokens/s of each,
+the second as a ratio to the first (what a row per step costs).
 
 All runs train the same MLP (in -> hidden ... -> in) on the same data with the same
 sampler and optimizer. Time to first step is from launching the command
@@ -99,6 +103,8 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="with --strategies: CUDA, NCCL, bf16 autocast")
     parser.add_argument("--gpt-options", action="store_true", help="the GPT task: eager vs compiled vs activation "
                         "checkpointing, tokens/s")
+    parser.add_argument("--metrics-overhead", action="store_true", help="the Llama task: a metrics row per epoch "
+                        "vs one every step, tokens/s")
     parser.add_argument("--workers", type=int, help="DDP ranks (default 2; with --strategies 1, or with "
                         "--strategies --gpu one per GPU you give, each compared with raw PyTorch on one GPU)")
     parser.add_argument("--in-features", type=int, default=256)
@@ -117,14 +123,15 @@ def main() -> None:
         parser.error(f"--epochs {args.epochs}: need >= 2 (epoch 1 holds the warm-up)")
     if args.workers is None or (args.strategies and not args.gpu):
         args.workers = 1 if args.strategies else 2
-    if args.gpt_options:
+    if args.gpt_options or args.metrics_overhead:
         args.batch = 32 if args.batch == 256 else args.batch  # windows of 64 bytes per sample
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     widths = "-".join(map(str, [args.in_features] + [args.hidden] * (args.depth - 1) + [args.in_features]))
-    model = f"GPT task, {args.gpt_bytes} corpus bytes" if args.gpt_options else f"MLP {widths}"
+    model = f"{'Llama' if args.metrics_overhead else 'GPT'} task, {args.gpt_bytes} corpus bytes" \
+        if args.gpt_options or args.metrics_overhead else f"MLP {widths}"
     print(f"bench_train: {model}, {args.workers} "
           f"{'NCCL' if args.gpu else 'gloo'} worker(s) x {args.batch} samples/step, {args.epochs} epochs"
-          + ("" if args.gpt_options else f" of {int(args.samples * 0.8)} samples"), flush=True)
+          + ("" if args.gpt_options or args.metrics_overhead else f" of {int(args.samples * 0.8)} samples"), flush=True)
     from bench.first_result import cluster_up, cold
 
     rows = plan(args, cold(work))
@@ -136,7 +143,8 @@ def main() -> None:
     if UP in rows:  # then the same job joining the user's cluster (`rayhpc up`)
         with cluster_up(work, args.workers) as up:
             runs[UP] = [rows[UP](work, i, up) for i in range(args.repeats)]
-    print_table(runs, "tokens/s" if args.gpt_options else "samples/s", args.workers if args.strategies else 1)
+    print_table(runs, "tokens/s" if args.gpt_options or args.metrics_overhead else "samples/s",
+                args.workers if args.strategies else 1)
     if args.json:
         Path(args.json).write_text(json.dumps({name: _median(results) for name, results in runs.items()}, indent=1))
 
@@ -178,6 +186,12 @@ def plan(args, cold: dict) -> dict:
         return {"GPT eager": gpt({}), "GPT compiled blocks": gpt({"compile": "blocks"}),
                 "GPT full AC": gpt({"activation_checkpointing": "full"}),
                 "GPT selective AC": gpt({"activation_checkpointing": "selective"})}
+    if args.metrics_overhead:
+        def llama(every: int | None):
+            job = {"task": str(ROOT / "jobs" / "tasks" / "llama.py") + ":Llama", "optim": {"optimizer": "adamw"},
+                   "hparams": {"corpus_bytes": args.gpt_bytes}, "metrics_every_steps": every}
+            return lambda work, i: rayhpc(args, work, f"llama-{every or 'epochs'}-{i}", cold, job=job)
+        return {"Llama, a row per epoch": llama(None), "Llama, a row every step": llama(1)}
     if args.strategies:
         return {"raw PyTorch": lambda work, i: baseline(args, work, raw=True),
                 "rayhpc DDP": lambda work, i: rayhpc(args, work, f"ddp{i}", cold),

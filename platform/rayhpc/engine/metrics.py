@@ -21,6 +21,7 @@ from rayhpc import log as rayhpc_log
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.parquet"
+EARLIER_ROWS = "earlier_rows"  # a report's key: the step rows held back since the last report, in order
 TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir <run_dir>/tensorboard`
 EVENT_SCALARS = ("loss", "best_val_loss", "samples_per_s", "step_ms", "lr")  # and every val_* value
 
@@ -38,18 +39,21 @@ class MetricsRecorder(UserCallback):
         self._writer = None  # made where the callback runs: it does not pickle
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        """Rank 0's report, and the step rows it carries (held back: `rayhpc.train.loop.Worker.report`)."""
         row = dict(metrics[0])
+        rows = [*row.pop(EARLIER_ROWS, []), row]
         if self.rows is None:
             self.rows = pd.read_parquet(self.path).to_dict("records") if self.path.exists() else []
-        step, kind = row["global_step"], row["kind"]
-        self.rows = [r for r in self.rows
+        step, kind = rows[0]["global_step"], rows[0]["kind"]  # a restarted group's repeated steps replace the rows
+        self.rows = [r for r in self.rows                     # it wrote before
                      if r["global_step"] < step or (r["global_step"] == step and r["kind"] != kind)]
-        self.rows.append(row)
+        for new in rows:
+            self.rows.append(new)
+            self._write_events(new)
         tmp = self.path.with_suffix(".tmp")
         pd.DataFrame(self.rows).to_parquet(tmp, index=False)
         tmp.replace(self.path)
-        self._write_events(row)
-        if kind == "epoch":
+        if row["kind"] == "epoch":
             if self.log_level >= logging.INFO:
                 rayhpc_log.show()
             values = "".join(f", {k} {v:.4g}" for k, v in row.items() if k.startswith("val_") and v is not None)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
+from rayhpc.engine.metrics import EARLIER_ROWS
 from rayhpc.engine.parallelize import parallelize
 from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
@@ -35,6 +36,8 @@ from rayhpc.task.batches import (
 )
 from rayhpc.task.load import LoadedTask
 from rayhpc.train.config import TrainConfig
+
+SEND_EVERY_S = 30.0  # held step rows reach metrics.parquet and TensorBoard at least this often
 
 
 @dataclasses.dataclass
@@ -60,6 +63,11 @@ class Worker(Runner):
     sink: Callable[["Worker", dict, bool], None] | None = None
     tracker: object = None  # a `rayhpc.tracking.runs.JobRun`: rank 0's tracked run where the job has `tracking:`
     reported: float = 0.0  # perf_counter at the end of the last report (train_seconds counts no report's time)
+    # step rows held back, sent with the next report that goes to Ray Train: each `ray.train.report` is a barrier
+    # of every rank through Ray Train's actors (0.4 s a report on 2 cores, measured); rows go every SEND_EVERY_S
+    held: list = dataclasses.field(default_factory=list)
+    sent: float = dataclasses.field(default_factory=time.perf_counter)  # when a report last went
+    send_due: bool = False  # every rank's rows have waited SEND_EVERY_S or more (agreed in the window's all-reduce)
     resumed: tuple[float, int] = (0.0, 0)  # a run resumed mid-epoch: the epoch's loss sum and samples before it
 
     def __post_init__(self):
@@ -90,12 +98,18 @@ class Worker(Runner):
             return {}
         return evaluate(self.task, self.model, self.val.all(eval_batch(self.cfg.per_worker_batch)))
 
-    def report(self, metrics: dict, with_checkpoint: bool) -> None:
+    def report(self, metrics: dict, with_checkpoint: bool, hold: bool = False) -> None:
+        """The row to the gauges and the tracker now, and to Ray Train now or (`hold`) with a later report."""
         self.gauges.record(metrics["loss"], metrics["worker_samples_per_s"], metrics["step_ms"] / 1000, self.device,
                            {k: v for k, v in metrics.items() if k.startswith("val_") and k != "val_loss"})
         if self.tracker is not None:  # queued: the tracker's thread writes it
             self.tracker.log(self.progress.global_step, {k: v for k, v in metrics.items() if k not in ("epoch", "kind")})
-        (self.sink or _ray_train_report)(self, metrics, with_checkpoint)
+        if hold:
+            self.held.append(metrics)
+        else:
+            metrics, self.held = ({**metrics, EARLIER_ROWS: self.held} if self.held else metrics), []
+            (self.sink or _ray_train_report)(self, metrics, with_checkpoint)
+            self.sent = time.perf_counter()
         self.reported = time.perf_counter()
 
     # `rayhpc.engine.fit`'s runner: this rank's batches and step, its reports through `report`
@@ -120,7 +134,8 @@ class Worker(Runner):
             loss_sum, samples = _summed(self, epoch)
             self.progress.epoch_loss_sum, self.progress.epoch_samples = (self.resumed[0] + loss_sum,
                                                                          self.resumed[1] + int(samples))
-        self.report({"kind": "step", **_rates(self, window, step // self.plan.per_epoch)}, due.checkpoint)
+        row = {"kind": "step", **_rates(self, window, step // self.plan.per_epoch)}
+        self.report(row, due.checkpoint, hold=not (due.checkpoint or self.send_due))
         return True
 
     def end_epoch(self, epoch: int, window: Window) -> bool:
@@ -225,12 +240,16 @@ def _best(w: Worker, val: dict) -> dict:
 
 
 def _summed(w: Worker, win: Window) -> tuple[float, float]:
-    """`win`'s loss sum and samples over all ranks (the one host-device sync of the window)."""
+    """`win`'s loss sum and samples over all ranks (the one host-device sync of the window); with them the ranks
+    agree whether held rows are due to be sent (`send_due`: all ranks send a report, or none)."""
     loss_sum = torch.as_tensor(win.loss_sum, dtype=torch.float32, device=w.device)  # 0.0 where no step ran
-    totals = torch.stack([loss_sum, torch.tensor(float(win.samples), device=w.device)])
+    waited = float(time.perf_counter() - w.sent >= SEND_EVERY_S)
+    totals = torch.stack([loss_sum, torch.tensor(float(win.samples), device=w.device),
+                          torch.tensor(waited, device=w.device)])
     if dist.is_initialized() and w.world > 1:
         dist.all_reduce(totals)
-    loss_sum, samples = totals.tolist()
+    loss_sum, samples, waited = totals.tolist()
+    w.send_due = waited > 0
     return loss_sum, samples
 
 

@@ -153,6 +153,23 @@ class OnTargets(Llama):
     def loss(self, model, batch):  # the model called on other inputs than the batch's: no rank computes that
         x, y = batch
         return F.cross_entropy(model(input_ids=y).logits.flatten(0, 1), y.flatten())
+
+
+class BadSplit(Llama):
+    def pipeline_split(self, model):
+        return ["model.layer.1"]
+
+
+class Tied(Llama):
+    def model(self, hp):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=hp["dim"], n_layer=hp["layers"], n_head=hp["heads"],
+                                          n_positions=hp["block"], bos_token_id=None, eos_token_id=None))
+
+
+class NoPlan(Tied):  # GPT-2: transformers ships no tensor-parallel plan for it
+    pass
 '''
 FAILS_ON_THE_OUTPUT = ("loss(model, batch) fails on the model's output for the batch's inputs, as model parallelism "
                        "gives it (AttributeError: 'NoneType' object has no attribute 'flip'); the loss must call the "
@@ -164,12 +181,16 @@ FAILS_ON_THE_OUTPUT = ("loss(model, batch) fails on the model's output for the b
               "(LlamaConfig: num_attention_heads 4, num_key_value_heads 2)"),
     ("Flipped", "error: task (--task) {task}: " + FAILS_ON_THE_OUTPUT),
     ("OnTargets", "error: task (--task) {task}: loss(model, batch) is "),  # then its two values
+    ("BadSplit", "error: pipeline_split: 'model.layer.1' is not a module of the model; close: model.layers.1"),
+    ("Tied", "error: parallelism.pp (--pp): GPT2LMHeadModel ties its output embedding to its input embedding"),
+    ("NoPlan", "error: task (--task) {task}: GPT2LMHeadModel has no tensor-parallel plan in transformers, and the "
+               "task no tp_plan(model), which tensor parallelism (--tp 2) needs"),
 ])
 def test_what_model_parallelism_cannot_serve_is_one_line_before_ray_starts(case, expected, tmp_path):
     task = tmp_path / "odd_losses.py"
     task.write_text(ODD_LOSSES)
     args = ["--task", LLAMA, "--tp", "4", "--cpus-per-worker", "0.5"] if case == "heads" else \
-        ["--task", f"{task}:{case}", "--tp", "2"]
+        ["--task", f"{task}:{case}", "--pp" if case in ("BadSplit", "Tied") else "--tp", "2"]
     proc = run_job_warm("train_parallel.py", "--storage-path", str(tmp_path), *args,
                         "--hp", ",".join(f"{k}={v}" for k, v in HP.items()), env={"RAY_TMPDIR": str(tmp_path / "ray")})
     assert proc.returncode == 2 and proc.stderr.startswith(expected.format(task=f"{task}:{case}")), proc.stderr

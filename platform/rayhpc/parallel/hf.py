@@ -21,14 +21,19 @@ from torch import nn
 from rayhpc.config import ConfigError
 
 
+def is_transformers(model: nn.Module) -> bool:
+    """A `transformers` model (a `PreTrainedModel`: a config, and its base model)."""
+    return hasattr(model, "config") and isinstance(getattr(model, "base_model", None), nn.Module)
+
+
 def decoder_stack(model: nn.Module) -> str | None:
     """The path of a transformers model's decoder stack: the ModuleList of its base model's
     `config.num_hidden_layers` blocks (Llama's and Qwen's `model.layers`, GPT-2's `transformer.h`); None for
     a model that has none."""
     count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    base = getattr(model, "base_model", None)
-    if not isinstance(base, nn.Module) or not isinstance(count, int):
+    if not is_transformers(model) or not isinstance(count, int):
         return None
+    base = model.base_model
     prefix = next(path for path, module in model.named_modules() if module is base)
     for name, child in base.named_children():
         if isinstance(child, nn.ModuleList) and len(child) == count:

@@ -69,10 +69,13 @@ class Recipe:
     def tp_plan(self, stage: nn.Module) -> dict:
         """The task's TP plan of this stage's modules (a stage may start anywhere: the plan is asked of it); a
         task without one whose model is a Hugging Face `transformers` model gets the model's own plan."""
-        present = dict(stage.named_modules())
-        if getattr(self.task.obj, "tp_plan", None) is None and (plan := hf_tp_plan(stage, self.cfg.parallelism.replicas)) is not None:
+        present, needs = dict(stage.named_modules()), f"tensor parallelism (--tp {self.cfg.parallelism.tp})"
+        if getattr(self.task.obj, "tp_plan", None) is None and hf.is_transformers(stage):
+            if (plan := hf_tp_plan(stage, self.cfg.parallelism.replicas)) is None:
+                raise ConfigError(f"{self.task.where()}: {type(stage).__name__} has no tensor-parallel plan in "
+                                  f"transformers, and the task no tp_plan(model), which {needs} needs")
             return plan
-        plan = self.hook("tp_plan", f"tensor parallelism (--tp {self.cfg.parallelism.tp})")(stage)
+        plan = self.hook("tp_plan", needs)(stage)
         return {path: style for path, style in plan.items() if path in present}
 
     def stage_starts(self, model: nn.Module) -> list[str]:

@@ -120,12 +120,13 @@ def test_a_transformers_model_under_model_parallelism_equals_one_process(layout,
         torch.testing.assert_close(result.weights[name], want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_llama_under_ddp_and_fsdp2_on_two_workers_equals_the_plain_loop(strategy, ray_address, tmp_path):
+# a row every step: sent at once (metrics_send_s 0), and held back to the epoch's end (the default's 30 s)
+@pytest.mark.parametrize("strategy, send_s", [("ddp", 0), ("fsdp", 30)])
+def test_a_llama_under_ddp_and_fsdp2_on_two_workers_equals_the_plain_loop(strategy, send_s, ray_address, tmp_path):
     cfg = validate(TrainConfig, {"task": LLAMA, "hparams": HP, "seed": SEED, "steps": 4, "strategy": strategy,
                                  "storage_path": str(tmp_path), "name": strategy, "compute": {"num_workers": 2},
                                  "batch_size_per_worker": BATCH // 2, "optim": {"optimizer": "adam", "lr": LR},
-                                 "metrics_every_steps": 1})
+                                 "metrics_every_steps": 1, "metrics_send_s": send_s})
     run = run_training(cfg)
     losses, weights = plain_loop(4)
     rows = run.metrics.sort_values("global_step")
@@ -190,7 +191,7 @@ def test_what_model_parallelism_cannot_serve_is_one_line_before_ray_starts(case,
     task = tmp_path / "odd_losses.py"
     task.write_text(ODD_LOSSES)
     args = ["--task", LLAMA, "--tp", "4", "--cpus-per-worker", "0.5"] if case == "heads" else \
-        ["--task", f"{task}:{case}", "--pp" if case in ("BadSplit", "Tied") else "--tp", "2"]
+        ["--task", f"{task}:{case}", *(("--pp", "2", "--steps", "2") if case in ("BadSplit", "Tied") else ("--tp", "2"))]
     proc = run_job_warm("train_parallel.py", "--storage-path", str(tmp_path), *args,
                         "--hp", ",".join(f"{k}={v}" for k, v in HP.items()), env={"RAY_TMPDIR": str(tmp_path / "ray")})
     assert proc.returncode == 2 and proc.stderr.startswith(expected.format(task=f"{task}:{case}")), proc.stderr

@@ -85,6 +85,9 @@ class TrainConfig(DataParallelJob):
     scale_lr: bool = Field(False, description="multiply lr by the number of workers (the Horovod convention)")
     checkpoint: TrainCheckpoints = TrainCheckpoints()
     metrics_every_steps: int | None = Field(None, ge=1, description="also record a metrics row every K steps")
+    metrics_send_s: float = Field(30.0, ge=0, description="step rows reach metrics.parquet and TensorBoard at "
+                                  "least this often (each send waits for every rank; Prometheus and the trackers "
+                                  "get each row at once)")
     init_from: str | None = Field(None, description="start from a sweep trial's weights: SWEEP_DIR (its best "
                                   "trial by the task's objective) or SWEEP_DIR:TRIAL_ID; the trial's own task "
                                   "hyperparameters are the defaults of --hp")

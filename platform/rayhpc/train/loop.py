@@ -37,8 +37,6 @@ from rayhpc.task.batches import (
 from rayhpc.task.load import LoadedTask
 from rayhpc.train.config import TrainConfig
 
-SEND_EVERY_S = 30.0  # held step rows reach metrics.parquet and TensorBoard at least this often
-
 
 @dataclasses.dataclass
 class Worker(Runner):
@@ -64,10 +62,10 @@ class Worker(Runner):
     tracker: object = None  # a `rayhpc.tracking.runs.JobRun`: rank 0's tracked run where the job has `tracking:`
     reported: float = 0.0  # perf_counter at the end of the last report (train_seconds counts no report's time)
     # step rows held back, sent with the next report that goes to Ray Train: each `ray.train.report` is a barrier
-    # of every rank through Ray Train's actors (0.4 s a report on 2 cores, measured); rows go every SEND_EVERY_S
+    # of every rank through Ray Train's actors (0.4 s a report on 2 cores, measured); rows go every metrics_send_s
     held: list = dataclasses.field(default_factory=list)
     sent: float = dataclasses.field(default_factory=time.perf_counter)  # when a report last went
-    send_due: bool = False  # every rank's rows have waited SEND_EVERY_S or more (agreed in the window's all-reduce)
+    send_due: bool = False  # a rank's rows have waited metrics_send_s or more (agreed in the window's all-reduce)
     resumed: tuple[float, int] = (0.0, 0)  # a run resumed mid-epoch: the epoch's loss sum and samples before it
 
     def __post_init__(self):
@@ -243,7 +241,7 @@ def _summed(w: Worker, win: Window) -> tuple[float, float]:
     """`win`'s loss sum and samples over all ranks (the one host-device sync of the window); with them the ranks
     agree whether held rows are due to be sent (`send_due`: all ranks send a report, or none)."""
     loss_sum = torch.as_tensor(win.loss_sum, dtype=torch.float32, device=w.device)  # 0.0 where no step ran
-    waited = float(time.perf_counter() - w.sent >= SEND_EVERY_S)
+    waited = float(time.perf_counter() - w.sent >= w.cfg.metrics_send_s)
     totals = torch.stack([loss_sum, torch.tensor(float(win.samples), device=w.device),
                           torch.tensor(waited, device=w.device)])
     if dist.is_initialized() and w.world > 1:

@@ -73,3 +73,16 @@ def test_tied_embeddings_cannot_sit_on_two_stages():
     model = build("gpt2", tie_word_embeddings=True)
     with pytest.raises(ConfigError, match="GPT2LMHeadModel ties its output embedding to its input embedding"):
         keep_stage(model, ["transformer.h.2"], 0)
+
+
+def test_qwen3s_plan_keeps_its_norms_whole_and_so_runs_without_replicas():
+    from rayhpc.parallel.hf import hf_tp_plan
+
+    model = build("qwen3")
+    plan = hf_tp_plan(model)
+    assert type(plan["model.layers.3.self_attn.q_norm"]).__name__ == "GradSum"
+    assert type(plan["model.layers.3.self_attn.q_proj"]).__name__ == "ColwiseParallel"
+    with pytest.raises(ConfigError, match=r"keeps weights whole on every TP rank \(replicated_with_grad_allreduce: "
+                                          r"model.layers.\*.self_attn.q_norm, model.layers.\*.self_attn.k_norm\), which runs "
+                                          r"without data-parallel replicas only \(dp x fsdp 2\)"):
+        hf_tp_plan(model, replicas=2)

@@ -27,43 +27,8 @@ SEED, LR, BATCH = 5, 3e-3, 8
 SGD_LR = 0.2
 
 
-OTHER_MODELS = '''
-from rayhpc.examples.llama import Llama
-
-
-class GPT2(Llama):
-    """GPT-2's blocks (learned positions, Conv1D layers, LayerNorm), its own untied head: a pipeline's first stage
-    holds the token embedding, its last the head."""
-
-    def model(self, hp):
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=hp["dim"], n_layer=hp["layers"], n_head=hp["heads"],
-                                          n_positions=hp["block"], tie_word_embeddings=False, use_cache=False,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # as Llama: no dropout
-                                          bos_token_id=None, eos_token_id=None, attn_implementation="eager"))
-
-
-class Qwen3(Llama):
-    """Qwen3's blocks (RMSNorm on queries and keys per head: their weights replicated on every TP rank)."""
-
-    def model(self, hp):
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        return Qwen3ForCausalLM(Qwen3Config(vocab_size=256, hidden_size=hp["dim"], intermediate_size=2 * hp["dim"],
-                                            num_hidden_layers=hp["layers"], num_attention_heads=hp["heads"],
-                                            num_key_value_heads=hp["kv_heads"], head_dim=hp["dim"] // hp["heads"],
-                                            use_cache=False, bos_token_id=None, eos_token_id=None,
-                                            attn_implementation="eager"))
-'''
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, str]:
-    """--task of each model: the example Llama, and GPT-2 and Qwen3 tasks written here."""
-    path = tmp_path_factory.mktemp("tasks") / "other_models.py"
-    path.write_text(OTHER_MODELS)
-    return {"llama": LLAMA, "gpt2": f"{path}:GPT2", "qwen3": f"{path}:Qwen3"}
+# GPT-2 and Qwen3 as tasks, beside the example Llama
+MODELS = {"llama": LLAMA, "gpt2": f"{ROOT}/tests/tasks/hf_models.py:GPT2", "qwen3": f"{ROOT}/tests/tasks/hf_models.py:Qwen3"}
 
 
 def plain_loop(steps: int, task_path: str = LLAMA, hp: dict = HP, optimizer=torch.optim.Adam, lr: float = LR):
@@ -102,18 +67,18 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_transformers_model_under_model_parallelism_equals_one_process(layout, models, ray_address, tmp_path):
+def test_a_transformers_model_under_model_parallelism_equals_one_process(layout, ray_address, tmp_path):
     """No tp_plan and no pipeline_split in the task: the model's own TP plan (q/k/v/gate/up column-wise, o/down
     row-wise, the embedding's rows and the head's columns), stages split at its decoder layers, its RoPE buffers
     (not in its state dict) on every rank as the model made them; the loss calls `model(input_ids=x).logits`.
     SGD: Adam turns the float rounding of microbatches' summed gradients into lr-sized steps where a gradient
     is near zero."""
     model, hp, parallelism = LAYOUTS[layout]
-    cfg = ParallelConfig(task=models[model], hparams=hp, parallelism=parallelism, seed=SEED, steps=4,
+    cfg = ParallelConfig(task=MODELS[model], hparams=hp, parallelism=parallelism, seed=SEED, steps=4,
                          optim={"optimizer": "sgd", "lr": SGD_LR}, global_batch_size=BATCH, storage_path=tmp_path,
                          name="hf", compute={"cpus_per_worker": 0.5})
     result = run_parallel(cfg, log_level=logging.DEBUG)
-    losses, weights = plain_loop(4, models[model], hp, torch.optim.SGD, SGD_LR)
+    losses, weights = plain_loop(4, MODELS[model], hp, torch.optim.SGD, SGD_LR)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses))
     assert sorted(result.weights) == sorted(weights)
     for name, want in weights.items():  # a few float roundings apart: TP sums partial products in another order

@@ -115,11 +115,12 @@ LLAMA = str(ROOT / "jobs" / "tasks" / "llama.py:Llama")
 LLAMA_HP = {"block": 16, "dim": 32, "heads": 4, "kv_heads": 2, "layers": 2, "corpus_bytes": 6000}
 
 
-def test_members_of_a_hugging_face_llama_equal_the_trial_alone():
-    """The example Llama task, built by transformers and used unchanged (its loss reads `.logits` of
+@pytest.mark.parametrize("spec", [LLAMA, str(ROOT / "tests" / "tasks" / "hf_models.py:GPT2")])
+def test_members_of_a_hugging_face_model_equal_the_trial_alone(spec):
+    """The example Llama task, and GPT-2, built by transformers and used unchanged (the loss reads `.logits` of
     `model(input_ids=x)`): packed members with their own lr equal each trained alone."""
     pytest.importorskip("transformers", reason="the hf extra (pip install 'rayhpc[hf]')")
-    llama = task_for(LLAMA, DataConfig())
+    llama = task_for(spec, DataConfig())
     members = [full_hparams(llama.hp_model, dict(LLAMA_HP, lr=lr, optimizer="adam", batch_size=16, seed=3))
                for lr in (3e-3, 1e-3)]
     train, val = llama.data(members[0])

@@ -89,24 +89,23 @@ def keep_stage(model: nn.Module, stack: str, starts: list[str], stage: int) -> n
         for name, child in list(model.named_children()):
             if child is not base:
                 setattr(model, name, None)
-    entry = layers[held.start] if held and not first else None
+    received: dict[str, torch.Tensor] = {}  # the stage's input, while its forward runs
+    if held and not first:
+        # the stage's first layer takes the received hidden states as they are: what the base model added before
+        # its layers (GPT-2's position embeddings and dropout) was added on the first stage already. One hook for
+        # the stage's life: a compiled block would recompile for a hook registered per call
+        layers[held.start].register_forward_pre_hook(lambda _m, args: (received["x"], *args[1:]), prepend=True)
     # an instance attribute, not a wrapper module: the names stay the model's and FSDP sees the model itself
-    model.forward = functools.partial(_stage_forward, model, entry, first, last)
+    model.forward = functools.partial(_stage_forward, model, received, first, last)
     return model
 
 
-def _stage_forward(model: nn.Module, entry: nn.Module | None, first: bool, last: bool, x: torch.Tensor):
+def _stage_forward(model: nn.Module, received: dict, first: bool, last: bool, x: torch.Tensor):
+    received["x"] = x
     inputs = {"input_ids": x} if first else {"inputs_embeds": x}
-    # the stage's first layer takes the received hidden states as they are: what the base model added before
-    # its layers (GPT-2's position embeddings and dropout) was added on the first stage already
-    hook = entry.register_forward_pre_hook(lambda _m, args: (x, *args[1:]), prepend=True) if entry else None
-    try:
-        if last:  # the class's forward: the instance's is this function
-            return type(model).forward(model, **inputs, use_cache=False)[0]
-        return model.base_model(**inputs, use_cache=False)[0]
-    finally:
-        if hook is not None:
-            hook.remove()
+    if last:  # the class's forward: the instance's is this function
+        return type(model).forward(model, **inputs, use_cache=False)[0]
+    return model.base_model(**inputs, use_cache=False)[0]
 
 
 def check_untied(model: nn.Module) -> None:

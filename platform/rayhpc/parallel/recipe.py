@@ -134,8 +134,10 @@ class Recipe:
             divisible = getattr(self.task.obj, "tp_divisible", None)
             check_divisible(divisible(self.hp) if divisible else {}, tp)
             check_hf_heads(model, tp)
-        for stage_id in range(len(starts) + 1 if starts or tp > 1 else 0):
+        if not starts and tp == 1:
+            return  # one stage, nothing sharded
+        for stage_id in range(len(starts) + 1):
             with torch.device("meta"):
-                stage = keep_stage(self.build(), starts, stage_id)
+                stage = keep_stage(self.build(), starts, stage_id)  # a stage's own errors (tied embeddings)
             if tp > 1:
                 check_tp_plan(stage, self.tp_plan(stage), tp)

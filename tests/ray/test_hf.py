@@ -28,7 +28,8 @@ SGD_LR = 0.2
 
 
 # GPT-2 and Qwen3 as tasks, beside the example Llama
-MODELS = {"llama": LLAMA, "gpt2": f"{ROOT}/tests/tasks/hf_models.py:GPT2", "qwen3": f"{ROOT}/tests/tasks/hf_models.py:Qwen3"}
+MODELS = {"llama": LLAMA, "gpt2": f"{ROOT}/tests/tasks/hf_models.py:GPT2",
+          "gpt2 tied": f"{ROOT}/tests/tasks/hf_models.py:GPT2Tied", "llama tied": f"{ROOT}/tests/tasks/hf_models.py:LlamaTied", "qwen3": f"{ROOT}/tests/tasks/hf_models.py:Qwen3"}
 
 
 def plain_loop(steps: int, task_path: str = LLAMA, hp: dict = HP, optimizer=torch.optim.Adam, lr: float = LR):
@@ -58,10 +59,12 @@ def plain_loop(steps: int, task_path: str = LLAMA, hp: dict = HP, optimizer=torc
 # 4 layers: pipeline stages split at a decoder layer deep in the model (`model.layers.2`, `transformer.h.2`)
 DEEP = {**HP, "layers": 4}
 LAYOUTS = {
-    "llama tp2": ("llama", HP, {"tp": 2}),
+    "llama tied tp2": ("llama tied", HP, {"tp": 2}),
     "llama pp2": ("llama", DEEP, {"pp": 2, "microbatches": 2, "schedule": "1f1b"}),
     "llama tp2 x pp2": ("llama", DEEP, {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "1f1b"}),
     "gpt2 pp2": ("gpt2", DEEP, {"pp": 2, "microbatches": 2, "schedule": "gpipe"}),
+    "gpt2 tp2": ("gpt2 tied", HP, {"tp": 2}),
+    "gpt2 tp2 x pp2": ("gpt2", DEEP, {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe"}),
     "qwen3 tp2 x pp2": ("qwen3", DEEP, {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "1f1b"}),
 }
 
@@ -134,8 +137,13 @@ class Tied(Llama):
                                           n_positions=hp["block"], bos_token_id=None, eos_token_id=None))
 
 
-class NoPlan(Tied):  # GPT-2: transformers ships no tensor-parallel plan for it
-    pass
+class NoPlan(Llama):  # OPT: neither transformers nor rayhpc ships a tensor-parallel plan for it
+    def model(self, hp):
+        from transformers import OPTConfig, OPTForCausalLM
+
+        return OPTForCausalLM(OPTConfig(vocab_size=256, hidden_size=hp["dim"], num_hidden_layers=hp["layers"],
+                                        num_attention_heads=hp["heads"], ffn_dim=4 * hp["dim"],
+                                        max_position_embeddings=hp["block"], word_embed_proj_dim=hp["dim"]))
 '''
 FAILS_ON_THE_OUTPUT = ("loss(model, batch) fails on the model's output for the batch's inputs, as model parallelism "
                        "gives it (AttributeError: 'NoneType' object has no attribute 'flip'); the loss must call the "
@@ -149,8 +157,8 @@ FAILS_ON_THE_OUTPUT = ("loss(model, batch) fails on the model's output for the b
     ("OnTargets", "error: task (--task) {task}: loss(model, batch) is "),  # then its two values
     ("BadSplit", "error: pipeline_split: 'model.layer.1' is not a module of the model; close: model.layers.1"),
     ("Tied", "error: parallelism.pp (--pp): GPT2LMHeadModel ties its output embedding to its input embedding"),
-    ("NoPlan", "error: task (--task) {task}: GPT2LMHeadModel has no tensor-parallel plan in transformers, and the "
-               "task no tp_plan(model), which tensor parallelism (--tp 2) needs"),
+    ("NoPlan", "error: task (--task) {task}: OPTForCausalLM has no tensor-parallel plan in transformers or "
+               "rayhpc, and the task no tp_plan(model), which tensor parallelism (--tp 2) needs"),
 ])
 def test_what_model_parallelism_cannot_serve_is_one_line_before_ray_starts(case, expected, tmp_path):
     task = tmp_path / "odd_losses.py"

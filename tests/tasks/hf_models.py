@@ -17,6 +17,28 @@ class GPT2(Llama):
                                           bos_token_id=None, eos_token_id=None, attn_implementation="eager"))
 
 
+def tie(model):
+    """The model as transformers builds it by default for GPT-2 and many small models: its head is its
+    token embedding."""
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    return model
+
+
+class GPT2Tied(GPT2):
+    """Tied, tensor parallelism shards neither the embedding nor the head."""
+
+    def model(self, hp):
+        return tie(super().model(hp))
+
+
+class LlamaTied(Llama):
+    """Tied, tensor parallelism shards both by their vocabulary rows."""
+
+    def model(self, hp):
+        return tie(super().model(hp))
+
+
 class Qwen3(Llama):
     """Qwen3's blocks (RMSNorm on queries and keys per head: their weights replicated on every TP rank)."""
 

@@ -125,19 +125,71 @@ def output_field(output) -> tuple[type, str] | None:
     return type(output), next(iter(output.keys()))
 
 
-def _hf_style(name: str):
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2's projections): a Linear whose weight is stored transposed, (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _hf_style(name: str, conv1d: bool = False):
     """Hugging Face's TP style `name` (a `_tp_plan` value) as torch's own style, the layouts transformers
-    registers for it (`transformers.distributed.tensor_parallel`); None for one without a torch equivalent."""
+    registers for it (`transformers.distributed.tensor_parallel`), for a `Conv1D` where `conv1d`; None for
+    one without a torch equivalent."""
     from torch.distributed.tensor import Replicate  # DTensor: only where a run shards
+
+    col, row = _conv1d_styles() if conv1d else _linear_styles()
+    return {"colwise": col, "rowwise": row,
+            "colwise_rep": lambda: col(output_layouts=Replicate()),
+            "colwise_gather_output": lambda: col(output_layouts=Replicate()),
+            "rowwise_rep": lambda: row(input_layouts=Replicate()),
+            "rowwise_split_input": lambda: row(input_layouts=Replicate()),
+            "embedding_rowwise": lambda: row(input_layouts=Replicate()),
+            GRAD_SUM: _grad_sum}.get(name, lambda: None)()
+
+
+def _linear_styles():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-            GRAD_SUM: _grad_sum}.get(name, lambda: None)()
+    return ColwiseParallel, RowwiseParallel
+
+
+@functools.cache
+def _conv1d_styles():
+    """torch's column- and row-wise styles for a `Conv1D`: the same layouts of inputs and outputs, its
+    (in, out) weight sharded on the other dimension than a Linear's (out, in)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def apply(style, module: nn.Module, mesh, shards: dict):
+        def partition(_name, mod, mesh):
+            for key, placement in shards.items():
+                param = getattr(mod, key)
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(
+                    param, mesh, [placement], src_data_rank=style.src_data_rank), requires_grad=param.requires_grad))
+
+        # torch's styles bind their layouts into these two functions in `_apply` the same way
+        return distribute_module(module, mesh, partition,
+                                 functools.partial(style._prepare_input_fn, style.input_layouts,
+                                                   style.desired_input_layouts),
+                                 functools.partial(style._prepare_output_fn, style.output_layouts,
+                                                   style.use_local_output))
+
+    class Conv1DColwise(ColwiseParallel):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            return apply(self, module, device_mesh, {"weight": Shard(1), "bias": Shard(0)})
+
+    class Conv1DRowwise(RowwiseParallel):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            self.desired_input_layouts = (Shard(-1),)  # as torch's for a Linear: each rank its input features
+            return apply(self, module, device_mesh, {"weight": Shard(0), "bias": Replicate()})
+
+    return Conv1DColwise, Conv1DRowwise
+
+
+# Plans for transformers models that ship none, as their base model's (`base_model_tp_plan`). GPT-2 fuses
+# q, k and v into one Conv1D and splits its output by the full width, so that output is gathered and every
+# TP rank runs attention over all heads; the projections' weights and the MLP are split.
+SHIPPED_PLANS = {"gpt2": {"h.*.attn.c_attn": "colwise_rep", "h.*.attn.c_proj": "rowwise_rep",
+                          "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}}
 
 
 GRAD_SUM = "replicated_with_grad_allreduce"  # Qwen3's per-head query and key norms
@@ -174,9 +226,11 @@ def _summed(grad: torch.Tensor, group) -> torch.Tensor:
 def hf_tp_plan(model: nn.Module, replicas: int = 1) -> dict | None:
     """A `transformers` model's own TP plan, for a task that writes none: its config's `base_model_tp_plan`
     (under the base model's prefix) and the model's `_tp_plan` (the head's, and in transformers 5 the whole
-    plan), each wildcard (`layers.*.mlp.up_proj`) expanded over the modules `model` holds (a pipeline
-    stage holds some). None for a model without one."""
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    plan), or the plan rayhpc ships for its `model_type` (`SHIPPED_PLANS`); each wildcard
+    (`layers.*.mlp.up_proj`) expanded over the modules `model` holds (a pipeline stage holds some). None for
+    a model without one."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or SHIPPED_PLANS.get(getattr(config, "model_type", None), {})
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and isinstance(getattr(model, prefix, None), nn.Module):  # a head model around its base model
         base = {f"{prefix}.{path}": style for path, style in base.items()}
@@ -194,7 +248,8 @@ def hf_tp_plan(model: nn.Module, replicas: int = 1) -> dict | None:
             raise ConfigError(f"tp_plan: {type(model).__name__}'s own plan shards {pattern} as {name!r}, which has "
                               "no torch style here; give the task a tp_plan(model)")
         regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
-        found.update({path: _hf_style(name) for path in modules if regex.fullmatch(path)})
+        found.update({path: _hf_style(name, is_conv1d(model.get_submodule(path)))
+                      for path in modules if regex.fullmatch(path)})
     return found
 
 

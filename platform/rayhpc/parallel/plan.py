@@ -37,6 +37,8 @@ def split_sizes(module: nn.Module, style) -> list[tuple[str, int]]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     column, row = isinstance(style, ColwiseParallel), isinstance(style, RowwiseParallel)
+    if hf.is_conv1d(module):
+        return [("nf", module.nf)] if column else [("nx", module.nx)] if row else []
     if isinstance(module, nn.Linear):
         return [("out_features", module.out_features)] if column else [("in_features", module.in_features)] if row else []
     if isinstance(module, nn.Embedding):

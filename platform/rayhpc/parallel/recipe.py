@@ -73,7 +73,7 @@ class Recipe:
         if getattr(self.task.obj, "tp_plan", None) is None and hf.is_transformers(stage):
             if (plan := hf_tp_plan(stage, self.cfg.parallelism.replicas)) is None:
                 raise ConfigError(f"{self.task.where()}: {type(stage).__name__} has no tensor-parallel plan in "
-                                  f"transformers, and the task no tp_plan(model), which {needs} needs")
+                                  f"transformers or rayhpc, and the task no tp_plan(model), which {needs} needs")
             return plan
         plan = self.hook("tp_plan", needs)(stage)
         return {path: style for path, style in plan.items() if path in present}

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rayhpc import engine
+from rayhpc.config import ConfigError
 from rayhpc.engine import checkpoint
 from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.optim import set_lr
@@ -97,8 +98,10 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     for stage_id in stage_ids:
         with torch.device("meta"):
             model = recipe.build()
+        ties = tied(model)
         part = parallelize(model, mesh, p, stage_id, recipe)
         part.to_empty(device=ctx.device)
+        retie(part, ties)
         materialise(part, initial)
         parts.append(part)
     del initial
@@ -120,6 +123,29 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
         run.schedules[cfg.micro_batch] = make_schedule()
     ctx.state["run"], ctx.state["gauges"] = run, WorkerMetrics(cfg.name, ctx.rank)
     return total, sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for _, q in run.named_parameters())
+
+
+def tied(module: nn.Module) -> list[list[str]]:
+    """The paths of each parameter that several modules share (a head tied to its token embedding)."""
+    paths = {}
+    for path, param in module.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(param), []).append(path)
+    return [group for group in paths.values() if len(group) > 1]
+
+
+def retie(module: nn.Module, ties: list[list[str]]) -> None:
+    """Make each tied group one parameter again: sharding a module, and `to_empty`, give every module that
+    holds a parameter its own, and the copies would train apart. Sharded alike or not at all, or an error."""
+    present = dict(module.named_parameters(remove_duplicate=False))  # a pipeline stage holds some
+    for first, *aliases in ties:
+        param = present.get(first)
+        for path in [a for a in aliases if a in present] if param is not None else []:
+            layout, want = getattr(module.get_parameter(path), "placements", None), getattr(param, "placements", None)
+            if layout != want:
+                raise ConfigError(f"tp_plan: {path} is tied to {first}, and the plan shards them differently "
+                                  f"({layout} vs {want}); shard both alike, or untie them")
+            owner, _, key = path.rpartition(".")
+            module.get_submodule(owner).register_parameter(key, param)
 
 
 @torch.no_grad()

@@ -86,3 +86,54 @@ def test_qwen3s_plan_keeps_its_norms_whole_and_so_runs_without_replicas():
                                           r"model.layers.\*.self_attn.q_norm, model.layers.\*.self_attn.k_norm\), which runs "
                                           r"without data-parallel replicas only \(dp x fsdp 2\)"):
         hf_tp_plan(model, replicas=2)
+
+
+def test_a_tied_head_stays_one_parameter_under_tp_or_is_one_error():
+    """Sharding modules and `to_empty` give each module its own copy of a shared parameter: `retie` makes
+    the copies one again where they are sharded alike, and names both paths where they are not."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from rayhpc.parallel.worker import retie, tied
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank, no socket
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for head, same in ((ColwiseParallel, True), (RowwiseParallel, False)):  # Shard(0) as the embedding's, or not
+            with torch.device("meta"):
+                model = build("llama", tie_word_embeddings=True)
+            ties = tied(model)
+            assert ties == [["model.embed_tokens.weight", "lm_head.weight"]]
+            parallelize_module(model, mesh, {"model.embed_tokens": RowwiseParallel(), "lm_head": head()})
+            model.to_empty(device="cpu")
+            assert model.lm_head.weight is not model.model.embed_tokens.weight
+            if same:
+                retie(model, ties)
+                assert model.lm_head.weight is model.model.embed_tokens.weight
+            else:
+                with pytest.raises(ConfigError, match=r"tp_plan: lm_head.weight is tied to model.embed_tokens.weight, "
+                                                      r"and the plan shards them differently \(\(Shard\(dim=1\),\) vs "
+                                                      r"\(Shard\(dim=0\),\)\)"):
+                    retie(model, ties)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gpt2s_shipped_plan_splits_its_conv1d_layers_and_checks_their_widths():
+    """transformers ships no plan for GPT-2: rayhpc's shards its Conv1D projections (weights stored (in, out))."""
+    from rayhpc.parallel.hf import hf_tp_plan
+    from rayhpc.parallel.plan import check_tp_plan
+
+    model = build("gpt2", n_inner=66)
+    plan = hf_tp_plan(model)
+    assert {path: type(style).__name__ for path, style in plan.items() if ".3." in path} == {
+        "transformer.h.3.attn.c_attn": "Conv1DColwise", "transformer.h.3.attn.c_proj": "Conv1DRowwise",
+        "transformer.h.3.mlp.c_fc": "Conv1DColwise", "transformer.h.3.mlp.c_proj": "Conv1DRowwise"}
+    check_tp_plan(model, plan, 2)
+    with pytest.raises(ConfigError, match=r"tp_plan: transformer.h.0.mlp.c_fc \(Conv1D, Conv1DColwise\) splits nf 66, "
+                                          r"not divisible by tp \(--tp\) 4"):
+        check_tp_plan(model, plan, 4)
+    row = "transformer.h.0.mlp.c_proj"
+    with pytest.raises(ConfigError, match=rf"tp_plan: {row} \(Conv1D, Conv1DRowwise\) splits nx 66, not divisible"):
+        check_tp_plan(model, {row: plan[row]}, 4)

@@ -29,7 +29,8 @@ SGD_LR = 0.2
 
 # GPT-2 and Qwen3 as tasks, beside the example Llama
 MODELS = {"llama": LLAMA, "gpt2": f"{ROOT}/tests/tasks/hf_models.py:GPT2",
-          "gpt2 tied": f"{ROOT}/tests/tasks/hf_models.py:GPT2Tied", "llama tied": f"{ROOT}/tests/tasks/hf_models.py:LlamaTied", "qwen3": f"{ROOT}/tests/tasks/hf_models.py:Qwen3"}
+          "gpt2 tied": f"{ROOT}/tests/tasks/hf_models.py:GPT2Tied", "llama tied": f"{ROOT}/tests/tasks/hf_models.py:LlamaTied",
+          "qwen3": f"{ROOT}/tests/tasks/hf_models.py:Qwen3"}
 
 
 def plain_loop(steps: int, task_path: str = LLAMA, hp: dict = HP, optimizer=torch.optim.Adam, lr: float = LR):
@@ -63,7 +64,7 @@ LAYOUTS = {
     "llama pp2": ("llama", DEEP, {"pp": 2, "microbatches": 2, "schedule": "1f1b"}),
     "llama tp2 x pp2": ("llama", DEEP, {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "1f1b"}),
     "gpt2 pp2": ("gpt2", DEEP, {"pp": 2, "microbatches": 2, "schedule": "gpipe"}),
-    "gpt2 tp2": ("gpt2 tied", HP, {"tp": 2}),
+    "gpt2 tied tp2": ("gpt2 tied", HP, {"tp": 2}),
     "gpt2 tp2 x pp2": ("gpt2", DEEP, {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe"}),
     "qwen3 tp2 x pp2": ("qwen3", DEEP, {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "1f1b"}),
 }

@@ -7,6 +7,7 @@ cannot be vmapped runs unpacked; every bad task is one `error:` line before Ray 
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -474,3 +475,50 @@ def test_a_rank_failing_in_the_task_is_one_line_and_a_run_that_never_stepped_can
             f"(every rank's traceback: {log})"], (attempt, proc.stderr)
         assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stdout + proc.stderr
         assert "no loss on rank 1" in log.read_text() and oct(log.stat().st_mode & 0o777) == "0o600"
+
+
+FAILS_IN_TRIALS = '''
+import ray
+
+from rayhpc.task.mlp import MLPTask
+
+
+class FailsInTrials(MLPTask):
+    def model(self, hp):
+        self.fails = hp["hidden"] in FAILING
+        return super().model(hp)
+
+    def loss(self, model, batch):  # the driver's checks (before Ray starts) pass; a trial of a failing width fails
+        if self.fails and ray.is_initialized():
+            raise RuntimeError("no loss in this trial")
+        return super().loss(model, batch)
+'''
+
+
+@pytest.mark.parametrize("failing, workers", [((8, 16), 1), ((8,), 1), ((8, 16), 2)])
+def test_trials_failing_in_the_task_are_one_line_and_the_others_are_kept(failing, workers, ray_address, tmp_path):
+    """A sweep whose every trial failed in the task's code: one `error:` line (exit 1) naming the first trial,
+    the task's function and line, and the cause, each trial's traceback in the sweep's error.log. Where some
+    trials finished, the same as a warning line, the finished trials in the table (exit 0). Packed trials,
+    and distributed trials in warm worker groups."""
+    task = tmp_path / "fails.py"
+    task.write_text(f"FAILING = {failing!r}\n" + FAILS_IN_TRIALS)
+    (tmp_path / "space.yaml").write_text("space:\n  hidden: {grid: [8, 16]}\n")
+    raises = next(i for i, text in enumerate(task.read_text().splitlines(), 1) if "raise RuntimeError" in text)
+    proc = run_job("tune_mlp.py", "--config", str(tmp_path / "space.yaml"), "--task", f"{task}:FailsInTrials",
+                   "--search", "grid", "--epochs", "2", "--max-failures", "0", "--workers-per-trial", str(workers),
+                   "--address", ray_address, "--storage-path", str(tmp_path), "--name", "fails", timeout=600)
+    log = tmp_path / "fails" / "error.log"
+    line = (f"failed in the task's loss() at {task}:{raises}: RuntimeError: no loss in this trial "
+            f"(every failed trial's traceback: {log})")
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stdout + proc.stderr
+    assert log.read_text().count("--- trial ") == len(failing) and oct(log.stat().st_mode & 0o777) == "0o600"
+    table = pd.read_parquet(tmp_path / "fails" / "results.parquet")
+    assert sorted(table.loc[table["status"] == "error", "config.hidden"]) == list(failing)
+    if len(failing) == 2:
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 1 and re.fullmatch(r"error: trial \w{5}_\d{5} " + re.escape(line), last), last
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert re.search(r"sweep fails: 1 of 2 trials failed; trial \w{5}_\d{5} " + re.escape(line), proc.stdout)
+        assert list(table.loc[table["status"] == "finished", "config.hidden"]) == [16]

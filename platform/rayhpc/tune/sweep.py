@@ -6,6 +6,7 @@ import functools
 import logging
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from rayhpc.config import ConfigError, ModelOptions
 from rayhpc.engine import checkpoint
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
+from rayhpc.task.failure import rank_failure
 from rayhpc.tracking.sweep import sweep_tracking
 from rayhpc.tune.config import SweepConfig, bind_objectives, bind_sweep
 from rayhpc.tune.objectives import measured_names
@@ -75,7 +77,8 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
         study.join(me, job.info.objective)
     packs = _plan(job, study)
     _describe(cfg, packs, gpus, study)
-    _fit(_tuner(job, packs, gpus, callbacks, study), cfg, entered)
+    grid = _fit(_tuner(job, packs, gpus, callbacks, study), cfg, entered)
+    _report_failures(grid, cfg, job.task.spec)
     if study is not None:
         with study.locked():  # the union of every slice's trials so far
             study.write_results()
@@ -86,7 +89,7 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     return table
 
 
-def _fit(tuner, cfg: SweepConfig, entered: float) -> None:
+def _fit(tuner, cfg: SweepConfig, entered: float):
     """Run the tuner; a stop signal stops the sweep (its state and results so far saved: KeyboardInterrupt).
     A time budget (from `entered`, the job's start) stops it the same way, as the end of this run: the
     trials it stopped can be resumed (`--resume`; a requeued Slurm job does so)."""
@@ -95,7 +98,7 @@ def _fit(tuner, cfg: SweepConfig, entered: float) -> None:
         budget = interrupt.stop_after(cfg.time_budget - (time.monotonic() - entered),
                                       f"time budget {cfg.time_budget:g} s reached")
     try:
-        tuner.fit()
+        grid = tuner.fit()
     finally:
         interrupt.install()  # Tune's handlers stay installed after fit()
         if budget is not None:
@@ -107,6 +110,28 @@ def _fit(tuner, cfg: SweepConfig, entered: float) -> None:
                     f"{interrupt.resume_command(cfg)}")
     elif interrupt.received():  # Tune stopped the sweep early, its state and the results so far saved
         raise KeyboardInterrupt
+    return grid
+
+
+def _report_failures(grid, cfg: SweepConfig, task_spec: str) -> None:
+    """Trials that failed in the task's code: one line naming the first, its function and the cause, every
+    failed trial's traceback in the sweep's error.log; an error (exit 1) where every trial failed."""
+    failed = {_trial_id(result.path): re.sub(r"\x1b\[[0-9;]*m", "", str(result.error))  # Ray's colours off
+              for result in grid if result.error is not None}
+    if not failed:
+        return
+    ids = sorted(failed)
+    exc = rank_failure({i: failed[t] for i, t in enumerate(ids)}, cfg.experiment_dir, task_spec, "the trial",
+                       lambda i: f"trial {ids[i]}", each="failed trial")
+    if len(failed) == len(grid):
+        raise exc
+    log.warning(f"sweep {cfg.name}: {len(failed)} of {len(grid)} trials failed; {exc}")
+
+
+def _trial_id(path: str) -> str:
+    """Tune's trial id (`1a2b3_00004`) from its folder's name (`train_pack_1a2b3_00004_4_pack=4_...`)."""
+    found = re.search(r"_([0-9a-f]{5}_\d{5})(?:_|$)", Path(path).name)
+    return found.group(1) if found else Path(path).name
 
 
 def _plan(job: Started[SweepConfig], study=None) -> list[list[dict]] | None:
@@ -207,6 +232,10 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
     # Tune also warns when one of its own steps or callbacks takes over 0.5 s, which a loaded
     # node does now and then and the user cannot act on; its threshold is read at Tune's import
     logging.getLogger("ray.tune.utils.util").addFilter(_not_slow_warning)
+    # A trial that fails in the task's code is one line at the sweep's end, its traceback in error.log:
+    # not Tune's traceback of every attempt, nor its list of the trials that did not complete
+    os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
+    logging.getLogger("ray.tune.tune").addFilter(lambda record: "Trials did not complete" not in record.msg)
 
     optuna = packs is None and cfg.search == "optuna"
     proposed = optuna_pack(job, gpus, STUDY_ROUNDS if study else 2) if optuna else 0  # per Optuna trial

@@ -122,7 +122,8 @@ def train_warm_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfi
             if failures > sweep.max_failures:
                 raise
             epoch = trial.saved.progress["epoch"] if trial.saved else 0
-            log.warning(f"{cfg.name}: {str(exc).splitlines()[0]}; starting the worker group again, the trial "
+            cause = f" ({cause_of(exc.failed[min(exc.failed)])})" if exc.failed else ""
+            log.warning(f"{cfg.name}: {str(exc).splitlines()[0]}{cause}; starting the worker group again, the trial "
                         f"goes on after epoch {epoch} (failure {failures} of at most {sweep.max_failures})")
 
 

@@ -500,19 +500,22 @@ def test_trials_failing_in_the_task_are_one_line_and_the_others_are_kept(failing
     """A sweep whose every trial failed in the task's code: one `error:` line (exit 1) naming the first trial,
     the task's function and line, and the cause, each trial's traceback in the sweep's error.log. Where some
     trials finished, the same as a warning line, the finished trials in the table (exit 0). Packed trials,
-    and distributed trials in warm worker groups."""
+    and distributed trials in warm worker groups (a group started again says why)."""
     task = tmp_path / "fails.py"
     task.write_text(f"FAILING = {failing!r}\n" + FAILS_IN_TRIALS)
     (tmp_path / "space.yaml").write_text("space:\n  hidden: {grid: [8, 16]}\n")
     raises = next(i for i, text in enumerate(task.read_text().splitlines(), 1) if "raise RuntimeError" in text)
     proc = run_job("tune_mlp.py", "--config", str(tmp_path / "space.yaml"), "--task", f"{task}:FailsInTrials",
-                   "--search", "grid", "--epochs", "2", "--max-failures", "0", "--workers-per-trial", str(workers),
+                   "--search", "grid", "--epochs", "2", "--max-failures", str(workers - 1), "--workers-per-trial", str(workers),
                    "--address", ray_address, "--storage-path", str(tmp_path), "--name", "fails", timeout=600)
     log = tmp_path / "fails" / "error.log"
     line = (f"failed in the task's loss() at {task}:{raises}: RuntimeError: no loss in this trial "
             f"(every failed trial's traceback: {log})")
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stdout + proc.stderr
     assert log.read_text().count("--- trial ") == len(failing) and oct(log.stat().st_mode & 0o777) == "0o600"
+    if workers > 1:
+        # from the trial's process, as Ray forwards its log
+        assert "(RuntimeError: no loss in this trial); starting the worker group again" in proc.stderr, proc.stderr
     table = pd.read_parquet(tmp_path / "fails" / "results.parquet")
     assert sorted(table.loc[table["status"] == "error", "config.hidden"]) == list(failing)
     if len(failing) == 2:

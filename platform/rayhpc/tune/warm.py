@@ -38,6 +38,7 @@ import torch
 from rayhpc.engine import checkpoint
 from rayhpc.engine.metrics import MetricsRecorder
 from rayhpc.engine.parallelize import unwrap
+from rayhpc.task.failure import cause_of
 from rayhpc.task.load import LoadedTask
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.loop import Worker, make_worker, run_epoch

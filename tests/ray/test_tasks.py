@@ -527,3 +527,23 @@ def test_trials_failing_in_the_task_are_one_line_and_the_others_are_kept(failing
         assert proc.returncode == 0, proc.stderr
         assert re.search(r"sweep fails: 1 of 2 trials failed; trial \w{5}_\d{5} " + re.escape(line), proc.stdout)
         assert list(table.loc[table["status"] == "finished", "config.hidden"]) == [16]
+
+
+def test_a_parameter_server_worker_failing_in_the_task_is_replaced_then_one_line(ray_address, tmp_path):
+    """A worker that fails in the task's code is replaced, with one line naming the cause; once the failures
+    pass `max_failures`, one `error:` line names the worker, the task's function and line and the cause, its
+    traceback in the run's error.log."""
+    task = tmp_path / "fails.py"
+    task.write_text("FAILING = (4,)\n" + FAILS_IN_TRIALS)  # the default width
+    raises = next(i for i, text in enumerate(task.read_text().splitlines(), 1) if "raise RuntimeError" in text)
+    proc = run_job("train_ps.py", "--task", f"{task}:FailsInTrials", "--max-failures", "1", "--address", ray_address,
+                   "--storage-path", str(tmp_path), "--name", "fails")
+    log = tmp_path / "fails" / "error.log"
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stdout + proc.stderr
+    assert re.search(r"worker \d failed \(RuntimeError: no loss in this trial\); replaced", proc.stdout), proc.stdout
+    errors = [text for text in proc.stderr.splitlines() if text.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr
+    assert re.fullmatch(r"error: worker \d, after 1 recoveries \(max_failures 1\), failed in the task's loss\(\) at "
+                        + re.escape(f"{task}:{raises}: RuntimeError: no loss in this trial (its traceback: {log})"),
+                        errors[0]), errors
+    assert "no loss in this trial" in log.read_text() and oct(log.stat().st_mode & 0o777) == "0o600"

@@ -40,6 +40,7 @@ from rayhpc.ps.progress import Progress, checkpoint_step, checkpoint_steps, epoc
 from rayhpc.ps.server import ParameterServer
 from rayhpc.ps.worker import PSEvaluator, PSWorker, weights
 from rayhpc.task.batches import epoch_steps
+from rayhpc.task.failure import cause_of, plain, rank_failure
 from rayhpc.tracking.runs import job_run
 from rayhpc.train.config import bind_train
 
@@ -247,12 +248,14 @@ def recover(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failur
             exc: BaseException, say) -> Fleet:
     """After worker `w`'s call (or the evaluator's, `w` None) failed: replace the worker if every server
     is alive, else restart everything from the checkpoint."""
-    what = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    trace = plain(str(exc))  # a task's error: the worker's traceback, its last line the cause
+    what = cause_of(trace) or type(exc).__name__
     if len(failures) >= cfg.max_failures:
         stop_fleet(fleet)
         who = "the evaluator" if w is None else f"worker {w}"
-        raise RuntimeError(f"{who} failed after {len(failures)} recoveries (max_failures {cfg.max_failures}): "
-                           f"{exc}") from None
+        raise rank_failure({0: trace}, cfg.experiment_dir, task.spec, "the worker",
+                           lambda _: f"{who}, after {len(failures)} recoveries (max_failures {cfg.max_failures}),",
+                           "its traceback") from None
     dead = dead_servers(fleet.servers)
     if dead or w is None:
         stop_fleet(fleet)

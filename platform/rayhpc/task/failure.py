@@ -12,16 +12,22 @@ from rayhpc.config import JobFailed
 ERROR_LOG = "error.log"  # a failed run's every rank traceback, in its folder
 
 
+def plain(text: str) -> str:
+    """Ray's error text without its terminal colours (`\x1b[36m`), for a log file and one line."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
 def cause_of(trace: str) -> str:
     """A traceback's last line: the exception and its message."""
     return ([line.strip() for line in trace.splitlines() if line.strip()] or [""])[-1]
 
 
 def rank_failure(failed: dict[int, str], folder: Path, task_spec: str, what: str,
-                 describe: Callable[[int], str] = lambda rank: f"rank {rank}", each: str = "rank") -> JobFailed:
+                 describe: Callable[[int], str] = lambda rank: f"rank {rank}",
+                 traces: str = "every rank's traceback") -> JobFailed:
     """The first rank of `failed` (rank -> its traceback) as one line: the last frame in the task's file names
     the function (else `what` does), the traceback's last line the cause; every rank's traceback goes to
-    `folder`/error.log (`each`: what a key of `failed` is, a rank or a trial)."""
+    `folder`/error.log (`traces`: what the line calls that file's contents)."""
     log_file = folder / ERROR_LOG
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_file.write_text("".join(f"--- {describe(r)} ---\n{trace.rstrip()}\n" for r, trace in sorted(failed.items())))
@@ -31,4 +37,4 @@ def rank_failure(failed: dict[int, str], folder: Path, task_spec: str, what: str
     frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
               if task_file.endswith(".py") and Path(f[0]).name == task_file]
     where = f"the task's {frames[-1][2]}() at {frames[-1][0]}:{frames[-1][1]}" if frames else what
-    return JobFailed(f"{describe(rank)} failed in {where}: {cause} (every {each}'s traceback: {log_file})")
+    return JobFailed(f"{describe(rank)} failed in {where}: {cause} ({traces}: {log_file})")

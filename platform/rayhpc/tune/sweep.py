@@ -27,7 +27,7 @@ from rayhpc.config import ConfigError, ModelOptions
 from rayhpc.engine import checkpoint
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
-from rayhpc.task.failure import rank_failure
+from rayhpc.task.failure import plain, rank_failure
 from rayhpc.tracking.sweep import sweep_tracking
 from rayhpc.tune.config import SweepConfig, bind_objectives, bind_sweep
 from rayhpc.tune.objectives import measured_names
@@ -116,13 +116,12 @@ def _fit(tuner, cfg: SweepConfig, entered: float):
 def _report_failures(grid, cfg: SweepConfig, task_spec: str) -> None:
     """Trials that failed in the task's code: one line naming the first, its function and the cause, every
     failed trial's traceback in the sweep's error.log; an error (exit 1) where every trial failed."""
-    failed = {_trial_id(result.path): re.sub(r"\x1b\[[0-9;]*m", "", str(result.error))  # Ray's colours off
-              for result in grid if result.error is not None}
+    failed = {_trial_id(result.path): plain(str(result.error)) for result in grid if result.error is not None}
     if not failed:
         return
     ids = sorted(failed)
     exc = rank_failure({i: failed[t] for i, t in enumerate(ids)}, cfg.experiment_dir, task_spec, "the trial",
-                       lambda i: f"trial {ids[i]}", each="failed trial")
+                       lambda i: f"trial {ids[i]}", "every failed trial's traceback")
     if len(failed) == len(grid):
         raise exc
     log.warning(f"sweep {cfg.name}: {len(failed)} of {len(grid)} trials failed; {exc}")

@@ -505,9 +505,10 @@ def test_trials_failing_in_the_task_are_one_line_and_the_others_are_kept(failing
     task.write_text(f"FAILING = {failing!r}\n" + FAILS_IN_TRIALS)
     (tmp_path / "space.yaml").write_text("space:\n  hidden: {grid: [8, 16]}\n")
     raises = next(i for i, text in enumerate(task.read_text().splitlines(), 1) if "raise RuntimeError" in text)
-    proc = run_job("tune_mlp.py", "--config", str(tmp_path / "space.yaml"), "--task", f"{task}:FailsInTrials",
-                   "--search", "grid", "--epochs", "2", "--max-failures", str(workers - 1), "--workers-per-trial", str(workers),
-                   "--address", ray_address, "--storage-path", str(tmp_path), "--name", "fails", timeout=600)
+    args = ["--config", str(tmp_path / "space.yaml"), "--task", f"{task}:FailsInTrials", "--search", "grid",
+            "--epochs", "2", "--max-failures", str(workers - 1), "--workers-per-trial", str(workers),
+            "--address", ray_address, "--storage-path", str(tmp_path), "--name", "fails"]
+    proc = run_job("tune_mlp.py", *args, timeout=600)
     log = tmp_path / "fails" / "error.log"
     line = (f"failed in the task's loss() at {task}:{raises}: RuntimeError: no loss in this trial "
             f"(every failed trial's traceback: {log})")
@@ -523,6 +524,9 @@ def test_trials_failing_in_the_task_are_one_line_and_the_others_are_kept(failing
         errors = [text for text in proc.stderr.splitlines() if text.startswith("error:")]
         assert proc.returncode == 1 and len(errors) == 1, proc.stderr
         assert re.fullmatch(r"error: trial \w{5}_\d{5} " + re.escape(line), errors[0]), errors
+        if workers == 1:  # no trial reported: the same command runs the sweep again, no "already exists"
+            again = run_job("tune_mlp.py", *args, timeout=600)
+            assert again.returncode == 1 and again.stderr.splitlines()[-1].startswith("error: trial "), again.stderr
     else:
         assert proc.returncode == 0, proc.stderr
         assert re.search(r"sweep fails: 1 of 2 trials failed; trial \w{5}_\d{5} " + re.escape(line), proc.stdout)
@@ -532,13 +536,14 @@ def test_trials_failing_in_the_task_are_one_line_and_the_others_are_kept(failing
 def test_a_parameter_server_worker_failing_in_the_task_is_replaced_then_one_line(ray_address, tmp_path):
     """A worker that fails in the task's code is replaced, with one line naming the cause; once the failures
     pass `max_failures`, one `error:` line names the worker, the task's function and line and the cause, its
-    traceback in the run's error.log."""
+    traceback in the run's error.log; a run without a checkpoint can be started again."""
     task = tmp_path / "fails.py"
     task.write_text("FAILING = (4,)\n" + FAILS_IN_TRIALS)  # the default width
     raises = next(i for i, text in enumerate(task.read_text().splitlines(), 1) if "raise RuntimeError" in text)
-    proc = run_job("train_ps.py", "--task", f"{task}:FailsInTrials", "--max-failures", "1", "--address", ray_address,
-                   "--storage-path", str(tmp_path), "--name", "fails")
     log = tmp_path / "fails" / "error.log"
+    for _ in range(2):  # failed before its first checkpoint: the same command starts it again
+        proc = run_job("train_ps.py", "--task", f"{task}:FailsInTrials", "--max-failures", "1", "--address",
+                       ray_address, "--storage-path", str(tmp_path), "--name", "fails")
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stdout + proc.stderr
     assert re.search(r"worker \d failed \(RuntimeError: no loss in this trial\); replaced", proc.stdout), proc.stdout
     errors = [text for text in proc.stderr.splitlines() if text.startswith("error:")]

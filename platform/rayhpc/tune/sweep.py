@@ -123,6 +123,9 @@ def _report_failures(grid, cfg: SweepConfig, task_spec: str) -> None:
     exc = rank_failure({i: failed[t] for i, t in enumerate(ids)}, cfg.experiment_dir, task_spec, "the trial",
                        lambda i: f"trial {ids[i]}", "every failed trial's traceback")
     if len(failed) == len(grid):
+        # no trial reported an epoch: nothing to resume, so the same command starts the sweep again
+        if not any((result.metrics or {}).get("training_iteration") for result in grid):
+            cfg.saved_file.unlink(missing_ok=True)
         raise exc
     log.warning(f"sweep {cfg.name}: {len(failed)} of {len(grid)} trials failed; {exc}")
 

@@ -248,7 +248,7 @@ def hf_tp_plan(model: nn.Module, replicas: int = 1) -> dict | None:
             raise ConfigError(f"tp_plan: {type(model).__name__}'s own plan shards {pattern} as {name!r}, which has "
                               "no torch style here; give the task a tp_plan(model)")
         regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
-        found.update({path: _hf_style(name)
+        found.update({path: _hf_style(name, is_conv1d(model.get_submodule(path)))
                       for path in modules if regex.fullmatch(path)})
     return found
 

@@ -254,7 +254,7 @@ def recover(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failur
         stop_fleet(fleet)
         who = "the evaluator" if w is None else f"worker {w}"
         if latest_checkpoint(cfg) is None:  # nothing to resume: the same command starts it again
-            pass
+            cfg.saved_file.unlink(missing_ok=True)
         raise rank_failure({0: trace}, cfg.experiment_dir, task.spec, "the worker",
                            lambda _: f"{who}, after {len(failures)} recoveries (max_failures {cfg.max_failures}),",
                            "its traceback") from None

@@ -223,6 +223,10 @@ def _not_slow_warning(record: logging.LogRecord) -> bool:
     return "may be a performance bottleneck" not in record.getMessage()
 
 
+def _not_incomplete_list(record: logging.LogRecord) -> bool:
+    return "Trials did not complete" not in record.getMessage()
+
+
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, study=None):
     cfg, (metric, mode) = job.cfg, job.info.objective
     # Tune's newer output engine prints its own tables even at verbose=0; the legacy
@@ -237,7 +241,7 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
     # A trial that fails in the task's code is one line at the sweep's end, its traceback in error.log:
     # not Tune's traceback of every attempt, nor its list of the trials that did not complete
     os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
-    logging.getLogger("ray.tune.tune").addFilter(lambda record: "Trials did not complete" not in record.msg)
+    logging.getLogger("ray.tune.tune").addFilter(_not_incomplete_list)
 
     optuna = packs is None and cfg.search == "optuna"
     proposed = optuna_pack(job, gpus, STUDY_ROUNDS if study else 2) if optuna else 0  # per Optuna trial

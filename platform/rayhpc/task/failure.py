@@ -22,12 +22,12 @@ def cause_of(trace: str) -> str:
     return ([line.strip() for line in trace.splitlines() if line.strip()] or [""])[-1]
 
 
-def rank_failure(failed: dict[int, str], folder: Path, task_spec: str, what: str,
-                 describe: Callable[[int], str] = lambda rank: f"rank {rank}",
+def rank_failure(failed: dict[int | str, str], folder: Path, task_spec: str, what: str,
+                 describe: Callable[[int | str], str] = lambda rank: f"rank {rank}",
                  traces: str = "every rank's traceback") -> JobFailed:
-    """The first rank of `failed` (rank -> its traceback) as one line: the last frame in the task's file names
-    the function (else `what` does), the traceback's last line the cause; every rank's traceback goes to
-    `folder`/error.log (`traces`: what the line calls that file's contents)."""
+    """The first rank of `failed` (rank, or trial id, -> its traceback) as one line: the last frame in the
+    task's file names the function (else `what` does), the traceback's last line the cause; every rank's
+    traceback goes to `folder`/error.log (`traces`: what the line calls that file's contents)."""
     log_file = folder / ERROR_LOG
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_file.write_text("".join(f"--- {describe(r)} ---\n{trace.rstrip()}\n" for r, trace in sorted(failed.items())))

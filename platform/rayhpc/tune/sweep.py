@@ -119,9 +119,8 @@ def _report_failures(grid, cfg: SweepConfig, task_spec: str) -> None:
     failed = {_trial_id(result.path): plain(str(result.error)) for result in grid if result.error is not None}
     if not failed:
         return
-    ids = sorted(failed)
-    exc = rank_failure({i: failed[t] for i, t in enumerate(ids)}, cfg.experiment_dir, task_spec, "the trial",
-                       lambda i: f"trial {ids[i]}", "every failed trial's traceback")
+    exc = rank_failure(failed, cfg.experiment_dir, task_spec, "the trial", lambda trial: f"trial {trial}",
+                       "every failed trial's traceback")
     if len(failed) == len(grid):
         # no trial reported an epoch: nothing to resume, so the same command starts the sweep again
         if not any((result.metrics or {}).get("training_iteration") for result in grid):

@@ -4,7 +4,8 @@
 
 Lines: no host sync in a training step; the packed sweep with half a GPU per pack; DDP and
 FSDP2 (bf16, a worker per GPU) against raw PyTorch on one GPU at the H100 anchor size (MLP 4096 ->
-8192 -> 4096, batch 8192), with MFU and each side's share of time waiting for data; fit() to done;
+8192 -> 4096, batch 8192), with MFU and each side's share of time waiting for data; fit() to first step,
+phase by phase;
 and with 2+ GPUs the TP/PP worker group on NCCL against one process, the NCCL collectives, the
 pipeline bubble with CUDA events and a warm distributed-trial sweep; the digits CNN sweep; an
 array-mode task on its GPU. A line that cannot run its subject here is SKIP with the reason. Exit 1

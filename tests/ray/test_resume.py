@@ -27,6 +27,7 @@ from test_one_engine import BATCH, HPARAMS, LR, OPTIM, SCHEDULE, SEED, TASK, clo
 from helpers import EPOCHS, FIXED, ROOT, job_env, plain_ranks
 from rayhpc.config import validate
 from rayhpc.engine.checkpoint import latest_checkpoint, load_full_state_dict, load_progress
+from rayhpc.train.trainer import STARTUP_PHASES
 from rayhpc.tune.config import SweepConfig
 
 WARMUP = FIXED["warmup_steps"]
@@ -72,8 +73,13 @@ def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_s
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if "train_mlp.py" in args[1]:  # its start-up line times this session's first step, not the first session's
-        first_step = float(re.search(r"fit\(\) to first step (\S+) s", proc.stdout).group(1))
+        line = re.search(r"fit\(\) to first step (\S+) s(.*)", proc.stdout)
+        first_step = float(line.group(1))
         assert 0 < first_step < 300, proc.stdout[-3000:]
+        # ... phase by phase, from Ray Train's processes to the first step, adding up to it (each rounded)
+        phases = re.findall(r"; (.+?) (\d+\.\d) s", line.group(2))
+        assert [name for name, _ in phases] == list(STARTUP_PHASES), line.group(0)
+        assert sum(float(s) for _, s in phases) == pytest.approx(first_step, abs=0.3), line.group(0)
     if runner == ARRAY:  # a requeue of the finished task leaves its result (its time in it) as it is
         result = next(exp.glob("*/trial_00000.json"))
         before = result.read_text()

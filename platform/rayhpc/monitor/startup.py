@@ -39,11 +39,12 @@ def process_start() -> float:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def mark(phase: str) -> None:
-    """The end of `phase`, now (the first mark of a phase counts: a resumed loop does not move it)."""
+def mark(phase: str, at: float | None = None) -> None:
+    """The end of `phase`, now or `at` (a unix time another process measured; the first mark of a phase
+    counts: a resumed loop does not move it)."""
     if any(name == phase for name, _ in _marks):
         return
-    now = time.time()
+    now = time.time() if at is None else at
     _marks.append((phase, now))
     path = os.environ.get(VARIABLE)
     if path:

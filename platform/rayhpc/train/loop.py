@@ -25,6 +25,7 @@ from rayhpc.engine.metrics import EARLIER_ROWS
 from rayhpc.engine.parallelize import parallelize
 from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
+from rayhpc.monitor.startup import process_start
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import (
     Batches,
@@ -55,6 +56,10 @@ class Worker(Runner):
     progress: checkpoint.Progress
     scheduler: object = None  # the task's own LR scheduler, if it has one
     first_step_time: float | None = None  # unix time
+    # this worker group's start-up, unix times in every row: its process began (`worker_start_time`), the
+    # training function began (`train_fn_time`: Ray Train's worker set-up, imports and process group before
+    # it), data and model were ready (`worker_ready_time`), the first batch came (`first_batch_time`)
+    startup: dict = dataclasses.field(default_factory=dict)
     first_batch: int = 0  # samples of the first step (the one whose FLOPs were counted)
     # where reports go: Ray Train's `report` (with a checkpoint) by default; a warm worker group's
     # trial collects them for its Tune trial process instead (`rayhpc.tune.warm`)
@@ -117,10 +122,12 @@ class Worker(Runner):
                                 self.rank, self.world)
 
     def step(self, step: int, batch) -> tuple[torch.Tensor, int]:
+        came = time.time()
         with self.flops.once():  # the FLOPs of one step, counted on the first (for MFU)
             loss = train_step(self.trained, batch, self.hp["accumulate"], step, self.plan.total)
         if self.first_step_time is None:  # when training really began in this worker group (start-up benchmarks)
             self.first_step_time, self.first_batch = time.time(), batch_size_of(batch)
+            self.startup["first_batch_time"] = came
         p = self.progress
         p.step_in_epoch, p.global_step = step % self.plan.per_epoch + 1, step + 1
         return loss, batch_size_of(batch)
@@ -178,6 +185,7 @@ def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.devi
 def train_loop_per_worker(config: dict) -> None:
     """Entry point for `TorchTrainer(train_loop_per_worker, train_loop_config={"cfg", "task", "hp"})`:
     the validated config, the task and its hyperparameters, from the driver."""
+    entered = time.time()
     import ray.train  # Ray Train: only where a training run is
     from ray.train.torch import get_device
 
@@ -190,6 +198,8 @@ def train_loop_per_worker(config: dict) -> None:
                          lambda model, optimizer: checkpoint.restore(
                              ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
                              device=device, rank=ctx.get_world_rank()), config.get("init"))
+    worker.startup = {"worker_start_time": process_start(), "train_fn_time": entered,
+                      "worker_ready_time": time.time()}
     with _tracked(worker) as run:
         worker.tracker = run
         fit(worker.plan, worker, worker.progress.global_step)
@@ -280,6 +290,7 @@ def _rates(w: Worker, win: Window, epoch: int, before: tuple[float, int] = (0.0,
         "lr": w.optimizer.param_groups[0]["lr"],  # of the last step (the schedule's)
         "node": socket.gethostname(),
         "first_step_time": w.first_step_time,
+        **w.startup,
     }
 
 

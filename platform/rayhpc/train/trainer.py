@@ -14,11 +14,19 @@ from rayhpc import interrupt
 from rayhpc.engine.checkpoint import checkpoint_config, forget_if_unstarted
 from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
 from rayhpc.job import start_job
+from rayhpc.monitor.startup import mark
 from rayhpc.task.failure import rank_failure
 from rayhpc.train.config import TrainConfig, bind_training, train_hparams
 from rayhpc.train.loop import train_loop_per_worker
 
 log = logging.getLogger(__name__)
+
+
+# fit() to first step: each phase ends at its column's time in the worker group's rows (`rayhpc.train.loop`)
+STARTUP_PHASES = {"Ray Train's controller and worker processes": "worker_start_time",
+                  "worker set-up (Ray Train, imports, process group)": "train_fn_time",
+                  "data and model": "worker_ready_time", "first batch": "first_batch_time",
+                  "first step": "first_step_time"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +45,20 @@ class TrainResult:
         it had no step left to run."""
         times = self.metrics["first_step_time"]
         return float(times[times >= self.fit_started].min()) - self.fit_started
+
+    def startup_phases(self) -> dict[str, float]:
+        """fit() to first step, phase by phase (seconds) from the worker group's marks in its first row of this
+        session: Ray Train's controller and its worker processes, a worker's set-up before the training function
+        (Ray Train's worker, imports, the CUDA context and the NCCL or gloo process group), the task's data and
+        model, the first batch, the first step. Empty for rows without the marks."""
+        rows = self.metrics[self.metrics["first_step_time"] >= self.fit_started]
+        if rows.empty or not set(STARTUP_PHASES.values()) <= set(rows.columns):
+            return {}
+        first, before, phases = rows.iloc[0], self.fit_started, {}
+        for name, column in STARTUP_PHASES.items():
+            at = max(float(first[column]), before)  # a process Ray started before fit() (its idle pool): 0 s
+            phases[name], before = at - before, at
+        return phases
 
 
 def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callbacks: tuple = ()) -> TrainResult:
@@ -80,7 +102,12 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
         upload_weights(cfg, result, job.task, hp)
     metrics = pd.read_parquet(cfg.experiment_dir / METRICS_FILE)
     checkpoint = Path(result.checkpoint.path) if result.checkpoint is not None else None
-    return TrainResult(cfg, metrics, checkpoint, job.ray_seconds, fit_started, fit_seconds)
+    done = TrainResult(cfg, metrics, checkpoint, job.ray_seconds, fit_started, fit_seconds)
+    at = fit_started
+    for name, seconds in done.startup_phases().items():  # RAYHPC_TIMINGS: the start-up benchmarks' marks
+        at += seconds
+        mark(name, at)
+    return done
 
 
 def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), log_level: int = logging.INFO,
@@ -140,7 +167,8 @@ def format_summary(result: TrainResult) -> str:
     val += "".join(f", {c} {last[c]:.4g}" for c in epochs.columns if c.startswith("val_") and c != "val_loss")
     return (f"trained {cfg.task} with {cfg.strategy} on {cfg.compute.num_workers} worker(s) for {int(last['epoch'])} epochs "
             f"({int(last['global_step'])} steps) in {result.fit_seconds:.1f} s from fit() to done\n"
-            f"start-up: Ray {result.ray_seconds:.1f} s, fit() to first step {result.fit_to_first_step:.1f} s\n"
+            f"start-up: Ray {result.ray_seconds:.1f} s, fit() to first step {result.fit_to_first_step:.1f} s"
+            + "".join(f"; {name} {seconds:.1f} s" for name, seconds in result.startup_phases().items()) + "\n"
             f"batch: {cfg.global_batch} global = {cfg.per_worker_batch} per worker x {cfg.compute.num_workers} workers; "
             f"lr {cfg.effective_lr:g}{' (scaled by workers)' if cfg.scale_lr else ''}\n"
             f"loss {epochs['loss'].iloc[0]:.4g} -> {last['loss']:.4g}{val}; {epochs['samples_per_s'].median():,.0f} samples/s "

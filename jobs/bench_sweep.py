@@ -249,7 +249,11 @@ def scale(args) -> None:
     how = " as the one slice of a study" if args.study else ""
     print(f"scale: the default sweep{how} at {sizes} trials, {epochs} epochs each, {args.cpus} CPUs\n\n{HEADER}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as work:
-        scale_rows(sizes, epochs, ctx.address_info["gcs_address"], Path(work), study=args.study)
+        rows = scale_rows(sizes, epochs, ctx.address_info["gcs_address"], Path(work), study=args.study)
+        if len(rows) > 1:  # a plain sweep's goal: the largest's per-trial wall within 1.2x of the one before
+            (a, b), per = rows[-2:], lambda r, key: r[key] / r["trials"]
+            print(f"\nper trial at {b['trials']:,} vs {a['trials']:,} trials: wall {per(b, 'wall_s') / per(a, 'wall_s'):.2f}x, "
+                  f"driver CPU {per(b, 'driver_cpu_s') / per(a, 'driver_cpu_s'):.2f}x (goal <= 1.2x)", flush=True)
         if args.kill_after:
             r = resumed_row(sizes[-1], epochs, ctx.address_info["gcs_address"], Path(work) / "killed", args.kill_after)
             print(f"\nkilled after {r['killed_after_s']:g} s with {r['finished_before_kill']:,} trials finished; resumed: "

@@ -122,7 +122,8 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[float]]:
             event = Event.FromString(data[i + 12:i + 12 + n])
             i += 12 + n + 4
             for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append(value.simple_value)
+                if value.WhichOneof("value") == "simple_value":  # not a histogram, an image, ...
+                    scalars.setdefault(value.tag, []).append(value.simple_value)
     return scalars
 
 
@@ -486,7 +487,7 @@ def tune_stops(reports: list[dict], scheduler, epochs: int, members: int = 8) ->
         for j, trial in enumerate(trials):
             if j in stops:
                 continue
-            result = {"epoch": report["epoch"], "val_loss": report["members"][str(j)]["val_loss"]}
+            result = {"epoch": report["epoch"], "val_loss": report["members"]["val_loss"][j]}
             if scheduler.on_trial_result(controller, trial, result) == TrialScheduler.STOP and report["epoch"] < epochs:
                 stops[j] = report["epoch"]
     return stops

@@ -46,13 +46,15 @@ def measure_one(trials: int, epochs: int, address: str, storage: Path, resume: b
     write_results(table, kept, RESULTS_FILE + ".timed")
     write_s = time.perf_counter() - t
     (kept / (RESULTS_FILE + ".timed")).unlink()
+    # Ray Tune's experiment state, which it saves whole after each trial checkpoint
+    state = sum(p.stat().st_size for p in cfg.experiment_dir.glob("experiment_state*.json"))
     files, size = 0, 0
     for folder, _, names in os.walk(kept):
         files += len(names) + 1  # a folder is an inode too
         size += sum(os.path.getsize(os.path.join(folder, n)) for n in names)
     return {"trials": len(table), "finished": int((table["status"] == "finished").sum()), "wall_s": wall,
             "driver_cpu_s": usage.ru_utime + usage.ru_stime, "children_cpu_s": children.ru_utime + children.ru_stime,
-            "peak_rss_mb": usage.ru_maxrss / 1024,
+            "peak_rss_mb": usage.ru_maxrss / 1024, "tune_state_bytes": state,
             "write_s": write_s, "files": files, "bytes": size, "best_val_loss": float(table["best_val_loss"].min())}
 
 
@@ -99,14 +101,15 @@ def resumed_row(trials: int, epochs: int, address: str, storage: Path, kill_afte
 
 
 HEADER = (f"{'trials':>7} {'wall':>8} {'driver CPU':>11} {'per trial':>10} {'peak RSS':>9} {'files':>7} "
-          f"{'/trial':>7} {'MB':>7} {'kB/trial':>9} {'table write':>12} {'best val_loss':>14}")
+          f"{'/trial':>7} {'MB':>7} {'kB/trial':>9} {'Tune state':>11} {'table write':>12} {'best val_loss':>14}")
 
 
 def print_row(r: dict, epochs: int) -> None:
     n = r["trials"]
     print(f"{n:>7,} {r['wall_s']:>7.1f}s {r['driver_cpu_s']:>10.1f}s {1000 * r['driver_cpu_s'] / n:>8.2f}ms "
           f"{r['peak_rss_mb']:>7.0f}MB {r['files']:>7,} {r['files'] / n:>7.2f} {r['bytes'] / 1e6:>7.1f} "
-          f"{r['bytes'] / n / 1e3:>9.2f} {1000 * r['write_s']:>10.1f}ms {r['best_val_loss']:>14.5f}", flush=True)
+          f"{r['bytes'] / n / 1e3:>9.2f} {r['tune_state_bytes'] / 1e6:>9.2f}MB {1000 * r['write_s']:>10.1f}ms "
+          f"{r['best_val_loss']:>14.5f}", flush=True)
 
 
 def main() -> None:

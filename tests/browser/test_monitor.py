@@ -198,9 +198,11 @@ def reported(cluster: dict) -> dict[tuple[str, str], list[float]]:
                 result = json.loads(line)
             except ValueError:
                 continue  # a line being written
-            members = result.get("members") or {"0": result}
-            for j, values in members.items():
-                trial = result["trial_id"] if len(members) == 1 else f"{result['trial_id']}-{j}"
+            members = result.get("members")  # each name's values, one per member
+            n = len(members["val_loss"]) if members else 1
+            for j in range(n):
+                values = {k: v[j] for k, v in members.items()} if members else result
+                trial = result["trial_id"] if n == 1 else f"{result['trial_id']}-{j}"
                 for key in REPORTED.values():
                     value = result["epoch"] if key == "epoch" else values.get(key)
                     if value is not None:

@@ -59,9 +59,15 @@ def test_sweep_runs_end_to_end_and_its_table_is_right(ray_address, tmp_path):
     assert table["config.lr"].between(1e-3, 1e-1).all()
     # the loss went down: the best trial beats predicting the mean by far
     assert table["best_val_loss"].min() < 0.5 * predict_mean_mse(cfg)
-    # Ray Tune's TensorBoard events, one series per trial of every pack (`tensorboard --logdir <experiment>`)
-    series = [tag for trial_dir in (tmp_path / "e2e").iterdir() if trial_dir.is_dir()
-              for tag in tensorboard_scalars(trial_dir) if "/members/" in tag and tag.endswith("/best_val_loss")]
+    # TensorBoard events, one series per trial of every pack (`tensorboard --logdir <experiment>`), each the
+    # values its member reported, epoch by epoch (Tune's own result.json lines)
+    series = {}
+    for trial_dir in (tmp_path / "e2e").glob("*/result.json"):
+        reports = [json.loads(line)["members"] for line in trial_dir.read_text().splitlines()]
+        scalars = tensorboard_scalars(trial_dir.parent)
+        for j in range(len(reports[0]["best_val_loss"])):
+            series[trial_dir.parent.name, j] = scalars[f"ray/tune/members/{j}/best_val_loss"]
+            assert series[trial_dir.parent.name, j] == pytest.approx([r["best_val_loss"][j] for r in reports])
     assert len(series) == 6, series
 
 

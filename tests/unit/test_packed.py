@@ -300,3 +300,35 @@ def test_a_members_weights_come_out_of_a_pack_checkpoint_as_its_own_models(mlp, 
         assert got.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(got[key], want[key], msg=lambda m: f"member {j} {key}: {m}")
+
+
+@pytest.mark.parametrize("stopped, pbt", [(False, False), (True, True)])
+def test_a_packs_report_adds_no_tune_statistics_per_member(stopped, pbt):
+    """A pack reports each value once, as a list over its members: Tune keeps statistics of every numeric key of
+    a result in the experiment state it saves after each checkpoint, so those keys must not grow with the
+    members. Each member's values read back as reported, the best member's at the top level."""
+    from ray.tune.experiment import Trial
+
+    from rayhpc.tune.trainable import _fresh, _metrics, member_values
+
+    keys = {}
+    for members in (2, 64):
+        state = _fresh(members, ("val_loss", "min"))
+        if stopped:
+            state["stopped"] = {0: 3}  # not the best member: its values are also at the top level
+        if pbt:
+            state["pbt"], state["hp"] = [{"round": 1}], [{"lr": 0.1 * (j + 1)} for j in range(members)]
+        val_loss = torch.arange(members, 0, -1, dtype=torch.float32)  # the last member is the best
+        values = {"train_loss": val_loss + 1, "val_loss": val_loss}
+        state["best"] = {"val_loss": val_loss}
+        result = _metrics(values, state, ("val_loss", "min"), 2.0, 0)
+        trial = Trial("__fake", stub=True)
+        trial.update_last_result({**result, "training_iteration": 1})
+        keys[members] = set(trial.run_metadata.metric_analysis)
+        for j in range(members):
+            want = {"train_loss": members - j + 1.0, "val_loss": members - j, "best_val_loss": members - j,
+                    **({"stopped_epoch": 3} if stopped and j == 0 else {}),
+                    **({"config.lr": pytest.approx(0.1 * (j + 1))} if pbt else {})}
+            assert member_values(result["members"], j) == want
+        assert result["val_loss"] == 1.0 and result["train_loss"] == 2.0
+    assert keys[2] == keys[64] and not any(k.startswith("members/") for k in keys[64]), keys[64]

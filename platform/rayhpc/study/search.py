@@ -19,6 +19,7 @@ from ray.tune.search import Searcher
 from rayhpc import interrupt
 from rayhpc.study.folder import Study, file_lock
 from rayhpc.tune.results import trial_rows
+from rayhpc.tune.trainable import flat_members, member_values
 
 OPTUNA_JOURNAL = "optuna.journal"
 
@@ -150,7 +151,7 @@ class StudySearcher(Searcher):
         with self.study.locked():
             first = self.study.finish(self.me, pack["pack"], rows)
             if first and pack.get("optuna") and self.propose is not None:
-                self.propose.tell(pack["optuna"], [result.get(f"members/{j}/{self.recorder.metric}")
+                self.propose.tell(pack["optuna"], [member_values(flat_members(result), j).get(self.recorder.metric)
                                                    for j in range(len(pack["members"]))])
 
     def save(self, checkpoint_path: str) -> None:
@@ -162,7 +163,7 @@ class StudySearcher(Searcher):
 
 
 def _unflatten(result: dict) -> dict:
-    """Tune hands searchers the last result flattened (members/<j>/<name>); `trial_rows` reads it nested."""
+    """Tune hands searchers the last result flattened (members/<name>); `trial_rows` reads it nested."""
     out: dict = {}
     for key, value in result.items():
         *path, leaf = key.split("/")

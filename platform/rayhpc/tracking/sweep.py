@@ -12,7 +12,7 @@ from ray.tune import Callback
 
 from rayhpc.tracking.runs import INTERRUPTED, RunInfo, start_tracker, tracking_home
 from rayhpc.tune.results import trial_rows
-from rayhpc.tune.trainable import members_of
+from rayhpc.tune.trainable import member_values, members_of
 
 # what a trial reports besides its values: progress and Tune's own bookkeeping
 NOT_VALUES = {"epoch", "train_seconds", "resumed_from_epoch", "pack_size", "active_members", "stopped_epoch",
@@ -58,7 +58,7 @@ class SweepTracking(Callback):
                 node = {"rayhpc.node": result["node"]} if "node" in result else {}
                 self._tracker.open(RunInfo(key, f"{self.name}/{key}", {**self.defaults, **hp},
                                            {**self.tags, **node, "rayhpc.trial": key}))
-            values = per_member.get(str(j)) or (result if len(members) == 1 else {})
+            values = member_values(per_member, j) if per_member else result if len(members) == 1 else {}
             self._tracker.log(key, step, {k: v for k, v in values.items() if k not in NOT_VALUES})
             if values.get("stopped_epoch"):
                 self._stopped.add(key)

@@ -31,6 +31,8 @@ from ray import cloudpickle
 from ray.tune.schedulers import ASHAScheduler, MedianStoppingRule, TrialScheduler
 from ray.tune.search import Searcher
 
+from rayhpc.tune.trainable import flat_members, member_values
+
 STATE_FILE = "asha_members.pkl"
 
 
@@ -261,15 +263,15 @@ class PackedOptunaSearch(Searcher):
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         from optuna.trial import TrialState  # optional: only Optuna searches
 
-        result = result or {}  # Tune hands searchers the last result flattened: members/<j>/<metric>
+        members = flat_members(result or {})  # Tune hands searchers the last result flattened: members/<name>
         for i, trial in enumerate(self.pending.pop(trial_id, [])):
             runs = range(i * self.repeats, (i + 1) * self.repeats)  # the configuration's members: their mean
-            values = [_mean([result.get(f"members/{j}/{name}") for j in runs]) for name, _ in self.objectives]
+            values = [_mean([member_values(members, j).get(name) for j in runs]) for name, _ in self.objectives]
             if error or any(v is None or v != v for v in values):  # NaN: a diverged member
                 self.study.tell(trial, state=TrialState.FAIL)
                 continue
             if self.constraints:  # read back by the sampler's constraints_func when the trial is told
-                trial.set_user_attr(CONSTRAINTS_ATTR, [c.violation(_mean([result.get(f"members/{j}/{c.name}")
+                trial.set_user_attr(CONSTRAINTS_ATTR, [c.violation(_mean([member_values(members, j).get(c.name)
                                                                                   for j in runs]))
                                                        for c in self.constraints])
             self.study.tell(trial, values if len(values) > 1 else values[0])

@@ -18,7 +18,7 @@ import torch
 from rayhpc.config import ConfigError, load_yaml, validate
 from rayhpc.engine.checkpoint import complete_checkpoints
 from rayhpc.slurm.private import UnsafePath, check_trusted, private_dir
-from rayhpc.tune.trainable import PACK_FILE
+from rayhpc.tune.trainable import PACK_FILE, member_values
 from rayhpc.tune.weights import checkpoint_weights, trial_weights
 
 MODEL_FILE, HP_FILE, METRICS_FILE = "model.pt", "hp.json", "metrics.json"
@@ -96,7 +96,7 @@ def _member_metrics(folder: Path, member: int) -> dict:
     if not (folder / PACK_FILE).exists():
         return {}
     state = torch.load(folder / PACK_FILE, map_location="cpu", weights_only=True)
-    return (state.get("metrics") or {}).get("members", {}).get(str(member), {})
+    return member_values((state.get("metrics") or {}).get("members") or {}, member)
 
 
 def _plain(values: dict) -> dict:

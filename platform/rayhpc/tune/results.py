@@ -16,7 +16,7 @@ from ray.tune import Callback
 from rayhpc import interrupt
 from rayhpc.monitor.startup import mark
 from rayhpc.tune.objectives import MEASURED, mark_front
-from rayhpc.tune.trainable import members_of
+from rayhpc.tune.trainable import member_values, members_of
 
 RESULTS_FILE = "results.parquet"
 SUMMARY_FILE = "summary.parquet"  # repeats: one row per configuration
@@ -53,7 +53,7 @@ def trial_rows(trial, packs: list[list[dict]] | None, epochs: int | None, search
     rows = []
     for j, hp in enumerate(members):
         # a trial of one member may report its metrics at the top level (Tune over Train does)
-        m = per_member.get(str(j)) or (last if len(members) == 1 else {})
+        m = member_values(per_member, j) if per_member else last if len(members) == 1 else {}
         stopped = m.get("stopped_epoch")  # ASHA stopped this member of a pack
         rows.append({
             "trial_id": trial.trial_id if len(members) == 1 else f"{trial.trial_id}-{j}",

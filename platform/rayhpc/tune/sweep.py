@@ -30,6 +30,7 @@ from rayhpc.monitor.board import SweepMonitor
 from rayhpc.task.failure import plain, rank_failure
 from rayhpc.tracking.sweep import sweep_tracking
 from rayhpc.tune.config import SweepConfig, bind_objectives, bind_sweep
+from rayhpc.tune.curves import MemberCurves
 from rayhpc.tune.objectives import measured_names
 from rayhpc.tune.optim import PACKED
 from rayhpc.tune.packing import pack_key, packing_problem, shared_keys
@@ -281,7 +282,7 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
             # checkpoint, so a killed driver's --resume never re-runs an epoch already done
             checkpoint_config=checkpoint.checkpoint_config(cfg.checkpoint, job.info.objective, tune.CheckpointConfig),
             callbacks=[recorder, ProgressPrinter(recorder), SweepMonitor(recorder, cfg.name), WatchStopSignals(),
-                       *sweep_tracking(job, packs, recorder.columns), *callbacks],
+                       MemberCurves(), *sweep_tracking(job, packs, recorder.columns), *callbacks],
         ),
     )
 

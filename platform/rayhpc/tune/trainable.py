@@ -347,22 +347,37 @@ def _fresh(members: int, objective: tuple[str, str]) -> dict:
 
 
 def _metrics(values: dict, state: dict, objective: tuple[str, str], seconds: float, resumed_from: int) -> dict:
-    """Each member's values (and, for a member ASHA stopped, the epoch it stopped at); the pack's best
-    member (by the objective) also at the top level, which drives Tune's own bookkeeping (a pack of one
-    is a plain trial)."""
+    """Each member's values, one list per name in member order (`members`; for members ASHA stopped, the epoch
+    it stopped at, 0 for the others); the pack's best member (by the objective) also at the top level, which
+    drives Tune's own bookkeeping (a pack of one is a plain trial). Lists, not a dict per member: Tune keeps
+    statistics of every numeric key of a result in its experiment state, which it saves after each checkpoint,
+    so keys per member would make that save grow with every member of every pack (`member_values` reads them)."""
     members, best = len(values["train_loss"]), state["best"]
     reported = {**values, **{f"best_{name}": v for name, v in best.items() if name in values}}
-    per_member = {str(i): {k: float(v[i]) for k, v in reported.items()} for i in range(members)}
-    for j, epoch in state["stopped"].items():
-        per_member[str(j)]["stopped_epoch"] = epoch
+    per_member = {k: [float(x) for x in v.tolist()] for k, v in reported.items()}
+    if state["stopped"]:
+        per_member["stopped_epoch"] = [state["stopped"].get(j, 0) for j in range(members)]
     if state["pbt"]:  # PBT changed some members' hyperparameters: report every member's current ones
-        for j, hp in enumerate(state["hp"]):
-            per_member[str(j)].update({f"config.{k}": v for k, v in hp.items()})
+        for k in dict.fromkeys(k for hp in state["hp"] for k in hp):
+            per_member[f"config.{k}"] = [hp.get(k) for hp in state["hp"]]
     name, mode = objective
-    lead = (min if mode == "min" else max)(range(members), key=lambda i: per_member[str(i)][name])
-    return {**per_member[str(lead)], "epoch": state["epoch"], "train_seconds": seconds,
+    lead = (min if mode == "min" else max)(range(members), key=lambda i: per_member[name][i])
+    return {**member_values(per_member, lead), "epoch": state["epoch"], "train_seconds": seconds,
             "resumed_from_epoch": resumed_from, "node": socket.gethostname(), "pack_size": members,
             "active_members": len(state["slots"]), "members": per_member}
+
+
+def member_values(members: dict, j: int) -> dict:
+    """Member `j`'s values from a pack's report (`members`: each name's values in member order, as `_metrics`
+    writes them; Tune hands searchers them flattened, as `members/<name>`): none where the pack has fewer
+    members, none it has no value for (not stopped: `stopped_epoch` 0)."""
+    return {k: v[j] for k, v in members.items() if j < len(v) and v[j] is not None
+            and not (k == "stopped_epoch" and not v[j])}
+
+
+def flat_members(result: dict) -> dict:
+    """The `members` of a result Tune flattened (`members/<name>`), as `member_values` reads them."""
+    return {k.split("/", 1)[1]: v for k, v in result.items() if k.startswith("members/")}
 
 
 def _save(folder: Path, state: dict, pack, opt, step: int, device: torch.device) -> None:

@@ -332,3 +332,5 @@ def test_a_packs_report_adds_no_tune_statistics_per_member(stopped, pbt):
             assert member_values(result["members"], j) == want
         assert result["val_loss"] == 1.0 and result["train_loss"] == 2.0
     assert keys[2] == keys[64] and not any(k.startswith("members/") for k in keys[64]), keys[64]
+    # a sweep resumed from results of earlier versions, which reported a dict per member
+    assert member_values({"0": {"val_loss": 1.0}, "1": {"val_loss": 2.0}}, 1) == {"val_loss": 2.0}

@@ -371,6 +371,8 @@ def member_values(members: dict, j: int) -> dict:
     """Member `j`'s values from a pack's report (`members`: each name's values in member order, as `_metrics`
     writes them; Tune hands searchers them flattened, as `members/<name>`): none where the pack has fewer
     members, none it has no value for (not stopped: `stopped_epoch` 0)."""
+    if str(j) in members:  # a dict per member, as packs reported before 2026-11-28 (a sweep or study resumed)
+        return members[str(j)]
     return {k: v[j] for k, v in members.items() if j < len(v) and v[j] is not None
             and not (k == "stopped_epoch" and not v[j])}
 

@@ -46,8 +46,8 @@ def measure_one(trials: int, epochs: int, address: str, storage: Path, resume: b
     write_results(table, kept, RESULTS_FILE + ".timed")
     write_s = time.perf_counter() - t
     (kept / (RESULTS_FILE + ".timed")).unlink()
-    # Ray Tune's experiment state, which it saves whole after each trial checkpoint
-    state = sum(p.stat().st_size for p in cfg.experiment_dir.glob("experiment_state*.json"))
+    # Ray Tune's experiment state, which it saves whole after each trial checkpoint (a study: its slice's)
+    state = sum(p.stat().st_size for p in kept.rglob("experiment_state*.json"))
     files, size = 0, 0
     for folder, _, names in os.walk(kept):
         files += len(names) + 1  # a folder is an inode too

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from rayhpc.monitor.startup import VARIABLE, read
 
-PHASES = ("imports and config", "task check", "ray", "first result", "work", "shutdown")
+PHASES = ("imports and config", "task check", "ray", "trial process", "trial set-up (Ray Tune, imports)",
+          "trial data and model", "first result", "work", "shutdown")
 
 
 def rayhpc(*args: str, env: dict) -> str:

@@ -20,7 +20,7 @@ from ray.util.state.common import ListApiOptions, StateResource
 
 from helpers import CATCH_IMPORTS, CATCH_TOKENS, ROOT, caught, dashboard_accepts, job_env, run_job, start_as_attacker
 from rayhpc.processes import descendants
-from rayhpc.tune.results import read_results
+from rayhpc.tune.results import TRIAL_PHASES, read_results
 from rayhpc.up import connection, warm
 
 # Ray Train's autoscaling coordinator: one detached actor per cluster, made by its first Train run
@@ -159,6 +159,11 @@ def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(use
         seen |= {frozenset(hidden) for hidden in sweeps_shown() if len(hidden) == 2}
     for name, job in jobs.items():
         assert_joined_in_the_starter(job, tmp_path / f"{name}.marks", address)
+        # its start-up, through the first trial's own marks (its process, Ray Tune and imports, data and model)
+        marks = [json.loads(line) for line in (tmp_path / f"{name}.marks").read_text().splitlines()]
+        phases = [m["phase"] for m in marks]
+        assert phases[phases.index("ray"):phases.index("first result") + 1] == ["ray", *TRIAL_PHASES, "first result"]
+        assert [m["t"] for m in marks] == sorted(m["t"] for m in marks), marks
     assert sorted(map(sorted, seen)) == [grids["a"], grids["b"]], seen
     for name, grid in grids.items():
         table = read_results(tmp_path / name / "same")

@@ -114,3 +114,19 @@ def test_fit_to_first_step_is_split_into_phases_of_this_sessions_worker_group():
     assert sum(result.startup_phases().values()) == result.fit_to_first_step == 5.0
     without = TrainResult(None, pd.DataFrame([{"first_step_time": 1005.0}]), None, 0.0, fit, 0.0)
     assert without.startup_phases() == {}  # a warm group's rows: no marks
+
+
+def test_a_mark_another_process_timed_never_goes_before_the_last_and_a_phase_counts_once(tmp_path, monkeypatch):
+    """A trial's process Ray started before the driver's last phase ended takes 0 s (its mark is the last one's
+    time); a later time is kept as measured; a phase marked again keeps its first time. Each goes to
+    RAYHPC_TIMINGS too."""
+    from rayhpc.monitor import startup
+
+    monkeypatch.setattr(startup, "_marks", [])
+    monkeypatch.setenv(startup.VARIABLE, str(tmp_path / "marks"))
+    startup.mark("ray", 100.0)
+    startup.mark("trial process", 90.0)  # earlier than Ray's mark
+    startup.mark("trial set-up", 103.5)
+    startup.mark("trial set-up", 104.0)  # again: ignored
+    assert startup._marks == [("ray", 100.0), ("trial process", 100.0), ("trial set-up", 103.5)]
+    assert startup.read(tmp_path / "marks") == dict(startup._marks)

@@ -40,11 +40,12 @@ def process_start() -> float:
 
 
 def mark(phase: str, at: float | None = None) -> None:
-    """The end of `phase`, now or `at` (a unix time another process measured; the first mark of a phase
-    counts: a resumed loop does not move it)."""
+    """The end of `phase`, now or `at` (a unix time another process measured, taken as the last mark's time
+    where it is earlier: a process Ray started before that phase); the first mark of a phase counts: a
+    resumed loop does not move it."""
     if any(name == phase for name, _ in _marks):
         return
-    now = time.time() if at is None else at
+    now = time.time() if at is None else max(at, _marks[-1][1]) if _marks else at
     _marks.append((phase, now))
     path = os.environ.get(VARIABLE)
     if path:

@@ -17,7 +17,7 @@ from rayhpc.tune.trainable import member_values, members_of
 # what a trial reports besides its values: progress and Tune's own bookkeeping
 NOT_VALUES = {"epoch", "train_seconds", "resumed_from_epoch", "pack_size", "active_members", "stopped_epoch",
               "training_iteration", "time_this_iter_s", "time_total_s", "timestamp", "time_since_restore",
-              "iterations_since_restore", "pid", "done"}
+              "iterations_since_restore", "pid", "done", "trial_process_time", "trial_entered_time", "trial_ready_time"}
 
 
 class SweepTracking(Callback):

@@ -24,6 +24,7 @@ from rayhpc.data import DataConfig
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Plan, Runner, fit
+from rayhpc.monitor.startup import process_start
 from rayhpc.optim import lr_factor, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.study.folder import PACKS_DIR, save_pack_checkpoint
@@ -83,7 +84,7 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     the members are a PBT population (`rayhpc.tune.pbt`)."""
     from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
-    entered = time.perf_counter()
+    entered, started = time.perf_counter(), {"trial_process_time": process_start(), "trial_entered_time": time.time()}
     # Ray Train logs every persisted checkpoint at INFO; a sweep makes one per trial-epoch.
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     torch.set_num_threads(settings.threads)
@@ -109,6 +110,7 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
     plan = Plan(per_epoch, total)
     trial = _Trial(pack, opt, Batches(train, device), members, plan, state=state, settings=settings, keeper=keeper,
                    pack_id=pack_id, val=Batches(val, device) if val is not None else None, entered=entered)
+    trial.started = {**started, "trial_ready_time": time.time()}  # in its first report (start-up benchmarks)
     fit(plan, trial, state["epoch"] * per_epoch)
 
 
@@ -166,6 +168,7 @@ class _Trial(PackSteps):
         self.pack_id = pack_id
         self.val, self.entered, self.resumed_from = val, entered, state["epoch"]
         self.best = Best(settings.objective, state["best"])
+        self.started: dict = {}  # this process's start-up marks, until the first report (unix times)
 
     def batches(self, epoch: int, steps: range):
         self.members = [self.all[j] for j in self.state["slots"]]  # the members ASHA left in the pack
@@ -198,7 +201,8 @@ class _Trial(PackSteps):
 
         state, settings = self.state, self.settings
         seconds = state["seconds"] + time.perf_counter() - self.entered
-        metrics = _metrics(values, state, settings.objective, seconds, self.resumed_from)
+        metrics = {**_metrics(values, state, settings.objective, seconds, self.resumed_from), **self.started}
+        self.started = {}
         save = functools.partial(_save, state={**state, "seconds": seconds, "metrics": metrics}, pack=self.pack,
                                  opt=self.opt, step=step, device=self.train.device)
         if settings.study is not None:  # in the study, where any slice resumes it: Tune keeps none

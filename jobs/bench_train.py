@@ -1,11 +1,13 @@
 """Training benchmarks, side by side in one run.
 
     python jobs/bench_train.py [--workers 2] [--hidden 1024] [--in-features 256] [--batch 256] [--epochs 4]
+    python jobs/bench_train.py --llama [--gpt-bytes 200000]
     python jobs/bench_train.py --strategies [--gpu] [--hidden 8192 --depth 4 --in-features 8192 --batch 8192]
     python jobs/bench_train.py --gpt-options [--workers 1]
     python jobs/bench_train.py --metrics-overhead
 
-Default: rayhpc DDP against torchrun-launched plain DDP on CPU (gloo).
+Default: rayhpc DDP against torchrun-launched plain DDP on CPU (gloo); `--llama`: the same comparison on the
+Hugging Face Llama example (jobs/tasks/llama.py, needs `rayhpc[hf]`), its model, data and loss in both, tokens/s.
 `--strategies`: raw PyTorch (one process, no Ray, no wrapper) against our DDP and our
 FSDP2 (one worker, or `--workers N` with `--gpu`: one per GPU): steady-state samples/s,
 and the time from fit() to done; with `--gpu` on CUDA, NCCL and bf16 autocast, raw
@@ -59,10 +61,11 @@ def baseline(args, work: Path, raw: bool = False) -> dict:
                                "--nproc_per_node", str(args.workers)]
     device = ["--device", "cuda", "--bf16"] if raw and args.gpu else []
     launch = time.time()
+    task = ["--task", LLAMA, "--corpus-bytes", str(args.gpt_bytes)] if args.llama else []
     subprocess.run([*(launcher or [sys.executable]), str(BENCH / "train_baseline.py"), "--out", str(out),
                     "--launch-time", str(launch), "--in-features", str(args.in_features), "--hidden",
                     str(args.hidden), "--depth", str(args.depth), "--samples", str(args.samples), "--batch",
-                    str(args.batch), "--epochs", str(args.epochs), *device],
+                    str(args.batch), "--epochs", str(args.epochs), *device, *task],
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads(out.read_text())
     later = {key: statistics.mean(result[key][1:]) for key in ("samples_per_s", "data_wait_share")}  # epoch 1: warm-up
@@ -105,6 +108,8 @@ def main() -> None:
                         "checkpointing, tokens/s")
     parser.add_argument("--metrics-overhead", action="store_true", help="the Llama task: a metrics row per epoch "
                         "vs one every step, tokens/s")
+    parser.add_argument("--llama", action="store_true", help="the default comparison with torchrun on the Llama "
+                        "task instead of the MLP")
     parser.add_argument("--workers", type=int, help="DDP ranks (default 2; with --strategies 1, or with "
                         "--strategies --gpu one per GPU you give, each compared with raw PyTorch on one GPU)")
     parser.add_argument("--in-features", type=int, default=256)
@@ -114,7 +119,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--samples", type=int, default=30720, help="rows of the synthetic task (80%% train)")
-    parser.add_argument("--gpt-bytes", type=int, default=200_000, help="--gpt-options: corpus bytes (90%% train)")
+    parser.add_argument("--gpt-bytes", type=int, default=200_000, help="--gpt-options, --metrics-overhead, "
+                        "--llama: corpus bytes (90%% train)")
     parser.add_argument("--json", help="also write the table (medians per run) to this file")
     args = parser.parse_args()
     if args.gpu and not args.strategies:
@@ -123,15 +129,18 @@ def main() -> None:
         parser.error(f"--epochs {args.epochs}: need >= 2 (epoch 1 holds the warm-up)")
     if args.workers is None or (args.strategies and not args.gpu):
         args.workers = 1 if args.strategies else 2
-    if args.gpt_options or args.metrics_overhead:
+    if args.llama and (args.strategies or args.gpt_options or args.metrics_overhead):
+        parser.error("--llama: only with the default comparison (torchrun)")
+    tokens = args.gpt_options or args.metrics_overhead or args.llama
+    if tokens:
         args.batch = 32 if args.batch == 256 else args.batch  # windows of 64 bytes per sample
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     widths = "-".join(map(str, [args.in_features] + [args.hidden] * (args.depth - 1) + [args.in_features]))
-    model = f"{'Llama' if args.metrics_overhead else 'GPT'} task, {args.gpt_bytes} corpus bytes" \
-        if args.gpt_options or args.metrics_overhead else f"MLP {widths}"
+    model = f"{'GPT' if args.gpt_options else 'Llama'} task, {args.gpt_bytes} corpus bytes" \
+        if tokens else f"MLP {widths}"
     print(f"bench_train: {model}, {args.workers} "
           f"{'NCCL' if args.gpu else 'gloo'} worker(s) x {args.batch} samples/step, {args.epochs} epochs"
-          + ("" if args.gpt_options or args.metrics_overhead else f" of {int(args.samples * 0.8)} samples"), flush=True)
+          + ("" if tokens else f" of {int(args.samples * 0.8)} samples"), flush=True)
     from bench.first_result import cluster_up, cold
 
     rows = plan(args, cold(work))
@@ -143,7 +152,7 @@ def main() -> None:
     if UP in rows:  # then the same job joining the user's cluster (`rayhpc up`)
         with cluster_up(work, args.workers) as up:
             runs[UP] = [rows[UP](work, i, up) for i in range(args.repeats)]
-    print_table(runs, "tokens/s" if args.gpt_options or args.metrics_overhead else "samples/s",
+    print_table(runs, "tokens/s" if tokens else "samples/s",
                 args.workers if args.strategies else 1)
     if args.json:
         Path(args.json).write_text(json.dumps({name: _median(results) for name, results in runs.items()}, indent=1))
@@ -172,6 +181,7 @@ def _cell(value: float, spec: str, width: int, unit: str = "") -> str:
 
 
 UP = "rayhpc DDP, your cluster up"
+LLAMA = str(ROOT / "jobs" / "tasks" / "llama.py") + ":Llama"
 
 
 def plan(args, cold: dict) -> dict:
@@ -188,7 +198,7 @@ def plan(args, cold: dict) -> dict:
                 "GPT selective AC": gpt({"activation_checkpointing": "selective"})}
     if args.metrics_overhead:
         def llama(every: int | None):
-            job = {"task": str(ROOT / "jobs" / "tasks" / "llama.py") + ":Llama", "optim": {"optimizer": "adamw"},
+            job = {"task": LLAMA, "optim": {"optimizer": "adamw"},
                    "hparams": {"corpus_bytes": args.gpt_bytes}, "metrics_every_steps": every}
             return lambda work, i: rayhpc(args, work, f"llama-{every or 'epochs'}-{i}", cold, job=job)
         return {"Llama, a row per epoch": llama(None), "Llama, a row every step": llama(1)}
@@ -196,11 +206,13 @@ def plan(args, cold: dict) -> dict:
         return {"raw PyTorch": lambda work, i: baseline(args, work, raw=True),
                 "rayhpc DDP": lambda work, i: rayhpc(args, work, f"ddp{i}", cold),
                 "rayhpc FSDP2": lambda work, i: rayhpc(args, work, f"fsdp{i}", cold, strategy="fsdp")}
+    # the Llama task as the baseline runs it: its own hyperparameters, the corpus of --gpt-bytes, Adam (the default)
+    job = {"task": LLAMA, "hparams": {"corpus_bytes": args.gpt_bytes}} if args.llama else None
     return {"torchrun + plain DDP": lambda work, i: baseline(args, work),
-            "rayhpc DDP": lambda work, i: rayhpc(args, work, f"rayhpc{i}", cold),
-            UP: lambda work, i, up: rayhpc(args, work, f"up{i}", up),
+            "rayhpc DDP": lambda work, i: rayhpc(args, work, f"rayhpc{i}", cold, job=job),
+            UP: lambda work, i, up: rayhpc(args, work, f"up{i}", up, job=job),
             "rayhpc DDP, Ray Train defaults": lambda work, i: rayhpc(args, work, f"defaults{i}",
-                                                                    {**cold, **RAY_TRAIN_DEFAULTS})}
+                                                                    {**cold, **RAY_TRAIN_DEFAULTS}, job=job)}
 
 
 def _median(results: list[dict]) -> dict:

@@ -1,9 +1,11 @@
 """Plain PyTorch training, the baselines of `jobs/bench_train.py`: what users write by hand today.
 
     torchrun --nproc_per_node 2 jobs/bench/train_baseline.py --out result.json --launch-time T [options]
+    torchrun --nproc_per_node 2 jobs/bench/train_baseline.py ... --task jobs/tasks/llama.py:Llama
     python jobs/bench/train_baseline.py --out result.json --launch-time T --device cuda --bf16 [options]
 
-Same model, data, sampler and optimizer as the platform's loop. Under torchrun
+Same model, data, sampler and optimizer as the platform's loop: the MLP of the options, or with `--task` a
+task file's own model, data and loss, used as a plain script would use that file. Under torchrun
 (RANK in the environment): DDP with `init_process_group` from torchrun's
 environment and nothing else. Run directly: one process, no process group, no
 wrapper ("raw PyTorch"), on `--device`, with bf16 autocast if `--bf16`; on a GPU the
@@ -15,6 +17,7 @@ GPU waiting). Each epoch's share of time spent waiting for its next batch is rec
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
@@ -43,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="single process only")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (cuda), as the platform's DDP")
+    parser.add_argument("--task", help="FILE:CLASS: that task's model, data and loss instead of the MLP")
+    parser.add_argument("--corpus-bytes", type=int, default=200_000, help="with --task: its corpus_bytes")
     return parser.parse_args()
 
 
@@ -59,6 +64,31 @@ def epoch_batches(train, rows: list[torch.Tensor] | None, sampler, batch: int, d
         yield tuple(t[index] for t in rows)
 
 
+def mse(model, batch) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x).float(), y)
+
+
+def build(args, device: torch.device):
+    """The training rows, the model on `device`, its loss(model, batch), and tokens per sample (1: the MLP's
+    samples): the MLP of the options, or `--task`'s own model, data and loss."""
+    if args.task:
+        path, _, name = args.task.rpartition(":")
+        spec = importlib.util.spec_from_file_location("bench_task", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        task = getattr(module, name)()
+        hp = {**task.hparams, "corpus_bytes": args.corpus_bytes}
+        train, _ = task.data(hp)
+        torch.manual_seed(0)
+        return train, task.model(hp).to(device), task.loss, task.tokens_per_sample(hp)
+    task = SyntheticTask(num_samples=args.samples, in_features=args.in_features, out_features=args.in_features)
+    # the platform's mlp task: every row, then its 20% validation hold-out (split seed 0)
+    train, _ = holdout(TensorDataset(*synthetic_tensors(task)), None, MLPTask.val_fraction, 0)
+    torch.manual_seed(0)
+    return train, MLP(args.in_features, args.hidden, args.in_features, args.depth).to(device), mse, 1
+
+
 def main() -> None:
     args = parse_args()
     distributed = "RANK" in os.environ  # launched by torchrun
@@ -67,20 +97,17 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = torch.device("cpu" if distributed else args.device)
-    task = SyntheticTask(num_samples=args.samples, in_features=args.in_features, out_features=args.in_features)
-    # the platform's mlp task: every row, then its 20% validation hold-out (split seed 0)
-    train, _ = holdout(TensorDataset(*synthetic_tensors(task)), None, MLPTask.val_fraction, 0)
-    torch.manual_seed(0)
-    model = MLP(args.in_features, args.hidden, args.in_features, args.depth).to(device)
+    train, model, loss_of, tokens = build(args, device)
     model = DistributedDataParallel(model) if distributed else model
     opt = torch.optim.Adam(model.parameters(), lr=0.01)  # every job's default optimizer
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    # on a GPU the training rows (a Subset of a TensorDataset) go there once
-    rows = [t[train.indices].to(device) for t in train.dataset.tensors] if device.type == "cuda" else None
+    # on a GPU the MLP's training rows (a Subset of a TensorDataset) go there once
+    rows = [t[train.indices].to(device) for t in train.dataset.tensors] \
+        if device.type == "cuda" and not args.task else None
     first_step, per_epoch, waits = None, [], []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        started, samples, waited = time.perf_counter(), 0, 0.0
+        started, units, waited = time.perf_counter(), 0, 0.0  # units: samples, or the task's tokens
         batches = iter(epoch_batches(train, rows, sampler, args.batch, device))
         while True:
             asked = time.perf_counter()
@@ -89,19 +116,18 @@ def main() -> None:
             if x is None:
                 break
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16 and device.type == "cuda"):
-                out = model(x)
-            loss = F.mse_loss(out.float(), y)
+                loss = loss_of(model, (x, y))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             first_step = first_step or time.time()
-            samples += len(x) * world
+            units += len(x) * world * tokens
         if distributed:
             dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
-        per_epoch.append(samples / seconds)
+        per_epoch.append(units / seconds)
         waits.append(waited / seconds)
     if rank == 0:
         with open(args.out, "w") as f:

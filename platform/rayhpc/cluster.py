@@ -226,6 +226,8 @@ def connect(address: str | None, **init_kwargs) -> Resources:
                                                                 **init_kwargs})
         else:
             private_tmpdir()
+            if address in _user_cluster:
+                init_kwargs = {"runtime_env": warm_workers(), **init_kwargs}
             ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
             if address in _user_cluster:
                 joined_user_cluster()
@@ -242,6 +244,14 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     log.info(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
              + (f"; dashboard http://{dashboard} (token: {token or '`ray get-auth-token`'})" if dashboard else ""))
     return res
+
+
+def warm_workers() -> dict:
+    """A job's Ray workers on the user's cluster start as forks of its warm starter of workers, which has
+    imported torch (`rayhpc.up.worker`); none where it has no such starter (`rayhpc up --no-warm`)."""
+    from rayhpc.up import connection, worker
+
+    return {"py_executable": worker.command()} if connection.workers_socket_path().exists() else {}
 
 
 def joined_user_cluster() -> None:

@@ -52,6 +52,7 @@ def assert_gone(info: dict) -> None:
     assert not connection.leftovers(info["marker"]), "processes of the cluster are left"
     assert not Path(info["temp_dir"]).exists() and not Path(info["ray_tmpdir"]).exists()
     assert not connection.path().exists() and not connection.socket_path().exists()
+    assert not connection.workers_socket_path().exists()
     assert not connection.listening_uids(info["ports"]["gcs"])
 
 
@@ -125,6 +126,58 @@ def test_a_training_job_joins_it_and_leaves_it_as_it_found_it(user_cluster, tmp_
                 tmp_path / "marks")
     assert_joined_in_the_starter(job, tmp_path / "marks", address)
     assert_as_found(user_cluster, before)
+
+
+PROBE_WORKER = """
+import json, os, sys
+from rayhpc import cluster
+cluster.connect(cluster.resolve_address(None))
+import ray
+
+@ray.remote(num_cpus=1)
+def probe():
+    imported = "torch" in sys.modules  # before this task's code imports it
+    import tempfile, torch
+    return {"ppid": os.getppid(), "imported": imported, "threads": torch.get_num_threads(),
+            "omp": os.environ["OMP_NUM_THREADS"], "tmp": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"],
+            "sum": float(torch.arange(4.0).sum())}
+
+print(json.dumps(ray.get(probe.remote())))
+"""
+
+
+def probe_worker(folder: Path) -> dict:
+    (folder / "probe.py").write_text(PROBE_WORKER)
+    proc = subprocess.run([sys.executable, str(folder / "probe.py")], capture_output=True, text=True, cwd=ROOT,
+                          env=job_env(None), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_else_processes_of_their_own(
+        user_cluster, tmp_path):
+    """With the starter of workers up, a job's Ray worker is its child with torch imported, and behaves as one
+    of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for `tempfile`. Without one (its
+    socket gone: Ray starts the workers as it would), or with a socket no starter answers (the worker's
+    process runs the worker itself), the job runs the same."""
+    starter, sock = user_cluster["workers_pid"], connection.workers_socket_path()
+    warm_one = probe_worker(tmp_path)
+    assert warm_one["ppid"] == starter and warm_one["imported"], (warm_one, starter)
+    assert warm_one["threads"] == int(warm_one["omp"]) and warm_one["tmp"] == warm_one["TMPDIR"], warm_one
+    assert warm_one["sum"] == 6.0
+    moved = sock.with_name("moved.sock")
+    sock.rename(moved)
+    try:
+        cold = probe_worker(tmp_path)  # no py_executable: Ray's own worker processes
+        sock.write_text("")  # a socket path that no starter answers: the worker runs in the process Ray started
+        unanswered = probe_worker(tmp_path)
+        sock.unlink()
+    finally:
+        moved.rename(sock)
+    for one in (cold, unanswered):
+        assert one["ppid"] != starter and not one["imported"], (one, starter)
+        assert {k: one[k] for k in ("threads", "omp", "sum")} == {k: warm_one[k] for k in ("threads", "omp", "sum")}
+    assert probe_worker(tmp_path)["ppid"] == starter  # warm again
 
 
 def sweep_args(folder: Path, hidden: list[int], epochs: int = 40) -> list[str]:

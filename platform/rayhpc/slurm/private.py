@@ -187,8 +187,15 @@ def private_tmpdir() -> str:
     _tmpdir[os.getpid()] = folder
     os.environ.update({"TMPDIR": folder, "RAY_TMPDIR": folder, OWN_TMPDIR: folder, OWN_TMPDIR_BASE: base})
     tempfile.tempdir = folder  # `tempfile` reads TMPDIR once per process, maybe before this call
-    atexit.register(shutil.rmtree, folder, True)
+    atexit.register(_remove_own, folder, os.getpid())
     return folder
+
+
+def _remove_own(folder: str, pid: int) -> None:
+    """At exit: `folder`, where this is the process that made it. A child forked from it (a warm starter's)
+    runs its exit handlers too, and leaves the folder to the process still using it."""
+    if os.getpid() == pid:
+        shutil.rmtree(folder, True)
 
 
 OWN_TMPDIR, OWN_TMPDIR_BASE = "RAYHPC_OWN_TMPDIR", "RAYHPC_OWN_TMPDIR_BASE"  # the last one made, and where

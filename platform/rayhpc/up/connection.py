@@ -52,6 +52,11 @@ def socket_path() -> Path:
     return path().with_suffix(".sock")
 
 
+def workers_socket_path() -> Path:
+    """Where the cluster's warm starter of Ray workers listens (`rayhpc.up.starter --workers`)."""
+    return path().with_name(f"{host()}-workers.sock")
+
+
 def folder() -> Path:
     """The folder of the connection files, made private (0700) where missing; `UnsafePath` naming RAYHPC_HOME
     where another user could swap it or what is in it."""

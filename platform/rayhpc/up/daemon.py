@@ -52,18 +52,33 @@ WARM_START_TIMEOUT_S = 60.0  # its imports: seconds
 WARM_STOP_TIMEOUT_S = 30.0  # its jobs' statuses sent to their commands: at once, once the jobs have ended
 
 
-def start_warm() -> subprocess.Popen | None:
-    """The warm starter, once it listens (the cluster is announced after it: the first command is warm too);
-    None, with a line in the log, where it did not start."""
-    starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter"], stdin=subprocess.DEVNULL)
+def start_warm(workers: bool = False) -> subprocess.Popen | None:
+    """The warm starter (of commands, or of Ray's workers), once it listens (the cluster is announced after it:
+    the first command is warm too); None, with a line in the log, where it did not start."""
+    starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter", *(["--workers"] if workers else [])],
+                               stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + WARM_START_TIMEOUT_S
-    while not connection.socket_path().exists():
+    while not (connection.workers_socket_path() if workers else connection.socket_path()).exists():
         if starter.poll() is not None or time.monotonic() > deadline:
             starter.kill()
-            print("rayhpc up: no warm starter: each command imports torch and Ray itself", flush=True)
+            print(f"rayhpc up: no warm starter: each {'Ray worker' if workers else 'command'} imports torch itself",
+                  flush=True)
             return None
         time.sleep(0.05)
     return starter
+
+
+def stop_warm(starter: subprocess.Popen | None, path) -> None:
+    """A warm starter ends once the processes it started have (`rayhpc down` stopped them first)."""
+    if starter is None:
+        return
+    starter.terminate()
+    try:
+        starter.wait(timeout=WARM_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        starter.kill()
+        starter.wait()
+    path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,22 +128,18 @@ def hold(args: argparse.Namespace, holder: int) -> int:
                               include_dashboard=not args.no_dashboard and cluster.dashboard_installed(), **options)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # ray.init replaced it
     starter = None if args.no_warm else start_warm()
-    connection.write({**cluster_info(ctx, marker, holder), "warm_pid": starter and starter.pid})
+    workers = None if args.no_warm else start_warm(workers=True)
+    connection.write({**cluster_info(ctx, marker, holder), "warm_pid": starter and starter.pid,
+                      "workers_pid": workers and workers.pid})
     print(f"rayhpc up: cluster at {ctx.address_info['gcs_address']} held by process {holder}", flush=True)
     while not stop.wait(1.0):
         pass
     with_file = connection.read()
     if with_file and with_file.get("pid") == holder:
         connection.path().unlink()
-    if starter is not None:
-        starter.terminate()  # it ends once the jobs it started have (`rayhpc down` stopped them first)
-        try:
-            starter.wait(timeout=WARM_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            starter.kill()
-            starter.wait()
-        connection.socket_path().unlink(missing_ok=True)
-    cluster.disconnect()
+    stop_warm(starter, connection.socket_path())
+    cluster.disconnect()  # Ray's workers end with it, then their starter
+    stop_warm(workers, connection.workers_socket_path())
     processes.kill_gcs_last(connection.leftovers(marker))
     print("rayhpc down: cluster stopped", flush=True)
     return 0

@@ -1,6 +1,11 @@
 """The warm starter's own process (`python -m rayhpc.up.starter`, started by `rayhpc up`): it imports the job
 commands' modules once, then forks a child per command handed over (`rayhpc.up.warm`), which runs it as the
-command's own process would (its files, folder, environment, arguments and exit status)."""
+command's own process would (its files, folder, environment, arguments and exit status).
+
+With `--workers`, the same for the Ray worker processes of the jobs on the cluster (`rayhpc.up.worker`): it
+imports torch and the libraries Ray Tune and Ray Train load (not Ray itself: Ray's core reads its settings,
+the job a worker serves among them, from the environment once, when it is loaded, so a worker forked from a
+process that had loaded Ray aborts), and forks each worker Ray starts."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import threading
 
 from rayhpc.up import connection
@@ -18,19 +24,24 @@ from rayhpc.up.warm import fingerprint, peer_uid, receive, send
 # what the job commands import (rayhpc.cli imports each command's modules only when it runs)
 MODULES = ("rayhpc.cli", "rayhpc.tune.sweep", "rayhpc.train.trainer", "rayhpc.parallel.trainer", "rayhpc.ps.driver",
            "rayhpc.collectives.bench", "rayhpc.scaling.study")
+# what a Ray worker of a sweep or a training run imports, Ray excepted (see above): about 1.5 s of its 2.5 s
+WORKER_MODULES = ("torch", "numpy", "pandas", "pyarrow", "rayhpc.tune.trainable", "rayhpc.engine.loop", "rayhpc.fsdp")
 
 
-def serve() -> None:
-    """The starter's loop (`python -m rayhpc.up.starter`): a child per request, its status back when it ends."""
+def serve(workers: bool = False) -> None:
+    """The starter's loop (`python -m rayhpc.up.starter [--workers]`): a child per request, its status back when
+    it ends."""
     import importlib
 
-    for name in MODULES:
+    for name in WORKER_MODULES if workers else MODULES:
         importlib.import_module(name)
+    if workers and "ray" in sys.modules:
+        raise SystemExit(f"rayhpc up: warm starter of workers off: {WORKER_MODULES} imported Ray")
     if threading.active_count() != 1:
         raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
                          f"({threading.enumerate()}); fork is not safe")
     ours = fingerprint()
-    path = connection.socket_path()
+    path = connection.workers_socket_path() if workers else connection.socket_path()
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -38,7 +49,7 @@ def serve() -> None:
     listener.listen(16)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
-    print(f"rayhpc up: warm starter on {path}", flush=True)
+    print(f"rayhpc up: warm starter{' of workers' if workers else ''} on {path}", flush=True)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
     # once told to stop (SIGTERM): no new command, and on until every running command's status is sent
@@ -56,7 +67,7 @@ def serve() -> None:
                     with contextlib.suppress(OSError):
                         other.fileobj.close() if hasattr(other.fileobj, "close") else os.close(other.fileobj)
                 selector.close()
-                _child(*child)  # ends the process (the command's exit)
+                (_worker if workers else _child)(*child)  # ends the process (the command's exit)
 
 
 def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str):
@@ -132,8 +143,47 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
     run_main(getattr(cli, request["main"]), request["argv"], warm=False)
 
 
+class _ThreadsFollowOMP(type(os.environ)):
+    """os.environ in a forked worker. Ray sets OMP_NUM_THREADS, its share of CPUs for a task, as it gives the
+    worker one; torch reads it once, when it is loaded, which in a worker of its own comes after. Here torch
+    was loaded before: its threads follow the variable as it is set."""
+
+    def __setitem__(self, key: str, value: str) -> None:
+        super().__setitem__(key, value)
+        if key == "OMP_NUM_THREADS" and value.isdigit() and int(value) > 0:
+            import torch
+
+            torch.set_num_threads(int(value))
+
+
+def _worker(request: dict, fds: list[int], conn: socket.socket) -> None:
+    """In the forked child: become the Ray worker process Ray started (`rayhpc.up.worker`: its files, folder,
+    environment and arguments) and run Ray's worker script as its `__main__`."""
+    import runpy
+
+    conn.close()
+    os.setsid()  # Ray ends a job's workers by their process group: never the starter's
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # read from the worker's TMPDIR, as in a process of its own
+    sys.path[:] = request["path"]
+    sys.argv[:] = request["sys_argv"]
+    os.environ.__class__ = _ThreadsFollowOMP
+    if "OMP_NUM_THREADS" in os.environ:
+        os.environ["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    sys.exit(0)
+
+
 def main() -> None:
-    """`python -m rayhpc.up.starter`, started by the process that holds the cluster; it ends with that process."""
+    """`python -m rayhpc.up.starter [--workers]`, started by the process that holds the cluster; it ends with
+    that process."""
     import ctypes
 
     os.umask(0o077)
@@ -141,7 +191,7 @@ def main() -> None:
     from rayhpc.slurm.private import private_tmpdir
 
     private_tmpdir()  # before torch is imported, as every command does
-    serve()
+    serve(workers=sys.argv[1:] == ["--workers"])
 
 
 if __name__ == "__main__":

@@ -74,16 +74,24 @@ def receive(conn: socket.socket) -> tuple[dict | None, list[int]]:
 def run(main: str, argv) -> int | None:
     """Run the command `main(argv)` in the warm starter of the user's cluster; its exit status, or None where
     there is no starter (or not one of this code): the caller then runs it itself."""
-    path = connection.socket_path()
-    if not path.exists() or os.environ.get("RAY_ADDRESS"):  # a cluster named otherwise: a process of its own
+    if os.environ.get("RAY_ADDRESS"):  # a cluster named otherwise: a process of its own
+        return None
+    return hand_over(connection.socket_path(), {"main": main, "argv": argv, "sys_argv": sys.argv})
+
+
+def hand_over(path: Path, request: dict, sys_path: list[str] | None = None) -> int | None:
+    """This process's `request` run by the starter listening on `path`, in a child with this process's files,
+    folder, environment and `sys_path` (else its own); the child's exit status, or None where there is no
+    starter there (or not one of this code)."""
+    if not path.exists():
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(path))
         if peer_uid(conn) != os.getuid():
             raise OSError("not this user's")
-        send(conn, {"main": main, "argv": argv, "sys_argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(),
-                    "path": sys.path, "fingerprint": fingerprint()}, [0, 1, 2])
+        send(conn, {**request, "env": dict(os.environ), "cwd": os.getcwd(), "path": sys_path or sys.path,
+                    "fingerprint": fingerprint()}, [0, 1, 2])
         reply, _ = receive(conn)
     except OSError:  # gone meanwhile: this process runs the command
         conn.close()

@@ -1,0 +1,39 @@
+"""A Ray worker process of a job on the user's cluster (`rayhpc up`), as Ray starts it:
+
+    python -m rayhpc.up.worker .../ray/_private/workers/default_worker.py --flags...
+
+Jobs that join the cluster name this as their workers' Python (Ray's `py_executable`, `runtime_env`). It
+hands the worker over to the cluster's warm starter of workers (`rayhpc.up.starter --workers`), which has
+imported torch once: its child runs Ray's worker script with this process's files, folder, environment and
+arguments, seconds sooner, and this process waits for it, passing on every stop signal (`rayhpc.up.warm`).
+Where there is no such starter (or one of other code), it becomes the worker itself. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from rayhpc.up import connection, warm
+
+
+def command() -> str:
+    """Ray's `py_executable` for a job's workers: this module, run by this Python."""
+    import shlex
+
+    return f"{shlex.quote(sys.executable)} -m rayhpc.up.worker"
+
+
+def main() -> None:
+    script = sys.argv[1:]
+    # as `python script` would have it: the script's folder first on the path
+    status = warm.hand_over(connection.workers_socket_path(), {"sys_argv": script},
+                            [str(Path(script[0]).resolve().parent), *sys.path[1:]])
+    if status is None:
+        os.execv(sys.executable, [sys.executable, *script])
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

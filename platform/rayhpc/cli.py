@@ -402,8 +402,9 @@ def up_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=float, metavar="N", help="CPUs it offers (default: this machine's)")
     parser.add_argument("--num-gpus", type=float, metavar="N", help="GPUs it offers (default: this machine's)")
     parser.add_argument("--no-dashboard", action="store_true", help="without Ray's dashboard")
-    parser.add_argument("--no-warm", action="store_true", help="without the warm starter: each command then "
-                        "imports torch and Ray itself (about 2 s) instead of running in a child of one that has")
+    parser.add_argument("--no-warm", action="store_true", help="without the warm starters: each command, and each "
+                        "Ray worker of a job, then imports torch (and Ray) itself (about 2 s) instead of running in "
+                        "a child of a process that has")
     args = parser.parse_args(argv)
     for key in ("num_cpus", "num_gpus"):
         value = getattr(args, key)

@@ -169,3 +169,22 @@ def test_a_command_has_its_own_temp_folder_before_it_imports_the_users_task(shar
     assert own.parent == shared and own.name.startswith("rayhpc-") and seen["env"] == str(own), seen
     assert Path(seen["headers"]).parent.parent == own, seen
     assert list(shared.iterdir()) == [], "the command left its temp folder behind"
+
+
+def test_a_forked_child_leaves_its_parents_temp_folder_and_the_parent_removes_it_at_exit(shared):
+    """A warm starter's child (a command, a Ray worker) exits through its parent's exit handlers: the folder
+    stays the parent's, which still uses it, and goes when the parent ends."""
+    code = ("import os, sys, tempfile; from rayhpc.slurm.private import private_tmpdir\n"
+            "own = private_tmpdir()\n"
+            "child = os.fork()\n"
+            "if child == 0:\n"
+            "    sys.exit(0)  # the exit handlers run\n"
+            "os.waitpid(child, 0)\n"
+            "print(own, os.path.isdir(own), len(tempfile.mkdtemp()) > 0)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAYHPC_OWN_TMPDIR")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**env, "TMPDIR": str(shared), "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    own, kept, made = proc.stdout.split()
+    assert (kept, made) == ("True", "True") and Path(own).parent == shared, proc.stdout
+    assert not Path(own).exists()  # removed when the parent ended

@@ -140,7 +140,7 @@ def probe():
     import tempfile, torch
     return {"ppid": os.getppid(), "imported": imported, "threads": torch.get_num_threads(),
             "omp": os.environ["OMP_NUM_THREADS"], "tmp": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"],
-            "sum": float(torch.arange(4.0).sum())}
+            "sum": float(torch.arange(4.0).sum()), "own_group": os.getpgid(0) == os.getpid()}
 
 print(json.dumps(ray.get(probe.remote())))
 """
@@ -157,7 +157,8 @@ def probe_worker(folder: Path) -> dict:
 def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_else_processes_of_their_own(
         user_cluster, tmp_path):
     """With the starter of workers up, a job's Ray worker is its child with torch imported, and behaves as one
-    of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for `tempfile`. Without one (its
+    of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for `tempfile`, a process group of
+    its own (Ray ends a worker by its group). Without one (its
     socket gone: Ray starts the workers as it would), or with a socket no starter answers (the worker's
     process runs the worker itself), the job runs the same."""
     starter, sock = user_cluster["workers_pid"], connection.workers_socket_path()
@@ -176,7 +177,8 @@ def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_el
         moved.rename(sock)
     for one in (cold, unanswered):
         assert one["ppid"] != starter and not one["imported"], (one, starter)
-        assert {k: one[k] for k in ("threads", "omp", "sum")} == {k: warm_one[k] for k in ("threads", "omp", "sum")}
+        same = ("threads", "omp", "sum", "own_group")
+        assert {k: one[k] for k in same} == {k: warm_one[k] for k in same}, (one, warm_one)
     assert probe_worker(tmp_path)["ppid"] == starter  # warm again
 
 

@@ -162,7 +162,9 @@ def _worker(request: dict, fds: list[int], conn: socket.socket) -> None:
     import runpy
 
     conn.close()
-    os.setsid()  # Ray ends a job's workers by their process group: never the starter's
+    # Ray gives each worker a process group of its own and ends a worker by its group (killpg): in the
+    # starter's group, the starter and the cluster's holder would go with it
+    os.setsid()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
     for target, fd in enumerate(fds):

@@ -139,7 +139,7 @@ def remove_remains(info: dict) -> list[int]:
     processes.kill_gcs_last(left)
     for folder in (info["temp_dir"], info["ray_tmpdir"]):
         shutil.rmtree(folder, ignore_errors=True)
-    for file in (path(), log_path(), socket_path()):
+    for file in (path(), log_path(), socket_path(), workers_socket_path()):
         with contextlib.suppress(OSError):
             file.unlink()
     return left

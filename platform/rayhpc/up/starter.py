@@ -120,11 +120,9 @@ def _watch(selector: selectors.BaseSelector, conn: socket.socket, pid: int) -> N
     selector.register(conn, selectors.EVENT_READ, hung_up)
 
 
-def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
-    """In the forked child: become the command's process (its files, folder, environment, path, argv) and run
-    it; its exit (status, exit handlers) is the command's own."""
-    conn.close()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the command's own handlers come with it (run_main)
+def _become(request: dict, fds: list[int]) -> None:
+    """In the forked child: take the requesting process's files (stdin, stdout, stderr), folder, environment,
+    path and argv."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -133,6 +131,14 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
     os.environ.update(request["env"])
     sys.path[:] = request["path"]
     sys.argv[:] = request["sys_argv"]
+
+
+def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
+    """In the forked child: become the command's process (its files, folder, environment, path, argv) and run
+    it; its exit (status, exit handlers) is the command's own."""
+    conn.close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the command's own handlers come with it (run_main)
+    _become(request, fds)
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     for stream in (sys.stdout, sys.stderr):  # buffered as Python buffers a terminal or a file
         stream.reconfigure(line_buffering=stream.isatty(), write_through=unbuffered)
@@ -167,15 +173,8 @@ def _worker(request: dict, fds: list[int], conn: socket.socket) -> None:
     os.setsid()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_DFL)
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
+    _become(request, fds)
     tempfile.tempdir = None  # read from the worker's TMPDIR, as in a process of its own
-    sys.path[:] = request["path"]
-    sys.argv[:] = request["sys_argv"]
     os.environ.__class__ = _ThreadsFollowOMP
     if "OMP_NUM_THREADS" in os.environ:
         os.environ["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]

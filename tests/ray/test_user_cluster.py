@@ -131,25 +131,29 @@ def test_a_training_job_joins_it_and_leaves_it_as_it_found_it(user_cluster, tmp_
 PROBE_WORKER = """
 import json, os, sys
 from rayhpc import cluster
-cluster.connect(cluster.resolve_address(None))
+env_vars = json.loads(sys.argv[1])  # the workers' environment, set otherwise
+cluster.connect(cluster.resolve_address(None), **({"runtime_env": {**cluster.warm_workers(), "env_vars": env_vars}}
+                                                  if env_vars else {}))
 import ray
 
 @ray.remote(num_cpus=1)
 def probe():
-    imported = "torch" in sys.modules  # before this task's code imports it
-    import tempfile, torch
+    imported = {"torch", "torch._dynamo"} <= set(sys.modules)  # before this task's code imports them
+    import tempfile, torch, torch._dynamo.config, sympy.core.cache
     return {"ppid": os.getppid(), "imported": imported, "threads": torch.get_num_threads(),
             "omp": os.environ["OMP_NUM_THREADS"], "tmp": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"],
-            "sum": float(torch.arange(4.0).sum()), "own_group": os.getpgid(0) == os.getpid()}
+            "sum": float(torch.arange(4.0).sum()), "own_group": os.getpgid(0) == os.getpid(),
+            "debug_dir": torch._dynamo.config.debug_dir_root, "cwd": os.getcwd(),
+            "sympy_cache": sympy.core.cache.USE_CACHE}
 
 print(json.dumps(ray.get(probe.remote())))
 """
 
 
-def probe_worker(folder: Path) -> dict:
+def probe_worker(folder: Path, env_vars: dict | None = None) -> dict:
     (folder / "probe.py").write_text(PROBE_WORKER)
-    proc = subprocess.run([sys.executable, str(folder / "probe.py")], capture_output=True, text=True, cwd=ROOT,
-                          env=job_env(None), timeout=120)
+    proc = subprocess.run([sys.executable, str(folder / "probe.py"), json.dumps(env_vars or {})],
+                          capture_output=True, text=True, cwd=ROOT, env=job_env(None), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -157,15 +161,20 @@ def probe_worker(folder: Path) -> dict:
 def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_else_processes_of_their_own(
         user_cluster, tmp_path):
     """With the starter of workers up, a job's Ray worker is its child with torch imported, and behaves as one
-    of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for `tempfile`, a process group of
-    its own (Ray ends a worker by its group). Without one (its
+    of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for `tempfile` and folder for
+    torch's compile debug files, a process group of its own (Ray ends a worker by its group). Without one (its
     socket gone: Ray starts the workers as it would), or with a socket no starter answers (the worker's
-    process runs the worker itself), the job runs the same."""
+    process runs the worker itself), the job runs the same. A worker whose environment sets what the starter's
+    modules read as they loaded otherwise is a process of its own, which reads it."""
     starter, sock = user_cluster["workers_pid"], connection.workers_socket_path()
     warm_one = probe_worker(tmp_path)
     assert warm_one["ppid"] == starter and warm_one["imported"], (warm_one, starter)
     assert warm_one["threads"] == int(warm_one["omp"]) and warm_one["tmp"] == warm_one["TMPDIR"], warm_one
-    assert warm_one["sum"] == 6.0
+    assert warm_one["debug_dir"] == os.path.join(warm_one["cwd"], "torch_compile_debug"), warm_one
+    assert warm_one["sum"] == 6.0 and warm_one["sympy_cache"] == "yes"
+    # read by sympy as torch._dynamo loads it (as DistributedDataParallel does) in the starter, not by torch's C code
+    other = probe_worker(tmp_path, {"SYMPY_USE_CACHE": "no"})
+    assert other["ppid"] != starter and not other["imported"] and other["sympy_cache"] == "no", (other, starter)
     moved = sock.with_name("moved.sock")
     sock.rename(moved)
     try:

@@ -5,7 +5,9 @@ command's own process would (its files, folder, environment, arguments and exit 
 With `--workers`, the same for the Ray worker processes of the jobs on the cluster (`rayhpc.up.worker`): it
 imports torch and the libraries Ray Tune and Ray Train load (not Ray itself: Ray's core reads its settings,
 the job a worker serves among them, from the environment once, when it is loaded, so a worker forked from a
-process that had loaded Ray aborts), and forks each worker Ray starts."""
+process that had loaded Ray aborts), and forks each worker Ray starts. Those libraries read their settings
+from the environment as they load, the starter's; a worker whose environment sets any of them otherwise starts
+as a process of its own (`differing`)."""
 
 from __future__ import annotations
 
@@ -24,16 +26,30 @@ from rayhpc.up.warm import fingerprint, peer_uid, receive, send
 # what the job commands import (rayhpc.cli imports each command's modules only when it runs)
 MODULES = ("rayhpc.cli", "rayhpc.tune.sweep", "rayhpc.train.trainer", "rayhpc.parallel.trainer", "rayhpc.ps.driver",
            "rayhpc.collectives.bench", "rayhpc.scaling.study")
-# what a Ray worker of a sweep or a training run imports, Ray excepted (see above): about 1.5 s of its 2.5 s
-WORKER_MODULES = ("torch", "numpy", "pandas", "pyarrow", "rayhpc.tune.trainable", "rayhpc.engine.loop", "rayhpc.fsdp")
+# what a Ray worker of a sweep or a training run imports, Ray excepted (see above): about 1.5 s of its 2.5 s;
+# torch._dynamo: DistributedDataParallel(...) imports it (and sympy) each time it is made, 0.9 s of a rank's start
+WORKER_MODULES = ("torch", "numpy", "pandas", "pyarrow", "rayhpc.tune.trainable", "rayhpc.engine.loop", "rayhpc.fsdp",
+                  "torch._dynamo")
+# where installed: what a task's Hugging Face model imports before its own model's module, 1.1 s of each worker
+WORKER_EXTRAS = ("transformers", "transformers.modeling_utils")
+# the settings those libraries read from the environment as they load: torch, its compiler and its C libraries
+# (OpenMP, MKL, OpenBLAS), sympy and mpmath (torch._dynamo's), Hugging Face's caches and switches
+LOAD_SETTINGS = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "SYMPY_", "MPMATH_", "HF_",
+                 "HUGGINGFACE_", "TRANSFORMERS_", "XDG_CACHE_HOME")
+# a worker's own by design: Ray's CPU share for its task, which torch follows in the child (_ThreadsFollowOMP)
+OWN_SETTINGS = frozenset({"OMP_NUM_THREADS"})
 
 
 def serve(workers: bool = False) -> None:
     """The starter's loop (`python -m rayhpc.up.starter [--workers]`): a child per request, its status back when
     it ends."""
-    import importlib
+    import importlib.util
 
-    for name in WORKER_MODULES if workers else MODULES:
+    settings = None
+    if workers:  # as the libraries read them (some set their own as they load: torch its compile cache's folder)
+        settings = {name: value for name, value in os.environ.items() if name.startswith(LOAD_SETTINGS)}
+    installed = [name for name in WORKER_EXTRAS if importlib.util.find_spec(name.split(".")[0])]
+    for name in [*WORKER_MODULES, *installed] if workers else MODULES:
         importlib.import_module(name)
     if workers and "ray" in sys.modules:
         raise SystemExit(f"rayhpc up: warm starter of workers off: {WORKER_MODULES} imported Ray")
@@ -61,7 +77,7 @@ def serve(workers: bool = False) -> None:
             if key.fileobj is not listener:
                 key.data(key.fileobj)
                 continue
-            child = _accept(listener, selector, ours)
+            child = _accept(listener, selector, ours, settings)
             if child is not None:  # in the forked child: nothing of the starter's stays open in it
                 for other in list(selector.get_map().values()):
                     with contextlib.suppress(OSError):
@@ -70,7 +86,16 @@ def serve(workers: bool = False) -> None:
                 (_worker if workers else _child)(*child)  # ends the process (the command's exit)
 
 
-def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str):
+def differing(env: dict[str, str], settings: dict[str, str] | None) -> list[str]:
+    """The libraries' settings (LOAD_SETTINGS) that `env` sets otherwise than the starter's environment did as
+    it loaded them (`settings`; None: the starter of commands, which compares none)."""
+    if settings is None:
+        return []
+    names = {name for name in (*env, *settings) if name.startswith(LOAD_SETTINGS)} - OWN_SETTINGS
+    return sorted(name for name in names if env.get(name) != settings.get(name))
+
+
+def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str, settings):
     """Serve one request: fork its child and watch it. In the child: (request, fds, connection)."""
     conn, _ = listener.accept()
     fds: list[int] = []
@@ -81,6 +106,10 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str
         if request is None or request.get("fingerprint") != ours or len(fds) != 3:
             send(conn, {"stale": True})
             raise OSError("not this code")
+        other = differing(request["env"], settings)
+        if other:  # its own process loads them as it has them
+            send(conn, {"settings": other})
+            raise OSError("other settings")
         pid = os.fork()
         if pid == 0:
             return request, fds, conn
@@ -175,6 +204,9 @@ def _worker(request: dict, fds: list[int], conn: socket.socket) -> None:
         signal.signal(signum, signal.SIG_DFL)
     _become(request, fds)
     tempfile.tempdir = None  # read from the worker's TMPDIR, as in a process of its own
+    import torch._dynamo.config as dynamo
+
+    dynamo.debug_dir_root = dynamo.default_debug_dir_root()  # from the folder it is in (TORCH_COMPILE_DEBUG)
     os.environ.__class__ = _ThreadsFollowOMP
     if "OMP_NUM_THREADS" in os.environ:
         os.environ["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]

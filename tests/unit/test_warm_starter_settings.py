@@ -1,0 +1,19 @@
+"""The warm starter of workers (`rayhpc up`) hands a Ray worker a fork of itself only where the worker's
+environment sets the settings that the starter's libraries read as they loaded as the starter's did. (The real
+cluster: tests/ray/test_user_cluster.py.)"""
+
+from __future__ import annotations
+
+from rayhpc.up.starter import differing
+
+
+def test_a_setting_set_otherwise_either_way_counts_and_a_workers_own_and_other_variables_do_not():
+    then = {"OMP_NUM_THREADS": "2", "PYTORCH_X": "1", "HF_HOME": "/h", "XDG_CACHE_HOME": "/c"}
+    same = {"OMP_NUM_THREADS": "1", "PYTORCH_X": "1", "HF_HOME": "/h", "XDG_CACHE_HOME": "/c", "TMPDIR": "/w",
+            "RAY_JOB_ID": "01000000", "PATH": "/bin"}
+    assert differing(same, then) == []
+    assert differing({**same, "TORCHINDUCTOR_FREEZING": "1"}, then) == ["TORCHINDUCTOR_FREEZING"]  # unset then
+    assert differing({k: v for k, v in same.items() if k != "PYTORCH_X"}, then) == ["PYTORCH_X"]  # unset now
+    assert differing({**same, "SYMPY_USE_CACHE": "no", "XDG_CACHE_HOME": "/d"}, then) == [
+        "SYMPY_USE_CACHE", "XDG_CACHE_HOME"]
+    assert differing({"anything": "1"}, None) == []  # the starter of commands compares none

@@ -204,9 +204,6 @@ def _worker(request: dict, fds: list[int], conn: socket.socket) -> None:
         signal.signal(signum, signal.SIG_DFL)
     _become(request, fds)
     tempfile.tempdir = None  # read from the worker's TMPDIR, as in a process of its own
-    import torch._dynamo.config as dynamo
-
-    dynamo.debug_dir_root = dynamo.default_debug_dir_root()  # from the folder it is in (TORCH_COMPILE_DEBUG)
     os.environ.__class__ = _ThreadsFollowOMP
     if "OMP_NUM_THREADS" in os.environ:
         os.environ["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]

@@ -215,7 +215,8 @@ def sweeps_shown() -> list[set[int]]:
 def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(user_cluster, tmp_path):
     address, grids = user_cluster["address"], {"a": [8, 16], "b": [32, 64]}
     before = snapshot(user_cluster)
-    jobs = {name: start("tune_mlp.py", sweep_args(tmp_path / name, grid), tmp_path / f"{name}.marks")
+    # long enough for their boards (updated every 2 s) to show both while both run, on a loaded machine too
+    jobs = {name: start("tune_mlp.py", sweep_args(tmp_path / name, grid, epochs=200), tmp_path / f"{name}.marks")
             for name, grid in grids.items()}
     # while both run, each has its own board (what `rayhpc status` shows) with its own trials
     deadline, seen = time.monotonic() + 120, set()

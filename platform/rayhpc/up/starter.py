@@ -27,7 +27,7 @@ from rayhpc.up.warm import fingerprint, peer_uid, receive, send
 MODULES = ("rayhpc.cli", "rayhpc.tune.sweep", "rayhpc.train.trainer", "rayhpc.parallel.trainer", "rayhpc.ps.driver",
            "rayhpc.collectives.bench", "rayhpc.scaling.study")
 # what a Ray worker of a sweep or a training run imports, Ray excepted (see above): about 1.5 s of its 2.5 s;
-# torch._dynamo: DistributedDataParallel(...) imports it (and sympy) each time it is made, 0.9 s of a rank's start
+# torch._dynamo: DistributedDataParallel(...) imports it (and sympy) as it is made, 0.9 s of each rank's start
 WORKER_MODULES = ("torch", "numpy", "pandas", "pyarrow", "rayhpc.tune.trainable", "rayhpc.engine.loop", "rayhpc.fsdp",
                   "torch._dynamo")
 # where installed: what a task's Hugging Face model imports before its own model's module, 1.1 s of each worker
@@ -52,7 +52,7 @@ def serve(workers: bool = False) -> None:
     for name in [*WORKER_MODULES, *installed] if workers else MODULES:
         importlib.import_module(name)
     if workers and "ray" in sys.modules:
-        raise SystemExit(f"rayhpc up: warm starter of workers off: {WORKER_MODULES} imported Ray")
+        raise SystemExit(f"rayhpc up: warm starter of workers off: {[*WORKER_MODULES, *installed]} imported Ray")
     if threading.active_count() != 1:
         raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
                          f"({threading.enumerate()}); fork is not safe")

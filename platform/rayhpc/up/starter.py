@@ -23,13 +23,15 @@ import threading
 from rayhpc.up import connection
 from rayhpc.up.warm import fingerprint, peer_uid, receive, send
 
-# what the job commands import (rayhpc.cli imports each command's modules only when it runs)
-MODULES = ("rayhpc.cli", "rayhpc.tune.sweep", "rayhpc.train.trainer", "rayhpc.parallel.trainer", "rayhpc.ps.driver",
-           "rayhpc.collectives.bench", "rayhpc.scaling.study")
 # what a Ray worker of a sweep or a training run imports, Ray excepted (see above): about 1.5 s of its 2.5 s;
 # torch._dynamo: DistributedDataParallel(...) imports it (and sympy) as it is made, 0.9 s of each rank's start
 WORKER_MODULES = ("torch", "numpy", "pandas", "pyarrow", "rayhpc.tune.trainable", "rayhpc.engine.loop", "rayhpc.fsdp",
                   "torch._dynamo")
+# what the job commands import (rayhpc.cli imports each command's modules only when it runs), short of Ray Tune
+# and Ray Train (0.5 s more in each command): loading them (Ray Data and AIR with them) seeds the generator of Ray
+# core's random IDs, and every child forked after it draws the same ones; two commands started at once then
+# collided in Ray's own start-up check (its object store's warm-up object). `serve` checks it stays unseeded.
+MODULES = ("rayhpc.cli", "ray", "rayhpc.collectives.bench", *WORKER_MODULES)
 # where installed: what a task's Hugging Face model imports before its own model's module, 1.1 s of each worker
 WORKER_EXTRAS = ("transformers", "transformers.modeling_utils")
 # the settings those libraries read from the environment as they load: torch, its compiler and its C libraries
@@ -56,6 +58,9 @@ def serve(workers: bool = False) -> None:
     if threading.active_count() != 1:
         raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
                          f"({threading.enumerate()}); fork is not safe")
+    if not workers and len({_forked_random_id() for _ in range(2)}) != 2:
+        raise SystemExit("rayhpc up: warm starter off: two children forked from it drew the same random Ray ID "
+                         f"(a module of {MODULES} seeded Ray core's generator); fork is not safe")
     ours = fingerprint()
     path = connection.workers_socket_path() if workers else connection.socket_path()
     with contextlib.suppress(FileNotFoundError):
@@ -84,6 +89,22 @@ def serve(workers: bool = False) -> None:
                         other.fileobj.close() if hasattr(other.fileobj, "close") else os.close(other.fileobj)
                 selector.close()
                 (_worker if workers else _child)(*child)  # ends the process (the command's exit)
+
+
+def _forked_random_id() -> str:
+    """A random Ray ID as a child forked from this process draws it (Ray's generator is per process, seeded on
+    its first use: forked after that, children share it)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        import ray
+
+        os.write(write, ray.ObjectRef.from_random().hex().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as drawn:
+        return drawn.read()
 
 
 def differing(env: dict[str, str], settings: dict[str, str] | None) -> list[str]:

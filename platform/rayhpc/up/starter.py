@@ -97,10 +97,12 @@ def _forked_random_id() -> str:
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        import ray
+        try:  # whatever happens, the child never goes on as a second starter
+            import ray
 
-        os.write(write, ray.ObjectRef.from_random().hex().encode())
-        os._exit(0)
+            os.write(write, ray.ObjectRef.from_random().hex().encode())
+        finally:
+            os._exit(0)
     os.close(write)
     os.waitpid(pid, 0)
     with os.fdopen(read) as drawn:

@@ -6,7 +6,9 @@ complete) and either `model.pt` (the model's and the optimizer's state: DDP's, a
 stacked members') or the files of `torch.distributed.checkpoint` (FSDP and the model-parallel job: one
 shard file per rank plus metadata; Ray Train merges the ranks' folders into one), and `rng.pt`: every
 rank's RNG states (CPU, and CUDA on a GPU), a list by rank, so that dropout after a resume draws the masks
-the uninterrupted run draws. A pack adds `pack.pt`, what its
+the uninterrupted run draws. A training run's adds `rows.json`, the metrics rows its report carried (a
+process killed after Ray Train registered the checkpoint but before the run's table had those rows loses
+none: `rayhpc.engine.metrics`). A pack adds `pack.pt`, what its
 members did (`rayhpc.tune.trainable`); the parameter server's servers each their own shard file, which
 `load_full_state_dict` reads as the whole model too.
 """
@@ -30,6 +32,14 @@ PROGRESS_FILE = "progress.json"
 DDP_FILE = "model.pt"
 RNG_FILE = "rng.pt"
 SERVER_FILE = "server_{index}.pt"  # the parameter server's: one flat shard (and its optimizer) per server
+ROWS_FILE = "rows.json"
+EARLIER_ROWS = "earlier_rows"  # a report's key: the step rows held back since the last report, in order
+
+
+def report_rows(metrics: dict) -> list[dict]:
+    """A report's metrics rows in order: the step rows held back since the last report, then its own."""
+    row = dict(metrics)
+    return [*row.pop(EARLIER_ROWS, []), row]
 
 
 @dataclasses.dataclass
@@ -57,6 +67,7 @@ def report(metrics: dict, *, strategy: str, model, optimizer, progress: Progress
         folder = Path(tmp)
         save_rng(folder, device, rank, world)
         if rank == 0:
+            (folder / ROWS_FILE).write_text(json.dumps(report_rows(metrics)))
             write_progress(folder, progress)
         if strategy == "fsdp":
             save_sharded([(model, optimizer)], folder)

@@ -4,11 +4,15 @@ Ray Train 2.60 keeps in `Result.metrics` only what was reported with a
 checkpoint, and nothing of earlier epochs, so the platform records every
 report itself. The recorder runs in Ray Train's controller process, which
 outlives worker-group restarts; a restarted group repeats the steps after its
-checkpoint, and their new rows replace the old ones.
+checkpoint, and their new rows replace the old ones. Ray Train registers a
+checkpoint before it calls the recorder, so a controller killed in between
+leaves a checkpoint whose rows the table lacks: a resumed run's recorder takes
+them from the checkpoint it resumed from (its `rows.json`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -17,11 +21,11 @@ import pandas as pd
 from ray.train import UserCallback
 
 from rayhpc import log as rayhpc_log
+from rayhpc.engine.checkpoint import ROWS_FILE, complete_checkpoints, load_progress, report_rows
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.parquet"
-EARLIER_ROWS = "earlier_rows"  # a report's key: the step rows held back since the last report, in order
 TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir <run_dir>/tensorboard`
 EVENT_SCALARS = ("loss", "best_val_loss", "samples_per_s", "step_ms", "lr")  # and every val_* value
 
@@ -40,16 +44,12 @@ class MetricsRecorder(UserCallback):
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         """Rank 0's report, and the step rows it carries (held back: `rayhpc.train.loop.Worker.report`)."""
-        row = dict(metrics[0])
-        rows = [*row.pop(EARLIER_ROWS, []), row]
+        rows = report_rows(metrics[0])
+        row = rows[-1]
         if self.rows is None:
             self.rows = pd.read_parquet(self.path).to_dict("records") if self.path.exists() else []
-        step, kind = rows[0]["global_step"], rows[0]["kind"]  # a restarted group's repeated steps replace the rows
-        self.rows = [r for r in self.rows                     # it wrote before
-                     if r["global_step"] < step or (r["global_step"] == step and r["kind"] != kind)]
-        for new in rows:
-            self.rows.append(new)
-            self._write_events(new)
+            self._add(self._resumed_rows(rows[0]["global_step"]))
+        self._add(rows)
         tmp = self.path.with_suffix(".tmp")
         pd.DataFrame(self.rows).to_parquet(tmp, index=False)
         tmp.replace(self.path)
@@ -61,6 +61,27 @@ class MetricsRecorder(UserCallback):
             log.log(self.log_level, f"epoch {row['epoch']}{of}: loss {row['loss']:.4g}{values}, "
                      f"{row['samples_per_s']:,.0f} samples/s, {row['step_ms']:.2f} ms/step "
                      f"({row['world_size']} workers, {row['global_batch_size']} samples a step)")
+
+    def _add(self, rows: list[dict]) -> None:
+        """`rows` in place of the table's from their first on (a restarted group's repeated steps replace the
+        rows it wrote before), each also as TensorBoard events."""
+        if not rows:
+            return
+        step, kind = rows[0]["global_step"], rows[0]["kind"]
+        self.rows = [r for r in self.rows if r["global_step"] < step or (r["global_step"] == step and r["kind"] != kind)]
+        for new in rows:
+            self.rows.append(new)
+            self._write_events(new)
+
+    def _resumed_rows(self, first_step: int) -> list[dict]:
+        """The rows of the checkpoint a run resumed from (the one furthest into training before the step of
+        its first report), where the table lacks them; [] where it has them or nothing was resumed."""
+        earlier = [p for p in complete_checkpoints(self.path.parent) if load_progress(p).global_step < first_step]
+        if not earlier or not (earlier[-1] / ROWS_FILE).exists():
+            return []
+        saved = json.loads((earlier[-1] / ROWS_FILE).read_text())
+        recorded = {(r["global_step"], r["kind"]) for r in self.rows}
+        return [] if all((r["global_step"], r["kind"]) in recorded for r in saved) else saved
 
     def _write_events(self, row: dict) -> None:
         """The report's scalars as TensorBoard events (tensorboardX ships with Ray Tune).

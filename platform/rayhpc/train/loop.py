@@ -21,7 +21,6 @@ import torch.distributed as dist
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
-from rayhpc.engine.metrics import EARLIER_ROWS
 from rayhpc.engine.parallelize import parallelize
 from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
@@ -110,7 +109,7 @@ class Worker(Runner):
         if hold:
             self.held.append(metrics)
         else:
-            metrics, self.held = ({**metrics, EARLIER_ROWS: self.held} if self.held else metrics), []
+            metrics, self.held = ({**metrics, checkpoint.EARLIER_ROWS: self.held} if self.held else metrics), []
             (self.sink or _ray_train_report)(self, metrics, with_checkpoint)
             self.sent = time.perf_counter()
         self.reported = time.perf_counter()

@@ -227,6 +227,10 @@ def _not_incomplete_list(record: logging.LogRecord) -> bool:
     return "Trials did not complete" not in record.getMessage()
 
 
+def _not_unreported(record: logging.LogRecord) -> bool:
+    return "Failed to fetch metrics" not in record.getMessage()
+
+
 def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, study=None):
     cfg, (metric, mode) = job.cfg, job.info.objective
     # Tune's newer output engine prints its own tables even at verbose=0; the legacy
@@ -251,6 +255,9 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
                                cfg.constraint_list, cfg.repeats)
     if cfg.resume and tune.Tuner.can_restore(str(cfg.experiment_dir)):
         relink_pruned_checkpoints(cfg.experiment_dir)
+        # Tune's restore reads every trial's results so far, and warns of each trial that was stopped before
+        # it reported (its folder has no result.json yet): such a trial simply starts again
+        logging.getLogger("ray.tune.analysis.experiment_analysis").addFilter(_not_unreported)
         # the callbacks, schedulers and searcher come back from the saved tuner state
         return tune.Tuner.restore(str(cfg.experiment_dir), trainable, resume_unfinished=True, resume_errored=True)
     if study is not None:  # each Tune trial a pack claimed from the study, no more than run at once

@@ -55,8 +55,10 @@ SWEEPS = {  # name: (ranks, the sweep's own keys)
 ARRAY = "array task"
 
 
-# CI: the jobs beside the Slurm tests (pyproject's markers), the sweeps in the other session, which balances the two
-@pytest.mark.parametrize("runner", [*(pytest.param(job, marks=pytest.mark.newest) for job in JOBS), *SWEEPS, ARRAY])
+# CI: the jobs and the sweeps beside the Slurm tests (pyproject's markers), the array task in the other session,
+# which balances the two
+@pytest.mark.parametrize("runner", [*(pytest.param(job, marks=pytest.mark.newest) for job in (*JOBS, *SWEEPS)),
+                                    ARRAY])
 def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_stopped(runner, ray_address,
                                                                                       tmp_path):
     world, args, exp = command(runner, tmp_path, ray_address)

@@ -35,6 +35,7 @@ DIGITS = f"{TASKS / 'digits.py'}:DigitsCNN"
 LISTING = f"{TASKS / 'seed_listing.py'}:SeedListing"
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 def test_the_seed_listing_task_equals_the_listing_under_torchrun(ray_address, tmp_path):
     """2 workers x batch 32, SGD lr 0.01, 1 epoch, seed 0: the same weights as `torchrun --nproc_per_node 2`
     of the handbook's mlp_ddp.py (DistributedSampler, model built under torch.manual_seed(0))."""
@@ -416,6 +417,7 @@ def test_python_m_rayhpc_is_the_rayhpc_command(tmp_path):
         assert flag in tune_help.stdout, tune_help.stdout
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 def test_the_byte_gpt_learns_standard_library_source(ray_address, tmp_path):
     """The GPT example on 2 DDP workers: the loss falls well below a uniform guess over 256 bytes
     (ln 256 = 5.55 nats, 8 bits per byte), and bits per byte is the loss in bits."""

@@ -157,8 +157,13 @@ def logs(folder: Path) -> str:
 
 def saved_steps(exp: Path) -> list[int]:
     """The global steps of the job's complete checkpoints, in every folder of it (a sweep's trials)."""
-    steps = []
-    for progress in exp.rglob("checkpoint_*/progress.json"):
+    steps, found = [], None
+    while found is None:
+        try:
+            found = list(exp.rglob("checkpoint_*/progress.json"))
+        except FileNotFoundError:  # a checkpoint folder pruned while the glob read it: read them again
+            continue
+    for progress in found:
         snapshot = progress.parent.parent / "checkpoint_manager_snapshot.json"
         if not snapshot.exists() or progress.parent.name in snapshot.read_text():
             try:

@@ -141,8 +141,8 @@ def probe():
     import importlib.util  # before this task's code imports them; transformers where installed
     hf = {"transformers.modeling_utils"} if importlib.util.find_spec("transformers") else set()
     imported = {"torch", "torch._dynamo", *hf} <= set(sys.modules)
-    import tempfile, torch, sympy.core.cache
-    return {"ppid": os.getppid(), "imported": imported, "threads": torch.get_num_threads(),
+    import tempfile, random, torch, sympy.core.cache, numpy
+    return {"numpy": numpy.random.random(), "random": random.random(), "ppid": os.getppid(), "imported": imported, "threads": torch.get_num_threads(),
             "omp": os.environ["OMP_NUM_THREADS"], "tmp": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"],
             "sum": float(torch.arange(4.0).sum()), "own_group": os.getpgid(0) == os.getpid(),
             "sympy_cache": sympy.core.cache.USE_CACHE}
@@ -188,7 +188,10 @@ def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_el
         assert one["ppid"] != starter and not one["imported"], (one, starter)
         same = ("threads", "omp", "sum", "own_group")
         assert {k: one[k] for k in same} == {k: warm_one[k] for k in same}, (one, warm_one)
-    assert probe_worker(tmp_path)["ppid"] == starter  # warm again
+    again = probe_worker(tmp_path)
+    assert again["ppid"] == starter  # warm again
+    # each fork draws numbers of its own from numpy's and Python's global generators, as processes of their own do
+    assert again["numpy"] != warm_one["numpy"] and again["random"] != warm_one["random"], (again, warm_one)
 
 
 def sweep_args(folder: Path, hidden: list[int], epochs: int = 40) -> list[str]:

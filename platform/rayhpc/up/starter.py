@@ -183,6 +183,10 @@ def _become(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     sys.path[:] = request["path"]
     sys.argv[:] = request["sys_argv"]
+    # a fork shares the starter's random state: Python's `random` reseeds itself in a forked child, numpy's
+    # global generator (seeded once, as torch loaded it) does not, and two jobs' unseeded draws would be the same
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
 
 
 def _child(request: dict, fds: list[int], conn: socket.socket) -> None:

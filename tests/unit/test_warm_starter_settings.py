@@ -16,4 +16,8 @@ def test_a_setting_set_otherwise_either_way_counts_and_a_workers_own_and_other_v
     assert differing({k: v for k, v in same.items() if k != "PYTORCH_X"}, then) == ["PYTORCH_X"]  # unset now
     assert differing({**same, "SYMPY_USE_CACHE": "no", "XDG_CACHE_HOME": "/d"}, then) == [
         "SYMPY_USE_CACHE", "XDG_CACHE_HOME"]
+    # what Ray's libraries read as the starter loads them: protobuf's implementation, fsspec's and msgpack's
+    assert differing({**same, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python", "FSSPEC_S3": "{}",
+                      "MSGPACK_PUREPYTHON": "1"}, then) == [
+        "FSSPEC_S3", "MSGPACK_PUREPYTHON", "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"]
     assert differing({"anything": "1"}, None) == []  # the starter of commands compares none

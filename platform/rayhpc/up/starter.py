@@ -25,8 +25,12 @@ from rayhpc.up.warm import fingerprint, peer_uid, receive, send
 
 # what a Ray worker of a sweep or a training run imports, Ray excepted (see above): about 1.5 s of its 2.5 s;
 # torch._dynamo: DistributedDataParallel(...) imports it (and sympy) as it is made, 0.9 s of each rank's start
+# and the libraries Ray (and its Tune and Train) requires and imports as it loads, short of its own modules and
+# grpc (whose C core is not safe to fork): in each of the 5-6 processes of a training run's start (its controller
+# and other actors)
 WORKER_MODULES = ("torch", "numpy", "pandas", "pyarrow", "rayhpc.tune.trainable", "rayhpc.engine.loop", "rayhpc.fsdp",
-                  "torch._dynamo")
+                  "torch._dynamo", "click", "fsspec", "google.protobuf.json_format", "jsonschema", "msgpack",
+                  "requests")
 # what the job commands import (rayhpc.cli imports each command's modules only when it runs), short of Ray Tune
 # and Ray Train (0.5 s more in each command): loading them (Ray Data and AIR with them) seeds the generator of Ray
 # core's random IDs, and every child forked after it draws the same ones; two commands started at once then
@@ -35,9 +39,10 @@ MODULES = ("rayhpc.cli", "ray", "rayhpc.collectives.bench", *WORKER_MODULES)
 # where installed: what a task's Hugging Face model imports before its own model's module, 1.1 s of each worker
 WORKER_EXTRAS = ("transformers", "transformers.modeling_utils")
 # the settings those libraries read from the environment as they load: torch, its compiler and its C libraries
-# (OpenMP, MKL, OpenBLAS), sympy and mpmath (torch._dynamo's), Hugging Face's caches and switches
+# (OpenMP, MKL, OpenBLAS), sympy and mpmath (torch._dynamo's), Hugging Face's caches and switches, and those of
+# Ray's libraries (protobuf's implementation, fsspec's configuration, msgpack's pure-Python switch)
 LOAD_SETTINGS = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "SYMPY_", "MPMATH_", "HF_",
-                 "HUGGINGFACE_", "TRANSFORMERS_", "XDG_CACHE_HOME")
+                 "HUGGINGFACE_", "TRANSFORMERS_", "XDG_CACHE_HOME", "PROTOCOL_BUFFERS_", "FSSPEC_", "MSGPACK_")
 # a worker's own by design: Ray's CPU share for its task, which torch follows in the child (_ThreadsFollowOMP)
 OWN_SETTINGS = frozenset({"OMP_NUM_THREADS"})
 

@@ -145,7 +145,7 @@ def probe():
     return {"numpy": numpy.random.random(), "random": random.random(), "ppid": os.getppid(), "imported": imported, "threads": torch.get_num_threads(),
             "omp": os.environ["OMP_NUM_THREADS"], "tmp": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"],
             "sum": float(torch.arange(4.0).sum()), "own_group": os.getpgid(0) == os.getpid(),
-            "sympy_cache": sympy.core.cache.USE_CACHE}
+            "sympy_cache": sympy.core.cache.USE_CACHE, "path": sys.path}
 
 print(json.dumps(ray.get(probe.remote())))
 """
@@ -163,9 +163,9 @@ def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_el
         user_cluster, tmp_path):
     """With the starter of workers up, a job's Ray worker is its child with torch imported, and behaves as one
     of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for `tempfile`, a process group of
-    its own (Ray ends a worker by its group). Without one (its
-    socket gone: Ray starts the workers as it would), or with a socket no starter answers (the worker's
-    process runs the worker itself), the job runs the same. A worker whose environment sets what the starter's
+    its own (Ray ends a worker by its group), and the same `sys.path`. Without one (its socket gone: Ray starts
+    the workers as it would), or with a socket no starter answers (the worker's process runs the worker itself),
+    the job runs the same. A worker whose environment sets what the starter's
     modules read as they loaded otherwise is a process of its own, which reads it."""
     starter, sock = user_cluster["workers_pid"], connection.workers_socket_path()
     warm_one = probe_worker(tmp_path)
@@ -186,7 +186,7 @@ def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_el
         moved.rename(sock)
     for one in (cold, unanswered):
         assert one["ppid"] != starter and not one["imported"], (one, starter)
-        same = ("threads", "omp", "sum", "own_group")
+        same = ("threads", "omp", "sum", "own_group", "path")  # the path: as `python default_worker.py` has it
         assert {k: one[k] for k in same} == {k: warm_one[k] for k in same}, (one, warm_one)
     again = probe_worker(tmp_path)
     assert again["ppid"] == starter  # warm again

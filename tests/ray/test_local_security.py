@@ -8,6 +8,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -379,3 +380,34 @@ def test_a_rayhpc_home_in_a_folder_another_user_controls_is_one_error_line(attac
            f"inside; chmod go-w {folder}")
     assert out.returncode == 2 and out.stderr == f"error: RAYHPC_HOME {home}: {folder} {why}\n", out.stderr
     assert list(folder.iterdir()) == []
+
+
+def test_another_user_on_the_node_finds_no_rendezvous_store_of_a_ray_train_run(ray_address, attacker, tmp_path):
+    """Ray Train's own rendezvous is a TCPStore on rank 0 at a port it finds free and hands to torch, for the
+    whole run: the other user could list, read and plant its keys. A `rayhpc train` run (DDP on 2 ranks, on the
+    suite's Ray) forms its world through a FileStore in a private folder instead: while it trains, no port of
+    any rank answers as a store, and the run ends normally once stopped (Ctrl-C)."""
+    from ray.util.state import list_actors
+
+    job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "train_mlp.py"), "--address", ray_address,
+                            "--num-workers", "2", "--cpus-per-worker", "0.5", "--epochs", "100000",
+                            "--storage-path", str(tmp_path)], cwd=ROOT, env=job_env(None), text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "mlp-train" / "metrics.parquet").exists():  # a row written: every rank trains
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.5)
+        ranks = [a.pid for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+                                           detail=True)]
+        ports = [address for pid in ranks for address in listening(pid)]
+        assert len(ranks) == 2 and ports, (ranks, ports)  # gloo's own sockets listen on each rank
+        attack = python_as_attacker(ATTACK_STORE, *ports, timeout=120,
+                                    imports="import datetime, json, threading, torch.distributed as dist")
+        answered = {a: r for a, r in json.loads(attack.stdout or "{}").items() if isinstance(r, dict)}
+        assert attack.returncode == 0 and len(json.loads(attack.stdout)) == len(ports) and answered == {}, \
+            (attack.stdout, attack.stderr[-2000:])
+    finally:
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=120)
+    assert job.returncode == 130 and "Traceback" not in err, (job.returncode, out, err)

@@ -56,8 +56,8 @@ class Worker(Runner):
     scheduler: object = None  # the task's own LR scheduler, if it has one
     first_step_time: float | None = None  # unix time
     # this worker group's start-up, unix times in every row: its process began (`worker_start_time`), the
-    # training function began (`train_fn_time`: Ray Train's worker set-up, imports and process group before
-    # it), data and model were ready (`worker_ready_time`), the first batch came (`first_batch_time`)
+    # rank began and ended joining the process group (`process_group_start_time`, `process_group_time`), the
+    # training function began (`train_fn_time`), data and model were ready (`worker_ready_time`), the first batch came (`first_batch_time`)
     startup: dict = dataclasses.field(default_factory=dict)
     first_batch: int = 0  # samples of the first step (the one whose FLOPs were counted)
     # where reports go: Ray Train's `report` (with a checkpoint) by default; a warm worker group's
@@ -188,6 +188,8 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train  # Ray Train: only where a training run is
     from ray.train.torch import get_device
 
+    from rayhpc.train.rendezvous import joined  # Ray Train's torch backend: only in a Ray Train worker
+
     _quiet_report_logs()
     cfg, task, hp = config["cfg"], config["task"], config["hp"]
     ctx = ray.train.get_context()
@@ -197,8 +199,9 @@ def train_loop_per_worker(config: dict) -> None:
                          lambda model, optimizer: checkpoint.restore(
                              ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
                              device=device, rank=ctx.get_world_rank()), config.get("init"))
-    worker.startup = {"worker_start_time": process_start(), "train_fn_time": entered,
-                      "worker_ready_time": time.time()}
+    began, ended = joined() or (entered, entered)  # the world as the rank joined it (`PrivateRendezvous`)
+    worker.startup = {"worker_start_time": process_start(), "process_group_start_time": began,
+                      "process_group_time": ended, "train_fn_time": entered, "worker_ready_time": time.time()}
     with _tracked(worker) as run:
         worker.tracker = run
         fit(worker.plan, worker, worker.progress.global_step)

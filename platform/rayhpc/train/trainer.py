@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 
 # fit() to first step: each phase ends at its column's time in the worker group's rows (`rayhpc.train.loop`)
 STARTUP_PHASES = {"Ray Train's controller and worker processes": "worker_start_time",
-                  "worker set-up (Ray Train, imports, process group)": "train_fn_time",
+                  "worker set-up (Ray Train, imports)": "process_group_start_time",
+                  "process group (gloo or NCCL)": "process_group_time",
+                  "training function start": "train_fn_time",
                   "data and model": "worker_ready_time", "first batch": "first_batch_time",
                   "first step": "first_step_time"}
 
@@ -48,9 +50,10 @@ class TrainResult:
 
     def startup_phases(self) -> dict[str, float]:
         """fit() to first step, phase by phase (seconds) from the worker group's marks in its first row of this
-        session: Ray Train's controller and its worker processes, a worker's set-up before the training function
-        (Ray Train's worker, imports, the CUDA context and the NCCL or gloo process group), the task's data and
-        model, the first batch, the first step. Empty for rows without the marks."""
+        session: Ray Train's controller and its worker processes, a worker's set-up (Ray Train's worker, imports),
+        its joining the NCCL or gloo process group, Ray Train's call of the training function, the task's data
+        and model (on a GPU, the CUDA context with them), the first batch, the first step. Empty for rows without
+        the marks."""
         rows = self.metrics[self.metrics["first_step_time"] >= self.fit_started]
         if rows.empty or not set(STARTUP_PHASES.values()) <= set(rows.columns):
             return {}
@@ -115,7 +118,9 @@ def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), log_le
     """The TorchTrainer for `cfg` on `task` with hyperparameters `hp` (and initial weights `init`): NCCL on
     GPUs, gloo on CPUs, checkpoints under the run folder."""
     import ray.train  # Ray Train: only where a training run is
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
+
+    from rayhpc.train.rendezvous import PrivateRendezvous
 
     quiet_train_defaults()
     gpu = cfg.compute.gpu
@@ -125,7 +130,7 @@ def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), log_le
         # storage_path absolute: the workers' working folder is Ray's, and rank 0's tracking writes there
         train_loop_config={"cfg": cfg.model_copy(update={"storage_path": cfg.storage_path.resolve()}), "task": task,
                            "hp": hp, "init": init},
-        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+        torch_config=PrivateRendezvous(backend="nccl" if gpu else "gloo"),  # no TCPStore another user reaches
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.compute.num_workers, use_gpu=gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -79,8 +78,11 @@ class RankWorker:
     def rendezvous_folder(self) -> str:
         """Rank 0 of a one-node group: a new folder for the group's FileStore (0700, a random name, in this
         process's private TMPDIR), removed at shutdown; the store's path in it."""
-        self.folder = tempfile.mkdtemp(prefix="rayhpc-rendezvous-")
-        return os.path.join(self.folder, "store")
+        from rayhpc.workers.store import new_store_path
+
+        path = new_store_path()
+        self.folder = os.path.dirname(path)
+        return path
 
     def init(self, rank: int, local_rank: int, world_size: int, master_addr: str, rendezvous: tuple,
              backend: str, timeout_s: float, visible_gpus: str | None, device_index: int | None) -> None:
@@ -89,7 +91,7 @@ class RankWorker:
         import torch.distributed as dist
 
         from rayhpc.devices import cuda_device
-        from rayhpc.workers.store import RayStore
+        from rayhpc.workers.store import open_store
 
         env = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size, "MASTER_ADDR": master_addr}
         os.environ.update({k: str(v) for k, v in env.items()})
@@ -103,10 +105,8 @@ class RankWorker:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        kind, where = rendezvous
         timeout = timedelta(seconds=timeout_s)
-        # kept here: the process group's C++ side does not keep a Python store alive
-        self.store = dist.FileStore(where, world_size) if kind == "file" else RayStore(where, timeout)
+        self.store = open_store(rendezvous, world_size, timeout)  # kept: see open_store
         dist.init_process_group(backend, store=self.store, rank=rank, world_size=world_size, timeout=timeout)
         self.ctx = WorkerContext(rank, world_size, local_rank, device)
 

@@ -12,6 +12,8 @@ including those of process groups made later, whose names are predictable. So:
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 from datetime import timedelta
 
 import ray
@@ -129,3 +131,16 @@ class RayStore(dist.Store):
     def clone(self) -> "RayStore":
         self.clones.append(RayStore(self.server, self.timeout))
         return self.clones[-1]
+
+
+def new_store_path() -> str:
+    """A one-node group's FileStore path, in a new folder (0700, a random name, in this process's private
+    TMPDIR) that only this user's processes on this node reach; its folder is removed once the world is gone."""
+    return os.path.join(tempfile.mkdtemp(prefix="rayhpc-rendezvous-"), "store")
+
+
+def open_store(rendezvous: tuple, world_size: int, timeout: timedelta) -> dist.Store:
+    """A rank's side of the rendezvous ("file", a `new_store_path`) or ("ray", a `StoreServer` actor). Its owner
+    keeps it: the process group's C++ side does not keep a Python store alive."""
+    kind, where = rendezvous
+    return dist.FileStore(where, world_size) if kind == "file" else RayStore(where, timeout)

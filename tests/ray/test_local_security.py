@@ -3,6 +3,7 @@ a Ray of its own in a private folder, and never joins the cluster someone else n
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
@@ -137,15 +138,26 @@ for path in sys.argv[1:]:
 
 
 def listening(pid: int) -> list[str]:
-    """The addresses process `pid` listens on (TCP; its sockets matched with /proc/net/tcp)."""
-    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
-              if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+    """The addresses process `pid` listens on (TCP over IPv4 and IPv6; its sockets matched with /proc/net/tcp and
+    tcp6), each as this machine reaches it: a socket on every address (IPv6's `::`, which takes IPv4 too) at
+    127.0.0.1."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
     found = []
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[3] == "0A" and fields[9] in inodes:
-            ip, port = fields[1].split(":")
-            found.append(f"{socket.inet_ntoa(bytes.fromhex(ip)[::-1])}:{int(port, 16)}")
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                ip, port = fields[1].split(":")
+                # the kernel writes the address as 32-bit words in host (little-endian) order
+                raw = b"".join(bytes.fromhex(ip[i:i + 8])[::-1] for i in range(0, len(ip), 8))
+                host = socket.inet_ntop(family, raw)
+                host = "127.0.0.1" if host == "::" else host.removeprefix("::ffff:")
+                found.append(f"{host}:{int(port, 16)}")
     return found
 
 

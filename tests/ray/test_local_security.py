@@ -410,8 +410,9 @@ def test_another_user_on_the_node_finds_no_rendezvous_store_of_a_ray_train_run(r
         while not (tmp_path / "mlp-train" / "metrics.parquet").exists():  # a row written: every rank trains
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()
             time.sleep(0.5)
-        ranks = [a.pid for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
-                                           detail=True)]
+        # the suite's Ray by its address: other Rays may run on the machine (CI's other session)
+        alive = [("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+        ranks = [a.pid for a in list_actors(address=ray_address, filters=alive, detail=True)]
         ports = [address for pid in ranks for address in listening(pid)]
         assert len(ranks) == 2 and ports, (ranks, ports)  # gloo's own sockets listen on each rank
         attack = python_as_attacker(ATTACK_STORE, *ports, timeout=120,

@@ -57,7 +57,8 @@ class Worker(Runner):
     first_step_time: float | None = None  # unix time
     # this worker group's start-up, unix times in every row: its process began (`worker_start_time`), the
     # rank began and ended joining the process group (`process_group_start_time`, `process_group_time`), the
-    # training function began (`train_fn_time`), data and model were ready (`worker_ready_time`), the first batch came (`first_batch_time`)
+    # training function began (`train_fn_time`), data and model were ready (`worker_ready_time`), the first
+    # batch came (`first_batch_time`)
     startup: dict = dataclasses.field(default_factory=dict)
     first_batch: int = 0  # samples of the first step (the one whose FLOPs were counted)
     # where reports go: Ray Train's `report` (with a checkpoint) by default; a warm worker group's

@@ -106,12 +106,13 @@ def test_fit_to_first_step_is_split_into_phases_of_this_sessions_worker_group():
 
     fit = 1000.0
     marks = {"worker_start_time": 998.0, "process_group_start_time": 1002.0, "process_group_time": 1003.0,
-             "train_fn_time": 1003.5, "worker_ready_time": 1004.0, "first_batch_time": 1004.25,
+             "train_fn_time": 1003.5, "device_time": 1003.625, "collective_time": 1003.75,
+             "worker_ready_time": 1004.0, "first_batch_time": 1004.25,
              "first_step_time": 1005.0}
     earlier = {column: t - 500 for column, t in marks.items()}  # a session before a resume
     result = TrainResult(None, pd.DataFrame([earlier, marks, {**marks, "first_step_time": 1009.0}]), None, 0.0,
                          fit, 0.0)
-    assert result.startup_phases() == dict(zip(STARTUP_PHASES, [0.0, 2.0, 1.0, 0.5, 0.5, 0.25, 0.75], strict=True))
+    assert result.startup_phases() == dict(zip(STARTUP_PHASES, [0.0, 2.0, 1.0, 0.5, 0.125, 0.125, 0.25, 0.25, 0.75], strict=True))
     assert sum(result.startup_phases().values()) == result.fit_to_first_step == 5.0
     without = TrainResult(None, pd.DataFrame([{"first_step_time": 1005.0}]), None, 0.0, fit, 0.0)
     assert without.startup_phases() == {}  # a warm group's rows: no marks

@@ -57,8 +57,9 @@ class Worker(Runner):
     first_step_time: float | None = None  # unix time
     # this worker group's start-up, unix times in every row: its process began (`worker_start_time`), the
     # rank began and ended joining the process group (`process_group_start_time`, `process_group_time`), the
-    # training function began (`train_fn_time`), data and model were ready (`worker_ready_time`), the first
-    # batch came (`first_batch_time`)
+    # training function began (`train_fn_time`), its device was ready (`device_time`: on a GPU, its CUDA context),
+    # the world ran its first collective (`collective_time`: NCCL's communicator), data and model were ready
+    # (`worker_ready_time`), the first batch came (`first_batch_time`)
     startup: dict = dataclasses.field(default_factory=dict)
     first_batch: int = 0  # samples of the first step (the one whose FLOPs were counted)
     # where reports go: Ray Train's `report` (with a checkpoint) by default; a warm worker group's
@@ -196,16 +197,33 @@ def train_loop_per_worker(config: dict) -> None:
     ctx = ray.train.get_context()
     # Ray Train's get_device() is the CPU where torch cannot use the GPU Ray gave: refuse that instead
     device = cuda_device(f"rank {ctx.get_world_rank()}") if ray.get_gpu_ids() else get_device()
+    device_ready, first_collective = _open_device_and_world(device)
     worker = make_worker(cfg, task, hp, device, ctx.get_world_rank(), ctx.get_world_size(),
                          lambda model, optimizer: checkpoint.restore(
                              ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
                              device=device, rank=ctx.get_world_rank()), config.get("init"))
     began, ended = joined() or (entered, entered)  # the world as the rank joined it (`PrivateRendezvous`)
     worker.startup = {"worker_start_time": process_start(), "process_group_start_time": began,
-                      "process_group_time": ended, "train_fn_time": entered, "worker_ready_time": time.time()}
+                      "process_group_time": ended, "train_fn_time": entered, "device_time": device_ready,
+                      "collective_time": first_collective, "worker_ready_time": time.time()}
     with _tracked(worker) as run:
         worker.tracker = run
         fit(worker.plan, worker, worker.progress.global_step)
+
+
+def _open_device_and_world(device: torch.device) -> tuple[float, float]:
+    """Unix times when the rank's device was ready and when the world had run its first collective: each cost
+    of a GPU's start-up timed on its own rather than inside the model's first tensors and DDP's first broadcast.
+    On a GPU the CUDA context is made here (torch makes it at the first tensor there); NCCL makes its communicator
+    at the first collective, not at `init_process_group`, and that collective also waits for the slowest rank."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize(device)
+    ready = time.time()
+    if dist.is_initialized():
+        dist.all_reduce(torch.zeros(1, device=device))
+    return ready, time.time()
 
 
 def _tracked(w: Worker):

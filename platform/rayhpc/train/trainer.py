@@ -27,6 +27,8 @@ STARTUP_PHASES = {"Ray Train's controller and worker processes": "worker_start_t
                   "worker set-up (Ray Train, imports)": "process_group_start_time",
                   "process group (gloo or NCCL)": "process_group_time",
                   "training function start": "train_fn_time",
+                  "device (CUDA context)": "device_time",
+                  "first collective (NCCL communicator, slowest rank)": "collective_time",
                   "data and model": "worker_ready_time", "first batch": "first_batch_time",
                   "first step": "first_step_time"}
 
@@ -51,9 +53,9 @@ class TrainResult:
     def startup_phases(self) -> dict[str, float]:
         """fit() to first step, phase by phase (seconds) from the worker group's marks in its first row of this
         session: Ray Train's controller and its worker processes, a worker's set-up (Ray Train's worker, imports),
-        its joining the NCCL or gloo process group, Ray Train's call of the training function, the task's data
-        and model (on a GPU, the CUDA context with them), the first batch, the first step. Empty for rows without
-        the marks."""
+        its joining the NCCL or gloo process group, Ray Train's call of the training function, its device (on a
+        GPU, the CUDA context), the world's first collective (NCCL's communicator; it waits for the slowest rank),
+        the task's data and model, the first batch, the first step. Empty for rows without the marks."""
         rows = self.metrics[self.metrics["first_step_time"] >= self.fit_started]
         if rows.empty or not set(STARTUP_PHASES.values()) <= set(rows.columns):
             return {}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import time
 from datetime import timedelta
 
@@ -28,7 +27,9 @@ from ray.train.torch import TorchConfig
 # backend through `backend_cls` (Ray Train's `BackendConfig`, a developer API)
 from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
 
-_joined: dict = {}  # in a rank's process: its store (kept alive), its folder (rank 0, one node), when it joined
+from rayhpc.workers.store import close_store, new_rendezvous, new_store_path, open_store
+
+_joined: dict = {}  # in a rank's process: when it began and ended joining its world
 
 
 @dataclasses.dataclass
@@ -46,20 +47,15 @@ class _PrivateRendezvousBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config: PrivateRendezvous) -> None:
         worker_group.execute(_set_torch_distributed_env_vars)
         nodes = worker_group.execute(_node_id)
-        if len(set(nodes)) == 1:
-            rendezvous = ("file", worker_group.execute_single(0, _new_store_path))
-        else:  # no folder every node sees: the keys live in an actor of the job's own Ray
-            from rayhpc.workers.store import StoreServer
-
-            self.server = ray.remote(StoreServer).options(num_cpus=0).remote()
-            rendezvous = ("ray", self.server)
+        rendezvous, self.server = new_rendezvous(len(set(nodes)) == 1,
+                                                 lambda: worker_group.execute_single(0, new_store_path))
         ray.get([worker_group.execute_single_async(rank, _join, backend_config.backend, rank, len(nodes), rendezvous,
                                                    backend_config.timeout_s) for rank in range(len(nodes))])
 
     def on_shutdown(self, worker_group, backend_config: PrivateRendezvous) -> None:
         super().on_shutdown(worker_group, backend_config)
         with contextlib.suppress(Exception):  # ranks that died take their part with them
-            ray.get(worker_group.execute_async(_leave), timeout=30)
+            ray.get(worker_group.execute_async(close_store), timeout=30)
         if self.server is not None:
             ray.kill(self.server)
             self.server = None
@@ -69,34 +65,16 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _new_store_path() -> str:
-    from rayhpc.workers.store import new_store_path
-
-    path = new_store_path()
-    _joined["folder"] = os.path.dirname(path)
-    return path
-
-
 def _join(backend: str, rank: int, world_size: int, rendezvous: tuple, timeout_s: float) -> None:
     """In a rank: join the world through `rendezvous`, noting when it began and ended (`joined`)."""
     import torch.distributed as dist
-
-    from rayhpc.workers.store import open_store
 
     began = time.time()
     if backend == "nccl" and not {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT"} & set(os.environ):
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"  # as Ray Train's own set-up: a timed-out collective fails
     timeout = timedelta(seconds=timeout_s)
-    _joined["store"] = open_store(rendezvous, world_size, timeout)
-    dist.init_process_group(backend, store=_joined["store"], rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=open_store(rendezvous, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout)
     _joined["times"] = (began, time.time())
-
-
-def _leave() -> None:
-    """In a rank, after the process group is gone: its store, and rank 0's folder of a one-node world."""
-    _joined.pop("store", None)
-    if "folder" in _joined:
-        shutil.rmtree(_joined.pop("folder"), ignore_errors=True)
 
 
 def joined() -> tuple[float, float] | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 import traceback
 from datetime import timedelta
@@ -68,21 +67,17 @@ class RankWorker:
         import torch  # torch: about 1.5 s to import, only where something trains
 
         torch.set_num_threads(threads)
-        self.store = self.folder = None
         self.ctx: WorkerContext | None = None
 
     def info(self) -> dict:
         return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
-    def rendezvous_folder(self) -> str:
-        """Rank 0 of a one-node group: a new folder for the group's FileStore (0700, a random name, in this
-        process's private TMPDIR), removed at shutdown; the store's path in it."""
+    def new_store_path(self) -> str:
+        """Rank 0 of a one-node group: its FileStore's path (`rayhpc.workers.store.new_store_path`)."""
         from rayhpc.workers.store import new_store_path
 
-        path = new_store_path()
-        self.folder = os.path.dirname(path)
-        return path
+        return new_store_path()
 
     def init(self, rank: int, local_rank: int, world_size: int, master_addr: str, rendezvous: tuple,
              backend: str, timeout_s: float, visible_gpus: str | None, device_index: int | None) -> None:
@@ -106,8 +101,8 @@ class RankWorker:
         else:
             device = torch.device("cpu")
         timeout = timedelta(seconds=timeout_s)
-        self.store = open_store(rendezvous, world_size, timeout)  # kept: see open_store
-        dist.init_process_group(backend, store=self.store, rank=rank, world_size=world_size, timeout=timeout)
+        store = open_store(rendezvous, world_size, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         self.ctx = WorkerContext(rank, world_size, local_rank, device)
 
     def execute(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
@@ -120,10 +115,11 @@ class RankWorker:
     def shutdown(self) -> None:
         import torch.distributed as dist  # torch: about 1.5 s to import, only where something trains
 
+        from rayhpc.workers.store import close_store
+
         if dist.is_initialized():
             dist.destroy_process_group()
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        close_store()
 
 
 class WorkerGroup:
@@ -192,14 +188,10 @@ class WorkerGroup:
         nodes = [info["node_id"] for info in self.infos]
         single_node = self.one_node()
         master_addr = "127.0.0.1" if single_node else self.infos[0]["node_ip"]
-        if single_node:
-            self.rendezvous = ("file", self._wait([self.actors[0].rendezvous_folder.remote()], "rendezvous_folder",
-                                                  [0])[0])
-        else:  # no folder every node sees: the keys live in an actor of the job's own Ray
-            from rayhpc.workers.store import StoreServer  # torch: only where a group spans nodes
+        from rayhpc.workers.store import new_rendezvous  # torch: only where a group forms
 
-            self.store_server = ray.remote(StoreServer).options(num_cpus=0).remote()
-            self.rendezvous = ("ray", self.store_server)
+        self.rendezvous, self.store_server = new_rendezvous(
+            single_node, lambda: self._wait([self.actors[0].new_store_path.remote()], "new_store_path", [0])[0])
         calls = []
         for rank, (actor, info) in enumerate(zip(self.actors, self.infos)):
             local_rank = nodes[:rank].count(info["node_id"])

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 from datetime import timedelta
+from typing import Callable
 
 import ray
 import torch.distributed as dist
@@ -133,14 +135,38 @@ class RayStore(dist.Store):
         return self.clones[-1]
 
 
+# in a rank's process: its store (the process group's C++ side does not keep a Python store alive) and, in rank
+# 0 of a one-node world, the store's folder; both go when the rank leaves (`close_store`)
+_own: dict = {}
+
+
+def new_rendezvous(one_node: bool, store_path: Callable[[], str]) -> tuple[tuple, object | None]:
+    """Where a world's ranks meet: ("file", the path `store_path` returns: `new_store_path` called in rank 0)
+    where every rank is on one node; else ("ray", a new `StoreServer` actor of the job's Ray), no folder every
+    node sees. Second, that actor (None for a file), which its owner kills once the world is gone."""
+    if one_node:
+        return ("file", store_path()), None
+    server = ray.remote(StoreServer).options(num_cpus=0).remote()
+    return ("ray", server), server
+
+
 def new_store_path() -> str:
-    """A one-node group's FileStore path, in a new folder (0700, a random name, in this process's private
-    TMPDIR) that only this user's processes on this node reach; its folder is removed once the world is gone."""
-    return os.path.join(tempfile.mkdtemp(prefix="rayhpc-rendezvous-"), "store")
+    """In rank 0: a one-node world's FileStore path, in a new folder (0700, a random name, in this process's
+    private TMPDIR) that only this user's processes on this node reach; `close_store` removes it."""
+    _own["folder"] = tempfile.mkdtemp(prefix="rayhpc-rendezvous-")
+    return os.path.join(_own["folder"], "store")
 
 
 def open_store(rendezvous: tuple, world_size: int, timeout: timedelta) -> dist.Store:
-    """A rank's side of the rendezvous ("file", a `new_store_path`) or ("ray", a `StoreServer` actor). Its owner
-    keeps it: the process group's C++ side does not keep a Python store alive."""
+    """A rank's side of the rendezvous ("file", a `new_store_path`) or ("ray", a `StoreServer` actor), kept
+    until `close_store`."""
     kind, where = rendezvous
-    return dist.FileStore(where, world_size) if kind == "file" else RayStore(where, timeout)
+    _own["store"] = dist.FileStore(where, world_size) if kind == "file" else RayStore(where, timeout)
+    return _own["store"]
+
+
+def close_store() -> None:
+    """In a rank, once its process group is gone: its store, and rank 0's folder of a one-node world."""
+    _own.pop("store", None)
+    if "folder" in _own:
+        shutil.rmtree(_own.pop("folder"), ignore_errors=True)

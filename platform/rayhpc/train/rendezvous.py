@@ -73,7 +73,8 @@ def _join(backend: str, rank: int, world_size: int, rendezvous: tuple, timeout_s
     if backend == "nccl" and not {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT"} & set(os.environ):
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"  # as Ray Train's own set-up: a timed-out collective fails
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, store=open_store(rendezvous, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout)
+    store = open_store(rendezvous, world_size, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _joined["times"] = (began, time.time())
 
 

@@ -194,23 +194,26 @@ def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_el
     assert again["numpy"] != warm_one["numpy"] and again["random"] != warm_one["random"], (again, warm_one)
 
 
-def sweep_args(folder: Path, hidden: list[int], epochs: int = 40) -> list[str]:
-    """The same sweep name for both jobs, in their own folders: only their grids tell them apart."""
+def sweep_args(folder: Path, widths: list[int]) -> list[str]:
+    """The same sweep name for both jobs, in their own folders: only their grids tell them apart. Long enough
+    for their boards (updated every 2 s) to show both while both run, on a loaded machine too: 30 epochs of 8
+    steps that each sleep 60 ms (tests/tasks/dropout.py), about 15 s, which leave the cores to the rest."""
     folder.mkdir()
-    (folder / "sweep.yaml").write_text(f"name: same\nstorage_path: {folder}\nsearch: grid\nepochs: {epochs}\n"
-                                       f"space: {{hidden: {{grid: {hidden}}}, lr: {{grid: [0.01]}}}}\n")
+    (folder / "sweep.yaml").write_text(f"name: same\nstorage_path: {folder}\nsearch: grid\nepochs: 30\n"
+                                       f"task: {ROOT / 'tests' / 'tasks' / 'dropout.py'}:Dropout\n"
+                                       f"space: {{width: {{grid: {widths}}}, lr: {{grid: [0.01]}}, step_ms: 60.0}}\n")
     return ["--config", str(folder / "sweep.yaml")]
 
 
 def sweeps_shown() -> list[set[int]]:
-    """The trials' `hidden` of each sweep `rayhpc status` shows (its board on the cluster)."""
+    """The trials' `width` of each sweep `rayhpc status` shows (its board on the cluster)."""
     text = rayhpc("status").stdout
     shown = []
     for block in text.split("\nsweep ")[1:]:
         lines = block.splitlines()
         if len(lines) < 3:  # "sweep NAME: no trials yet"
             continue
-        column = lines[1].split().index("hidden")
+        column = lines[1].split().index("width")
         shown.append({int(line.split()[column]) for line in lines[2:] if line.strip()})
     return shown
 
@@ -218,8 +221,7 @@ def sweeps_shown() -> list[set[int]]:
 def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(user_cluster, tmp_path):
     address, grids = user_cluster["address"], {"a": [8, 16], "b": [32, 64]}
     before = snapshot(user_cluster)
-    # long enough for their boards (updated every 2 s) to show both while both run, on a loaded machine too
-    jobs = {name: start("tune_mlp.py", sweep_args(tmp_path / name, grid, epochs=200), tmp_path / f"{name}.marks")
+    jobs = {name: start("tune_mlp.py", sweep_args(tmp_path / name, grid), tmp_path / f"{name}.marks")
             for name, grid in grids.items()}
     # while both run, each has its own board (what `rayhpc status` shows) with its own trials
     deadline, seen = time.monotonic() + 120, set()
@@ -235,7 +237,7 @@ def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(use
     assert sorted(map(sorted, seen)) == [grids["a"], grids["b"]], seen
     for name, grid in grids.items():
         table = read_results(tmp_path / name / "same")
-        assert sorted(table["config.hidden"]) == grid and set(table["status"]) == {"finished"}
+        assert sorted(table["config.width"]) == grid and set(table["status"]) == {"finished"}
     assert_as_found(user_cluster, before)
     assert not list(connection.jobs_dir().iterdir()), "a job that ended is still registered"
 

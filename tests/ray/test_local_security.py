@@ -179,8 +179,8 @@ def test_another_user_on_the_node_can_neither_list_read_nor_plant_the_worker_gro
     """A TCPStore answers anyone who finds its port (/proc/net/tcp): `list_keys` gave the other user every key of a
     running TP job, gloo's rank addresses among them, and the names of the mesh subgroups' keys, which they
     planted before the ranks wrote them. A one-node group's store is a file in a private folder of rank 0's:
-    no port of any rank answers as a store, the folder cannot be listed, read or written, and the process
-    groups made afterwards (a TP mesh's) work."""
+    no port of any rank answers as a store, the folder cannot be listed, read or written, the process
+    groups made afterwards (a TP mesh's) work, and the folder goes with the group."""
     from rayhpc.workers.group import WorkerGroup
 
     with WorkerGroup(2, cpus_per_worker=0.5, timeout_s=60) as group:
@@ -196,6 +196,7 @@ def test_another_user_on_the_node_can_neither_list_read_nor_plant_the_worker_gro
         refused = python_as_attacker(ATTACK_FOLDER, folder, timeout=60)
         assert refused.stdout.split() == ["PermissionError"] * 3, refused.stdout + refused.stderr
         assert group.run(new_group_sum, timeout_s=30) == [3.0, 3.0]
+    assert not os.path.exists(folder), "the rendezvous folder outlived the group"
 
 
 def test_a_group_across_nodes_rendezvous_through_an_actor_of_its_own_ray(ray_cluster, monkeypatch):

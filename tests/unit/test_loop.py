@@ -112,7 +112,8 @@ def test_fit_to_first_step_is_split_into_phases_of_this_sessions_worker_group():
     earlier = {column: t - 500 for column, t in marks.items()}  # a session before a resume
     result = TrainResult(None, pd.DataFrame([earlier, marks, {**marks, "first_step_time": 1009.0}]), None, 0.0,
                          fit, 0.0)
-    assert result.startup_phases() == dict(zip(STARTUP_PHASES, [0.0, 2.0, 1.0, 0.5, 0.125, 0.125, 0.25, 0.25, 0.75], strict=True))
+    assert result.startup_phases() == dict(zip(STARTUP_PHASES, [0.0, 2.0, 1.0, 0.5, 0.125, 0.125, 0.25, 0.25, 0.75],
+                                                strict=True))
     assert sum(result.startup_phases().values()) == result.fit_to_first_step == 5.0
     without = TrainResult(None, pd.DataFrame([{"first_step_time": 1005.0}]), None, 0.0, fit, 0.0)
     assert without.startup_phases() == {}  # a warm group's rows: no marks

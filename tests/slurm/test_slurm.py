@@ -168,9 +168,11 @@ PREEMPT = {
 
 def test_requeue_mid_sweep_resumes_without_rerunning_finished_trials(slurm):
     """Preempted twice, once by each way (`scontrol requeue`, then the USR1 warning), each time after two
-    more trials finished: every restart runs only the trials that had not finished."""
+    more trials finished: every restart runs only the trials that had not finished. Eight trials, two at a time:
+    after the second preemption four are left, so the sweep is still running when the warning comes (with six, on
+    a loaded machine, the last two had ended before it once, and the job with them)."""
     storage = f"/tmp/rayhpc-slurm-results-{uuid.uuid4().hex[:8]}"
-    job = submit("python", "-u", "jobs/tune_mlp.py", "--num-samples", "6", "--pack", "1", "--epochs", "60",
+    job = submit("python", "-u", "jobs/tune_mlp.py", "--num-samples", "8", "--pack", "1", "--epochs", "60",
                  "--storage-path", storage)
     exp_dir = Path(storage) / "mlp-sweep"
     befores = []
@@ -189,7 +191,7 @@ def test_requeue_mid_sweep_resumes_without_rerunning_finished_trials(slurm):
     assert log.rstrip().endswith("rayhpc: command exited with code 0")
     assert not (LOGS / job / "cluster.json").exists(), "the connection file outlived the job"
     final = pd.read_parquet(exp_dir / "results.parquet")
-    assert len(final) == 6 and final["trial_id"].is_unique and set(final["status"]) == {"finished"}, final
+    assert len(final) == 8 and final["trial_id"].is_unique and set(final["status"]) == {"finished"}, final
     for before in befores:  # a finished trial that ran again would have new timings
         again = final.set_index("trial_id").loc[before.index]
         assert again["train_seconds"].tolist() == before["train_seconds"].tolist()

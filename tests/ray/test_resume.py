@@ -169,12 +169,25 @@ def saved_steps(exp: Path) -> list[int]:
             continue
     for progress in found:
         snapshot = progress.parent.parent / "checkpoint_manager_snapshot.json"
-        if not snapshot.exists() or progress.parent.name in snapshot.read_text():
+        if not snapshot.exists() or progress.parent.name in whole_json(snapshot):
             try:
                 steps.append(load_progress(progress.parent).global_step)
             except (ValueError, OSError):  # being copied into the trial's folder (Tune persists a checkpoint
                 continue  # so), or pruned since the glob (a job keeps its newest few)
     return steps or [0]
+
+
+def whole_json(path: Path) -> str:
+    """The text of a JSON file that Ray Train rewrites in place: its controller, which outlives a killed
+    driver for a moment, may have emptied it to write it again; read it until it parses."""
+    for _ in range(200):
+        text = path.read_text()
+        try:
+            json.loads(text)
+            return text
+        except ValueError:
+            time.sleep(0.05)
+    raise AssertionError(f"{path} is not JSON after 10 s: {text!r}")
 
 
 def trained(runner: str, exp: Path, epochs: int) -> tuple[dict, list, list | None, dict | None]:

@@ -1,10 +1,11 @@
 """The warm starter of workers (`rayhpc up`) hands a Ray worker a fork of itself only where the worker's
-environment sets the settings that the starter's libraries read as they loaded as the starter's did. (The real
-cluster: tests/ray/test_user_cluster.py.)"""
+environment sets the settings that the starter's libraries read as they loaded as the starter's did; the
+starter of commands, a command only where it sets those of Ray Data, Ray Tune and AIR so. (The real cluster:
+tests/ray/test_user_cluster.py.)"""
 
 from __future__ import annotations
 
-from rayhpc.up.starter import differing
+from rayhpc.up.starter import COMMAND_SETTINGS, differing
 
 
 def test_a_setting_set_otherwise_either_way_counts_and_a_workers_own_and_other_variables_do_not():
@@ -20,4 +21,8 @@ def test_a_setting_set_otherwise_either_way_counts_and_a_workers_own_and_other_v
     assert differing({**same, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python", "FSSPEC_S3": "{}",
                       "MSGPACK_PUREPYTHON": "1"}, then) == [
         "FSSPEC_S3", "MSGPACK_PUREPYTHON", "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"]
-    assert differing({"anything": "1"}, None) == []  # the starter of commands compares none
+    # the starter of commands: what Ray Data, Ray Tune and AIR read as they load, not torch's
+    commands = {"RAY_DATA_X": "1"}
+    assert differing({**same, **commands}, commands, COMMAND_SETTINGS) == []
+    assert differing({**same, "TUNE_X": "1"}, commands, COMMAND_SETTINGS) == ["RAY_DATA_X", "TUNE_X"]
+    assert differing({"RAY_AIR_X": "0", "TORCH_X": "1"}, {"RAY_AIR_X": "1"}, COMMAND_SETTINGS) == ["RAY_AIR_X"]

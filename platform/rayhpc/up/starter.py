@@ -31,11 +31,13 @@ from rayhpc.up.warm import fingerprint, peer_uid, receive, send
 WORKER_MODULES = ("torch", "numpy", "pandas", "pyarrow", "rayhpc.tune.trainable", "rayhpc.engine.loop", "rayhpc.fsdp",
                   "torch._dynamo", "click", "fsspec", "google.protobuf.json_format", "jsonschema", "msgpack",
                   "requests")
-# what the job commands import (rayhpc.cli imports each command's modules only when it runs), short of Ray Tune
-# and Ray Train (0.5 s more in each command): loading them (Ray Data and AIR with them) seeds the generator of Ray
-# core's random IDs, and every child forked after it draws the same ones; two commands started at once then
-# collided in Ray's own start-up check (its object store's warm-up object). `serve` checks it stays unseeded.
+# what the job commands import (rayhpc.cli imports each command's modules only when it runs)
 MODULES = ("rayhpc.cli", "ray", "rayhpc.collectives.bench", *WORKER_MODULES)
+# and Ray Tune and Ray Train (Ray Data and AIR with them), 0.5-0.6 s more of each command, loaded without
+# seeding Ray core's generator of random IDs (`_class_ids_from_the_kernel`): seeded, every child forked after it
+# draws the same IDs, and two commands started at once collided in Ray's own start-up check (its object store's
+# warm-up object). `serve` checks that it stays unseeded.
+RAY_LIBRARIES = ("ray.tune", "ray.train", "ray.train.torch")
 # where installed: what a task's Hugging Face model imports before its own model's module, 1.1 s of each worker
 WORKER_EXTRAS = ("transformers", "transformers.modeling_utils")
 # the settings those libraries read from the environment as they load: torch, its compiler and its C libraries
@@ -43,6 +45,9 @@ WORKER_EXTRAS = ("transformers", "transformers.modeling_utils")
 # Ray's libraries (protobuf's implementation, fsspec's configuration, msgpack's pure-Python switch)
 LOAD_SETTINGS = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "SYMPY_", "MPMATH_", "HF_",
                  "HUGGINGFACE_", "TRANSFORMERS_", "XDG_CACHE_HOME", "PROTOCOL_BUFFERS_", "FSSPEC_", "MSGPACK_")
+# what Ray Data, Ray Tune and AIR read from the environment as they load (Ray Data's defaults, mostly): a
+# command that sets them otherwise runs in a process of its own
+COMMAND_SETTINGS = ("RAY_DATA_", "TUNE_", "RAY_AIR_")
 # a worker's own by design: Ray's CPU share for its task, which torch follows in the child (_ThreadsFollowOMP)
 OWN_SETTINGS = frozenset({"OMP_NUM_THREADS"})
 
@@ -52,12 +57,16 @@ def serve(workers: bool = False) -> None:
     it ends."""
     import importlib.util
 
-    settings = None
-    if workers:  # as the libraries read them (some set their own as they load: torch its compile cache's folder)
-        settings = {name: value for name, value in os.environ.items() if name.startswith(LOAD_SETTINGS)}
+    # as the libraries read them (some set their own as they load: torch its compile cache's folder)
+    prefixes = LOAD_SETTINGS if workers else COMMAND_SETTINGS
+    settings = {name: value for name, value in os.environ.items() if name.startswith(prefixes)}
     installed = [name for name in WORKER_EXTRAS if importlib.util.find_spec(name.split(".")[0])]
     for name in [*WORKER_MODULES, *installed] if workers else MODULES:
         importlib.import_module(name)
+    if not workers:
+        with _class_ids_from_the_kernel():
+            for name in RAY_LIBRARIES:
+                importlib.import_module(name)
     if workers and "ray" in sys.modules:
         raise SystemExit(f"rayhpc up: warm starter of workers off: {[*WORKER_MODULES, *installed]} imported Ray")
     if threading.active_count() != 1:
@@ -87,13 +96,36 @@ def serve(workers: bool = False) -> None:
             if key.fileobj is not listener:
                 key.data(key.fileobj)
                 continue
-            child = _accept(listener, selector, ours, settings)
+            child = _accept(listener, selector, ours, settings, prefixes)
             if child is not None:  # in the forked child: nothing of the starter's stays open in it
                 for other in list(selector.get_map().values()):
                     with contextlib.suppress(OSError):
                         other.fileobj.close() if hasattr(other.fileobj, "close") else os.close(other.fileobj)
                 selector.close()
                 (_worker if workers else _child)(*child)  # ends the process (the command's exit)
+
+
+@contextlib.contextmanager
+def _class_ids_from_the_kernel():
+    """While Ray Tune and Ray Train load: each class they make a Ray actor class as they load (`@ray.remote` at
+    module level: Ray Data's memory tracer is the first) draws its ID from Ray core's generator of random IDs,
+    which seeds it, once per process. Ray stores that ID and never reads it (`ray.actor`'s
+    `ActorClassMetadata.class_id`), and has no public way to make an actor class without drawing one: for the
+    imports' length only, `ray.actor`'s name for the ID class gives IDs drawn from the kernel instead."""
+    import ray.actor
+
+    real = ray.actor.ActorClassID
+
+    class FromKernel:
+        @staticmethod
+        def from_random():
+            return real(os.urandom(real.size()))
+
+    ray.actor.ActorClassID = FromKernel
+    try:
+        yield
+    finally:
+        ray.actor.ActorClassID = real
 
 
 def _forked_random_id() -> str:
@@ -114,16 +146,16 @@ def _forked_random_id() -> str:
         return drawn.read()
 
 
-def differing(env: dict[str, str], settings: dict[str, str] | None) -> list[str]:
-    """The libraries' settings (LOAD_SETTINGS) that `env` sets otherwise than the starter's environment did as
-    it loaded them (`settings`; None: the starter of commands, which compares none)."""
-    if settings is None:
-        return []
-    names = {name for name in (*env, *settings) if name.startswith(LOAD_SETTINGS)} - OWN_SETTINGS
+def differing(env: dict[str, str], settings: dict[str, str], prefixes: tuple[str, ...] = LOAD_SETTINGS) -> list[str]:
+    """The libraries' settings (those named by `prefixes`: LOAD_SETTINGS, or the starter of commands'
+    COMMAND_SETTINGS) that `env` sets otherwise than the starter's environment did as it loaded them
+    (`settings`)."""
+    names = {name for name in (*env, *settings) if name.startswith(prefixes)} - OWN_SETTINGS
     return sorted(name for name in names if env.get(name) != settings.get(name))
 
 
-def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str, settings):
+def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str, settings: dict[str, str],
+            prefixes: tuple[str, ...]):
     """Serve one request: fork its child and watch it. In the child: (request, fds, connection)."""
     conn, _ = listener.accept()
     fds: list[int] = []
@@ -134,7 +166,7 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str
         if request is None or request.get("fingerprint") != ours or len(fds) != 3:
             send(conn, {"stale": True})
             raise OSError("not this code")
-        other = differing(request["env"], settings)
+        other = differing(request["env"], settings, prefixes)
         if other:  # its own process loads them as it has them
             send(conn, {"settings": other})
             raise OSError("other settings")

@@ -99,7 +99,7 @@ def hand_over(path: Path, request: dict, sys_path: list[str] | None = None) -> i
     if reply is None or "pid" not in reply:
         if reply and reply.get("settings"):
             log.info("rayhpc: %s set otherwise than when `rayhpc up` started its warm starter: this process loads "
-                     "torch itself", ", ".join(reply["settings"]))
+                     "its libraries itself", ", ".join(reply["settings"]))
         if reply and reply.get("stale"):
             log.info("rayhpc: your cluster's warm starter runs other code than this command (an upgrade or an edit "
                      "since `rayhpc up`): the command runs in its own process; rayhpc down && rayhpc up to refresh")

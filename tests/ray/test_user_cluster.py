@@ -275,10 +275,17 @@ def test_ctrl_c_reaches_a_job_in_the_warm_starter_and_other_code_runs_in_its_own
     assert job.returncode == 128 + signal.SIGINT and len(stopped) == 1, err
     assert stopped[0].startswith("interrupted by SIGINT: sweep mlp-sweep"), err
 
-    monkeypatch.setattr(warm, "fingerprint", lambda: "other code")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # a command that sets what Ray Data reads as it loads (in the starter, before any command) otherwise
+    monkeypatch.setenv("RAY_DATA_USE_DATASOURCE_V2", "0")
     with caplog.at_level("INFO", logger="rayhpc"):
         assert warm.run("tune_main", ["--help"]) is None  # the starter refuses: the command runs here
+    assert ("RAY_DATA_USE_DATASOURCE_V2 set otherwise than when `rayhpc up` started its warm starter: this "
+            "process loads its libraries itself") in caplog.text
+    monkeypatch.delenv("RAY_DATA_USE_DATASOURCE_V2")
+    monkeypatch.setattr(warm, "fingerprint", lambda: "other code")
+    with caplog.at_level("INFO", logger="rayhpc"):
+        assert warm.run("tune_main", ["--help"]) is None
     assert "your cluster's warm starter runs other code than this command" in caplog.text
 
 

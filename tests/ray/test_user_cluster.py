@@ -144,11 +144,13 @@ def probe():
     import tempfile, random, torch, sympy.core.cache, numpy, io, contextlib, weakref
     class Item:
         pass
-    item, printed = Item(), io.StringIO()
+    items, printed = [Item(), Item()], io.StringIO()
     with contextlib.redirect_stderr(printed):  # a SystemExit where Python cannot raise it (as Ray's SIGTERM's)
-        lost = weakref.ref(item, lambda _ref: sys.exit(1))
-        del item
-    return {"lost_exit_printed": "SystemExit" in printed.getvalue(),"numpy": numpy.random.random(), "random": random.random(), "ppid": os.getppid(), "imported": imported, "threads": torch.get_num_threads(),
+        lost = [weakref.ref(items[0], lambda _ref: sys.exit(1)),
+                weakref.ref(items[1], lambda _ref: int("kept"))]  # and another error there
+        del items
+    return {"lost_exit_printed": "SystemExit" in printed.getvalue(),
+            "other_printed": "ValueError: invalid literal for int() with base 10: 'kept'" in printed.getvalue(),"numpy": numpy.random.random(), "random": random.random(), "ppid": os.getppid(), "imported": imported, "threads": torch.get_num_threads(),
             "omp": os.environ["OMP_NUM_THREADS"], "tmp": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"],
             "sum": float(torch.arange(4.0).sum()), "own_group": os.getpgid(0) == os.getpid(),
             "sympy_cache": sympy.core.cache.USE_CACHE, "path": sys.path}
@@ -179,7 +181,8 @@ def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_el
     warm_one = probe_worker(tmp_path)
     assert warm_one["ppid"] == starter and warm_one["imported"], (warm_one, starter)
     assert warm_one["threads"] == int(warm_one["omp"]) and warm_one["tmp"] == warm_one["TMPDIR"], warm_one
-    assert warm_one["sum"] == 6.0 and warm_one["sympy_cache"] == "yes" and not warm_one["lost_exit_printed"]
+    assert warm_one["sum"] == 6.0 and warm_one["sympy_cache"] == "yes"
+    assert not warm_one["lost_exit_printed"] and warm_one["other_printed"], warm_one
     # read by sympy as torch._dynamo loads it (as DistributedDataParallel does) in the starter, not by torch's C code
     other = probe_worker(tmp_path, {"SYMPY_USE_CACHE": "no"})
     assert other["ppid"] != starter and not other["imported"] and other["sympy_cache"] == "no", (other, starter)

@@ -259,8 +259,9 @@ def _drop_lost_exit(unraisable) -> None:
     """`sys.unraisablehook` in a forked worker. Ray's SIGTERM handler (a worker Ray ends) raises SystemExit
     wherever the worker's main thread is; in a forked worker that was a weakref callback 3 times in 10 default
     sweeps (never in 10 with workers of their own), where Python cannot raise it and prints its traceback, which
-    Ray forwarded to the user's terminal at the end of a sweep that went well. Ray kills the worker anyway
-    (SIGKILL, after its wait): that SystemExit is dropped without a word; anything else is printed as before."""
+    Ray forwarded to the user's terminal at the end of a sweep that went well. That SystemExit is dropped
+    without a word (the worker goes on as it did when it was printed, until Ray kills it); anything else is
+    printed as before."""
     if unraisable.exc_type is not SystemExit:
         sys.__unraisablehook__(unraisable)
 

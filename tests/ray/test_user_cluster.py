@@ -150,7 +150,9 @@ def probe():
                 weakref.ref(items[1], lambda _ref: int("kept"))]  # and another error there
         del items
     return {"lost_exit_printed": "SystemExit" in printed.getvalue(),
-            "other_printed": "ValueError: invalid literal for int() with base 10: 'kept'" in printed.getvalue(),"numpy": numpy.random.random(), "random": random.random(), "ppid": os.getppid(), "imported": imported, "threads": torch.get_num_threads(),
+            "other_printed": "ValueError: invalid literal for int() with base 10: 'kept'" in printed.getvalue(),
+            "numpy": numpy.random.random(), "random": random.random(), "ppid": os.getppid(), "imported": imported,
+            "threads": torch.get_num_threads(),
             "omp": os.environ["OMP_NUM_THREADS"], "tmp": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"],
             "sum": float(torch.arange(4.0).sum()), "own_group": os.getpgid(0) == os.getpid(),
             "sympy_cache": sympy.core.cache.USE_CACHE, "path": sys.path}

@@ -82,7 +82,9 @@ def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_a
              for e in log]  # (event, slice 0-2, pack): what a failure prints
     assert len(slices) == 3 and set(finished.values()) == {1}, story  # every pack finished once
     by_slice = collections.Counter(e["slice"] for e in log if e["event"] == "finish")
-    assert {slices[1], slices[2]} <= set(by_slice), story  # both live slices ran some
+    # the other cluster's slice ran some; the third, a cold start of its own, may find the killed slice's packs taken
+    # over already by the other, which then runs them (once each, as below)
+    assert slices[1] in by_slice, story
     claims = [e["slice"] for e in log if e["event"] == "claim" and e["pack"] == orphan]
     assert claims[0] == doomed and len(claims) == 2, story  # the killed slice's pack, taken over once
     assert [e["slice"] for e in log if e["event"] == "finish" and e["pack"] == orphan] == claims[1:], story

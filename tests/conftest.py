@@ -4,9 +4,7 @@ markers each folder's tests get. Helpers are in helpers.py."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -38,41 +36,16 @@ def ray_cluster():
     its `address_info` (gcs_address, webui_url, metrics_export_port, node_ip_address, ...).
     No GPUs even on a GPU node: the tests that use it compare against CPU references, and a sweep
     on it would otherwise take GPU shares (the GPU paths are `jobs/gpu_check.py`'s). Started as the platform
-    starts a local Ray (private folder, its own port): never one that `ray.init()` would find on the machine."""
+    starts a local Ray (private folder, its own port, its workers forked from a warm starter of its own): never
+    one that `ray.init()` would find on the machine."""
     from rayhpc import cluster
 
-    with warm_workers() as (python, starter):
-        ctx = cluster.start_local(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True,
-                                  runtime_env={"py_executable": python})
-        # were they Ray's own, every test would pass as well, only slower (2.3x in the files named below)
-        assert worker_parent() == starter, "the shared cluster's workers are not forks of its warm starter"
-        yield ctx.address_info
-        cluster.disconnect()  # Ray's workers end with it, then their starter
-
-
-@contextlib.contextmanager
-def warm_workers():
-    """The shared cluster's Ray workers start as those of a job on `rayhpc up`'s cluster do: forked from a warm
-    starter of workers that has imported torch (`rayhpc.up.starter --workers`). Each Ray Train run, sweep and
-    worker group of the tests that use the cluster in-process starts several. Measured on 2 cores: an actor that
-    imports torch started in 1.4-1.7 s instead of 2.2-3.0 s, and test_parallel, test_ps, test_search, test_train
-    and test_training_options took 528 s instead of 1237 s. The starter listens in a rayhpc folder of its own,
-    which the workers' Python names (their RAYHPC_HOME): the tests of `rayhpc up` start their clusters in the
-    suite's. Ray's own cold workers are what the job scripts the tests run as processes start (with --address
-    too), and what every Slurm test runs."""
-    from rayhpc import cluster
-    from rayhpc.up import connection, daemon, worker
-
-    home = tempfile.mkdtemp(prefix="rayhpc-workers-")
-    with cluster.environment(**{connection.HOME_VARIABLE: home}):
-        connection.folder()
-        starter, path = daemon.start_warm(workers=True), connection.workers_socket_path()
-    assert starter is not None, "the warm starter of workers did not start (its reason is printed above)"
-    try:
-        yield f"env {connection.HOME_VARIABLE}={shlex.quote(home)} {worker.command()}", starter.pid
-    finally:
-        daemon.stop_warm(starter, path)
-        shutil.rmtree(home, ignore_errors=True)
+    ctx = cluster.start_local(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
+    # were they Ray's own, every test would pass as well, only slower (2.3x in test_parallel, test_ps,
+    # test_search, test_train and test_training_options)
+    assert worker_parent() == warm_starter(os.getpid()), "the shared cluster's workers are not forks of its warm starter"
+    yield ctx.address_info
+    cluster.disconnect()
 
 
 def worker_parent() -> int:
@@ -84,6 +57,14 @@ def worker_parent() -> int:
         return os.getppid()
 
     return ray.get(parent.remote())
+
+
+def warm_starter(parent: int) -> int | None:
+    """The warm starter of workers (`rayhpc.up.starter --workers`) among `parent`'s children."""
+    import psutil  # Ray's
+
+    return next((child.pid for child in psutil.Process(parent).children()
+                 if child.cmdline()[1:4] == ["-m", "rayhpc.up.starter", "--workers"]), None)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -293,6 +294,7 @@ class LocalCluster:
     folder: Path
     marker: str
     token_before: dict[str, str | None]
+    starter: subprocess.Popen | None = None  # its warm starter of workers (`own_warm_workers`)
 
     @property
     def token(self) -> Path:
@@ -314,7 +316,7 @@ def local_token() -> Path:
     return _local[-1].token
 
 
-def start_local(**init_kwargs):
+def start_local(warm: bool = True, **init_kwargs):
     """Start a Ray of this process's own on this machine and connect to it; returns `ray.init`'s context.
 
     Never Ray's default: `ray.init()` joins the cluster that `<tmp>/ray/ray_current_cluster` names, a
@@ -326,7 +328,8 @@ def start_local(**init_kwargs):
     and handed over could be taken meanwhile by another user, who would then receive the token); the GCS's
     address reaches the processes Ray starts as RAY_ADDRESS (`gcs_address_published`). Every process of the
     cluster carries a marker in its environment, so that `disconnect` finds and stops them all, the GCS last.
-    A start that fails leaves nothing running, and its token goes with its folder."""
+    A start that fails leaves nothing running, and its token goes with its folder. Its workers start warm
+    (`warm`, `own_warm_workers`)."""
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     private_tmpdir()  # TMPDIR: this process's own, which the processes of its Ray inherit
@@ -339,6 +342,8 @@ def start_local(**init_kwargs):
     try:
         with environment(**{CLUSTER_MARKER: local.marker, "RAY_GCS_SERVER_PORT": None}), gcs_address_published(), \
                 agent_port_chosen():
+            if warm and os.environ.get(WARM_WORKERS_VARIABLE) != "0":  # a runtime_env given wins, key by key
+                init_kwargs["runtime_env"] = {**own_warm_workers(local), **init_kwargs.get("runtime_env", {})}
             # in a folder of its own inside ours: Ray makes its temp dir 0777, ours stays 0700; the dashboard on a
             # port of its own choosing (0), not Ray's 8265 (one port for every Ray on the node)
             ctx = ray.init(address="local", _temp_dir=str(folder / "ray"), **{"dashboard_port": 0, **init_kwargs})
@@ -351,6 +356,31 @@ def start_local(**init_kwargs):
     atexit.unregister(disconnect)
     atexit.register(disconnect)  # once; Ray stops before its folder goes, whichever exit handler runs first
     return ctx
+
+
+WARM_WORKERS_VARIABLE = "RAYHPC_WARM_WORKERS"  # "0": a local Ray's workers each import torch themselves
+
+
+def own_warm_workers(local: LocalCluster) -> dict:
+    """A local Ray's workers start as forks of a warm starter of workers of its own, as those of a job on the
+    user's cluster do (`rayhpc.up.starter --workers`: it has imported torch, 1-1.5 s of each worker's start).
+    Started before Ray, it imports while Ray starts; it listens in the cluster's private folder, which the
+    workers' Python names (`rayhpc.up.worker`, Ray's `py_executable`), and it ends with this process (its
+    parent-death signal) or with the cluster (it carries the cluster's marker). A worker Ray starts before it
+    listens is a process of its own, as without it. What it prints goes to `warm-workers.log` in the folder."""
+    import shlex
+
+    from rayhpc.up import connection, worker
+
+    with environment(**{connection.HOME_VARIABLE: str(local.folder)}):
+        connection.folder()
+        out = os.open(local.folder / "warm-workers.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            local.starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter", "--workers"],
+                                             stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        finally:
+            os.close(out)
+    return {"py_executable": f"env {connection.HOME_VARIABLE}={shlex.quote(str(local.folder))} {worker.command()}"}
 
 
 @contextlib.contextmanager
@@ -440,6 +470,9 @@ def _stop_and_remove(local: LocalCluster) -> None:
     """Kill what is left of the local Ray `local` (its GCS last), remove its folder and token, and give the
     process back the token settings it had before."""
     processes.kill_gcs_last(processes.marked(f"{CLUSTER_MARKER}={local.marker}"))
+    if local.starter is not None:  # killed above (marked): reaped here
+        local.starter.kill()
+        local.starter.wait()
     shutil.rmtree(local.folder, ignore_errors=True)
     for key, value in local.token_before.items():
         if value is None:

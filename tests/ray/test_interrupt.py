@@ -192,7 +192,8 @@ def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_addres
 @pytest.mark.parametrize("kind, grace_s", [("tune", None), ("ps", 0)])
 def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, grace_s, tmp_path):
     """Without --address the job starts its own Ray: Ctrl-C ends the job and that Ray with it, its folder
-    removed (by the forced exit too)."""
+    removed (by the forced exit too). That Ray's workers are forks of a warm starter of workers the job
+    started (cluster.own_warm_workers), which ends with it."""
     (script, *flags), checkpoints = JOBS[kind]
     # the job's TMPDIR, where its private folder and its Ray's are made: short (Ray's socket paths must fit)
     tmp = Path(tempfile.mkdtemp(prefix="ri-", dir="/tmp"))
@@ -201,6 +202,9 @@ def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, gr
     wait_for(job, tmp_path / kind, checkpoints, tmp_path / "out")
     started = {pid: process_name(pid) for pid in descendants(job.pid)}
     assert "raylet" in started.values(), started
+    (starter,) = [pid for pid in started if cmdline(pid)[1:4] == ["-m", "rayhpc.up.starter", "--workers"]]
+    assert [pid for pid in descendants(starter) if cmdline(pid)[0].startswith("ray::")], \
+        f"no Ray worker of the job was forked from its warm starter: {started}"
     line = stop(job, signal.SIGINT, tmp_path / "out")
     forced = "" if grace_s is None else f" (not stopped within {grace_s:g} s: ended at once)"
     assert line.startswith(f"interrupted by SIGINT{forced}: ") and "resume with: " in line, line
@@ -211,6 +215,14 @@ def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, gr
     left = list(tmp.rglob("session_*"))
     shutil.rmtree(tmp, ignore_errors=True)
     assert not left, f"the job's Ray folder was left behind: {left}"
+
+
+def cmdline(pid: int) -> list[str]:
+    """The arguments of process `pid` (as Ray's workers retitle themselves: `ray::train_pack`)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0") or [""]
+    except OSError:
+        return [""]
 
 
 def process_name(pid: int) -> str | None:

@@ -124,7 +124,8 @@ def hold(args: argparse.Namespace, holder: int) -> int:
     marker = secrets.token_hex(8)
     os.environ[connection.MARKER] = marker  # every process Ray starts inherits it
     options = {k: v for k, v in (("num_cpus", args.num_cpus), ("num_gpus", args.num_gpus)) if v is not None}
-    ctx = cluster.start_local(logging_level=logging.WARNING, log_to_driver=False,
+    # its jobs' workers start from the cluster's own starter (below), not from one of this job's
+    ctx = cluster.start_local(warm=False, logging_level=logging.WARNING, log_to_driver=False,
                               include_dashboard=not args.no_dashboard and cluster.dashboard_installed(), **options)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # ray.init replaced it
     starter = None if args.no_warm else start_warm()

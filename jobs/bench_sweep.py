@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from rayhpc.cluster import disconnect, start_local
+from rayhpc.cluster import WARM_WORKERS_VARIABLE, disconnect, start_local
 from rayhpc.task import task_for
 from rayhpc.tune.config import SweepConfig, bind_sweep
 from rayhpc.tune.plan import save_plan
@@ -215,7 +215,8 @@ def first_result(args) -> None:
                                       f"{how}{i}") for i in range(args.repeats)])
         return out
 
-    rows = {"cold": runs(cold(work), "cold")}
+    rows = {"cold": runs(cold(work), "cold"),
+            "workers cold": runs({**cold(work), WARM_WORKERS_VARIABLE: "0"}, "cold-workers")}
     with cluster_up(work, args.cpus) as env:
         rows["cluster up"] = runs(env, "up")
     print(f"time to first result: {args.cpus} CPUs, medians of {args.repeats} run(s); ideal = the trials' summed "

@@ -47,6 +47,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from rayhpc.cluster import WARM_WORKERS_VARIABLE
+
 BENCH = Path(__file__).resolve().parent / "bench"  # the plain-PyTorch baseline, run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,6 +212,8 @@ def plan(args, cold: dict) -> dict:
     job = {"task": LLAMA, "hparams": {"corpus_bytes": args.gpt_bytes}} if args.llama else None
     return {"torchrun + plain DDP": lambda work, i: baseline(args, work),
             "rayhpc DDP": lambda work, i: rayhpc(args, work, f"rayhpc{i}", cold, job=job),
+            "rayhpc DDP, workers cold": lambda work, i: rayhpc(args, work, f"cold-workers{i}",
+                                                               {**cold, WARM_WORKERS_VARIABLE: "0"}, job=job),
             UP: lambda work, i, up: rayhpc(args, work, f"up{i}", up, job=job),
             "rayhpc DDP, Ray Train defaults": lambda work, i: rayhpc(args, work, f"defaults{i}",
                                                                     {**cold, **RAY_TRAIN_DEFAULTS}, job=job)}

@@ -42,7 +42,8 @@ def ray_cluster():
 
     ctx = cluster.start_local(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
     # were they Ray's own, every test would pass as well, only slower (2.3x in test_parallel, test_ps,
-    # test_search, test_train and test_training_options)
+    # test_search, test_train and test_training_options). The first worker comes at once, while its starter
+    # imports: it waits for the starter (rayhpc.up.warm.waiting_for)
     assert worker_parent() == warm_starter(os.getpid()), "the shared cluster's workers are not forks of its warm starter"
     yield ctx.address_info
     cluster.disconnect()

@@ -339,10 +339,14 @@ def start_local(warm: bool = True, **init_kwargs):
                          {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")})
     write_private(local.token, secrets.token_hex(32), replace=False)  # as Ray's own generator makes one
     use_token(local.token)
+    warm = warm and os.environ.get(WARM_WORKERS_VARIABLE) != "0"
+    # the workers Ray starts ahead for the first job (one per CPU, each importing Ray) are of no runtime
+    # environment: with warm workers, whose Python is the job's, no task could use them
+    prestart = {"RAY_prestart_worker_first_driver": "0"} if warm else {}
     try:
-        with environment(**{CLUSTER_MARKER: local.marker, "RAY_GCS_SERVER_PORT": None}), gcs_address_published(), \
-                agent_port_chosen():
-            if warm and os.environ.get(WARM_WORKERS_VARIABLE) != "0":  # a runtime_env given wins, key by key
+        with environment(**{CLUSTER_MARKER: local.marker, "RAY_GCS_SERVER_PORT": None, **prestart}), \
+                gcs_address_published(), agent_port_chosen():
+            if warm:  # a runtime_env given wins, key by key
                 init_kwargs["runtime_env"] = {**own_warm_workers(local), **init_kwargs.get("runtime_env", {})}
             # in a folder of its own inside ours: Ray makes its temp dir 0777, ours stays 0700; the dashboard on a
             # port of its own choosing (0), not Ray's 8265 (one port for every Ray on the node)

@@ -19,7 +19,9 @@ import socket
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
+from rayhpc.slurm.private import write_private
 from rayhpc.up import connection
 from rayhpc.up.warm import fingerprint, peer_uid, receive, send
 
@@ -55,33 +57,18 @@ OWN_SETTINGS = frozenset({"OMP_NUM_THREADS"})
 def serve(workers: bool = False) -> None:
     """The starter's loop (`python -m rayhpc.up.starter [--workers]`): a child per request, its status back when
     it ends."""
-    import importlib.util
-
     # as the libraries read them (some set their own as they load: torch its compile cache's folder)
     prefixes = LOAD_SETTINGS if workers else COMMAND_SETTINGS
     settings = {name: value for name, value in os.environ.items() if name.startswith(prefixes)}
-    installed = [name for name in WORKER_EXTRAS if importlib.util.find_spec(name.split(".")[0])]
-    for name in [*WORKER_MODULES, *installed] if workers else MODULES:
-        importlib.import_module(name)
-    if not workers:
-        with _class_ids_from_the_kernel():
-            for name in RAY_LIBRARIES:
-                importlib.import_module(name)
-    if workers and "ray" in sys.modules:
-        raise SystemExit(f"rayhpc up: warm starter of workers off: {[*WORKER_MODULES, *installed]} imported Ray")
-    if threading.active_count() != 1:
-        raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
-                         f"({threading.enumerate()}); fork is not safe")
-    if not workers and len({_forked_random_id() for _ in range(2)}) != 2:
-        raise SystemExit("rayhpc up: warm starter off: two children forked from it drew the same random Ray ID "
-                         f"(a module of {MODULES} seeded Ray core's generator); fork is not safe")
-    ours = fingerprint()
     path = connection.workers_socket_path() if workers else connection.socket_path()
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))  # in the user's 0700 folder; the umask (077) makes it 0600
-    listener.listen(16)
+    with starting(path):
+        _load(workers)
+        ours = fingerprint()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))  # in the user's 0700 folder; the umask (077) makes it 0600
+        listener.listen(16)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     print(f"rayhpc up: warm starter{' of workers' if workers else ''} on {path}", flush=True)
@@ -103,6 +90,38 @@ def serve(workers: bool = False) -> None:
                         other.fileobj.close() if hasattr(other.fileobj, "close") else os.close(other.fileobj)
                 selector.close()
                 (_worker if workers else _child)(*child)  # ends the process (the command's exit)
+
+
+def _load(workers: bool) -> None:
+    """Import what the processes it starts import; SystemExit where forking them after that would not be safe."""
+    import importlib.util
+
+    installed = [name for name in WORKER_EXTRAS if importlib.util.find_spec(name.split(".")[0])]
+    for name in [*WORKER_MODULES, *installed] if workers else MODULES:
+        importlib.import_module(name)
+    if not workers:
+        with _class_ids_from_the_kernel():
+            for name in RAY_LIBRARIES:
+                importlib.import_module(name)
+    if workers and "ray" in sys.modules:
+        raise SystemExit(f"rayhpc up: warm starter of workers off: {[*WORKER_MODULES, *installed]} imported Ray")
+    if threading.active_count() != 1:
+        raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
+                         f"({threading.enumerate()}); fork is not safe")
+    if not workers and len({_forked_random_id() for _ in range(2)}) != 2:
+        raise SystemExit("rayhpc up: warm starter off: two children forked from it drew the same random Ray ID "
+                         f"(a module of {MODULES} seeded Ray core's generator); fork is not safe")
+
+
+@contextlib.contextmanager
+def starting(path: Path):
+    """Inside: `path`'s `.starting` file names this process, which will listen on `path` (`warm.waiting_for`)."""
+    flag = path.with_suffix(".starting")
+    write_private(flag, str(os.getpid()))
+    try:
+        yield
+    finally:
+        flag.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 from pathlib import Path
 
 from rayhpc.up import connection
@@ -77,6 +78,19 @@ def run(main: str, argv) -> int | None:
     if os.environ.get("RAY_ADDRESS"):  # a cluster named otherwise: a process of its own
         return None
     return hand_over(connection.socket_path(), {"main": main, "argv": argv, "sys_argv": sys.argv})
+
+
+def waiting_for(path: Path, timeout_s: float = 60.0) -> None:
+    """Return once a starter listens on `path`, or none is starting there (`starter.starting`), or after
+    `timeout_s`. A worker Ray starts while the starter of its cluster imports is forked sooner than it would
+    import itself: the starter began first (`cluster.own_warm_workers`: before Ray)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        try:
+            os.kill(int(path.with_suffix(".starting").read_text()), 0)
+        except (OSError, ValueError):  # none starting, or it ended
+            return
+        time.sleep(0.05)
 
 
 def hand_over(path: Path, request: dict, sys_path: list[str] | None = None) -> int | None:

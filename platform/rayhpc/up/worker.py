@@ -27,6 +27,7 @@ def command() -> str:
 
 def main() -> None:
     script = sys.argv[1:]
+    warm.waiting_for(connection.workers_socket_path())
     # as `python script` would have it: the script's folder first on the path
     status = warm.hand_over(connection.workers_socket_path(), {"sys_argv": script},
                             [str(Path(script[0]).resolve().parent), *sys.path[1:]])

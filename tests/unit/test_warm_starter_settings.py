@@ -1,11 +1,16 @@
-"""The warm starter of workers (`rayhpc up`) hands a Ray worker a fork of itself only where the worker's
+"""The warm starter of workers (`rayhpc up`, and every local Ray's own) hands a Ray worker a fork of itself only where the worker's
 environment sets the settings that the starter's libraries read as they loaded as the starter's did; the
 starter of commands, a command only where it sets those of Ray Data, Ray Tune and AIR so. (The real cluster:
 tests/ray/test_user_cluster.py.)"""
 
 from __future__ import annotations
 
-from rayhpc.up.starter import COMMAND_SETTINGS, differing
+import subprocess
+import threading
+import time
+
+from rayhpc.up.starter import COMMAND_SETTINGS, differing, starting
+from rayhpc.up.warm import waiting_for
 
 
 def test_a_setting_set_otherwise_either_way_counts_and_a_workers_own_and_other_variables_do_not():
@@ -26,3 +31,27 @@ def test_a_setting_set_otherwise_either_way_counts_and_a_workers_own_and_other_v
     assert differing({**same, **commands}, commands, COMMAND_SETTINGS) == []
     assert differing({**same, "TUNE_X": "1"}, commands, COMMAND_SETTINGS) == ["RAY_DATA_X", "TUNE_X"]
     assert differing({"RAY_AIR_X": "0", "TORCH_X": "1"}, {"RAY_AIR_X": "1"}, COMMAND_SETTINGS) == ["RAY_AIR_X"]
+
+
+def test_a_worker_waits_for_a_starter_that_is_starting_and_only_for_one(tmp_path):
+    """A worker that comes while the starter imports waits until it listens; not where none is starting there,
+    where the one that was has ended, nor past the timeout."""
+    path = tmp_path / "node-workers.sock"
+    with starting(path):  # this process is the starter, which will listen at 0.5 s
+        threading.Timer(0.5, path.touch).start()
+        began = time.monotonic()
+        waiting_for(path, timeout_s=30)
+        waited = time.monotonic() - began
+        assert path.exists() and waited >= 0.45, waited
+        path.unlink()
+        began = time.monotonic()
+        waiting_for(path, timeout_s=0.3)  # it never listens
+        assert 0.3 <= time.monotonic() - began < 5
+    assert not path.with_suffix(".starting").exists()
+    began = time.monotonic()
+    waiting_for(path)  # none starting
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    path.with_suffix(".starting").write_text(str(ended.pid))  # a starter killed as it imported
+    waiting_for(path)
+    assert time.monotonic() - began < 1, "a worker waited for a starter that was not starting"

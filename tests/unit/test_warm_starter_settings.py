@@ -1,7 +1,7 @@
-"""The warm starter of workers (`rayhpc up`, and every local Ray's own) hands a Ray worker a fork of itself only where the worker's
-environment sets the settings that the starter's libraries read as they loaded as the starter's did; the
-starter of commands, a command only where it sets those of Ray Data, Ray Tune and AIR so. (The real cluster:
-tests/ray/test_user_cluster.py.)"""
+"""The warm starter of workers (`rayhpc up`'s, and every local Ray's own) hands a Ray worker a fork of itself
+only where the worker's environment sets the settings that the starter's libraries read as they loaded as the
+starter's did; the starter of commands, a command only where it sets those of Ray Data, Ray Tune and AIR so. A
+worker that comes while its starter imports waits for it. (The real cluster: tests/ray/test_user_cluster.py.)"""
 
 from __future__ import annotations
 

@@ -370,8 +370,8 @@ def own_warm_workers(local: LocalCluster) -> dict:
     user's cluster do (`rayhpc.up.starter --workers`: it has imported torch, 1-1.5 s of each worker's start).
     Started before Ray, it imports while Ray starts; it listens in the cluster's private folder, which the
     workers' Python names (`rayhpc.up.worker`, Ray's `py_executable`), and it ends with this process (its
-    parent-death signal) or with the cluster (it carries the cluster's marker). A worker Ray starts before it
-    listens is a process of its own, as without it. What it prints goes to `warm-workers.log` in the folder."""
+    parent-death signal) or with the cluster (it carries the cluster's marker). A worker Ray starts while it
+    imports waits for it (`warm.waiting_for`). What it prints goes to `warm-workers.log` in the folder."""
     import shlex
 
     from rayhpc.up import connection, worker

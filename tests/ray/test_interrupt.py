@@ -202,7 +202,9 @@ def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, gr
     wait_for(job, tmp_path / kind, checkpoints, tmp_path / "out")
     started = {pid: process_name(pid) for pid in descendants(job.pid)}
     assert "raylet" in started.values(), started
-    (starter,) = [pid for pid in started if cmdline(pid)[1:4] == ["-m", "rayhpc.up.starter", "--workers"]]
+    # the job's child (a worker just forked from it has its command line until Ray retitles it)
+    (starter,) = [pid for pid in started if cmdline(pid)[1:4] == ["-m", "rayhpc.up.starter", "--workers"]
+                  and parent(pid) == job.pid]
     assert [pid for pid in descendants(starter) if cmdline(pid)[0].startswith("ray::")], \
         f"no Ray worker of the job was forked from its warm starter: {started}"
     line = stop(job, signal.SIGINT, tmp_path / "out")
@@ -215,6 +217,11 @@ def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, gr
     left = list(tmp.rglob("session_*"))
     shutil.rmtree(tmp, ignore_errors=True)
     assert not left, f"the job's Ray folder was left behind: {left}"
+
+
+def parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])  # the name in (...) may hold spaces
 
 
 def cmdline(pid: int) -> list[str]:

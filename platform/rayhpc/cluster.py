@@ -376,7 +376,8 @@ def own_warm_workers(local: LocalCluster) -> dict:
 
     from rayhpc.up import connection, worker
 
-    with environment(**{connection.HOME_VARIABLE: str(local.folder)}):
+    # its own temp folder inside the cluster's, which goes with it: the starter is killed, its exit handlers never run
+    with environment(**{connection.HOME_VARIABLE: str(local.folder), "TMPDIR": str(local.folder)}):
         connection.folder()
         out = os.open(local.folder / "warm-workers.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

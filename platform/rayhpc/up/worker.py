@@ -27,9 +27,10 @@ def command() -> str:
 
 def main() -> None:
     script = sys.argv[1:]
-    warm.waiting_for(connection.workers_socket_path())
+    starter = connection.workers_socket_path()
+    warm.waiting_for(starter)
     # as `python script` would have it: the script's folder first on the path
-    status = warm.hand_over(connection.workers_socket_path(), {"sys_argv": script},
+    status = warm.hand_over(starter, {"sys_argv": script},
                             [str(Path(script[0]).resolve().parent), *sys.path[1:]])
     if status is None:
         os.execv(sys.executable, [sys.executable, *script])

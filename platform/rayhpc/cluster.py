@@ -345,7 +345,7 @@ def start_local(warm: bool = True, **init_kwargs):
     prestart = {"RAY_prestart_worker_first_driver": "0"} if warm else {}
     try:
         with environment(**{CLUSTER_MARKER: local.marker, "RAY_GCS_SERVER_PORT": None, **prestart}), \
-                gcs_address_published(), agent_port_chosen():
+                gcs_address_published(), node_defaults():
             if warm:  # a runtime_env given wins, key by key
                 init_kwargs["runtime_env"] = {**own_warm_workers(local), **init_kwargs.get("runtime_env", {})}
             # in a folder of its own inside ours: Ray makes its temp dir 0777, ours stays 0700; the dashboard on a
@@ -413,23 +413,29 @@ def gcs_address_published():
 
 
 @contextlib.contextmanager
-def agent_port_chosen():
-    """Inside: the Ray a `ray.init` starts gives its dashboard agent a port of the system's choosing, not Ray's
-    fixed 52365. Where any other Ray on the node (another user's, or the user's own cluster) holds 52365, the
-    agent retries it with a growing back-off for seconds (4-5 s of every job's start, measured) and then
-    runs without its HTTP server. `ray start` takes --dashboard-agent-listen-port (the Slurm startup sets
-    it); `ray.init` has no argument for it, so the default of its private `RayParams` is changed here, for
-    this call only (0: the agent binds a free port and reports it, as Ray supports)."""
-    from ray._private import parameter  # private: the only place the agent's port can be set for ray.init
+def node_defaults():
+    """Inside: the Ray a `ray.init` starts
+    - gives its dashboard agent a port of the system's choosing, not Ray's fixed 52365. Where any other Ray on
+      the node (another user's, or the user's own cluster) holds 52365, the agent retries it with a growing
+      back-off for seconds (4-5 s of every job's start, measured) and then runs without its HTTP server
+      (0: the agent binds a free port and reports it, as Ray supports);
+    - sets up each worker process with `rayhpc.up.setup_worker`, which does what Ray's own set-up step does
+      without importing Ray: 0.5 s of CPU less in every worker process (a training run starts 6).
+    `ray start` takes --dashboard-agent-listen-port (the Slurm startup sets it); `ray.init` has no argument for
+    either, so the defaults of its private `RayParams` are changed here, for this call only."""
+    from ray._private import parameter  # private: the only place either can be set for ray.init
+
+    from rayhpc.up import setup_worker
 
     init = parameter.RayParams.__init__
 
     @functools.wraps(init)
-    def with_free_agent_port(self, *args, **kwargs):
+    def with_defaults(self, *args, **kwargs):
         kwargs.setdefault("dashboard_agent_listen_port", 0)
+        kwargs.setdefault("setup_worker_path", setup_worker.__file__)
         init(self, *args, **kwargs)
 
-    parameter.RayParams.__init__ = with_free_agent_port
+    parameter.RayParams.__init__ = with_defaults
     try:
         yield
     finally:

@@ -39,12 +39,14 @@ def ray_cluster():
     starts a local Ray (private folder, its own port, its workers forked from a warm starter of its own): never
     one that `ray.init()` would find on the machine."""
     from rayhpc import cluster
+    from rayhpc.up import setup_worker
 
     ctx = cluster.start_local(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
     # were they Ray's own, every test would pass as well, only slower (2.3x in test_parallel, test_ps,
     # test_search, test_train and test_training_options). The first worker comes at once, while its starter
     # imports: it waits for the starter (rayhpc.up.warm.waiting_for)
     assert worker_parent() == warm_starter(os.getpid()), "the shared cluster's workers are not forks of its warm starter"
+    assert set_up_by(os.getpid()) == setup_worker.__file__, "the shared cluster's workers are set up by Ray's own script"
     yield ctx.address_info
     cluster.disconnect()
 
@@ -58,6 +60,18 @@ def worker_parent() -> int:
         return os.getppid()
 
     return ray.get(parent.remote())
+
+
+def set_up_by(parent: int) -> str | None:
+    """The script that the raylet among `parent`'s children runs to set up each worker (Ray's `setup_worker_path`,
+    the second word of the command it starts workers with)."""
+    import psutil  # Ray's
+
+    for child in psutil.Process(parent).children():
+        flag = next((arg for arg in child.cmdline() if arg.startswith("--python_worker_command=")), None)
+        if child.name() == "raylet" and flag:
+            return flag.split("=", 1)[1].split()[1]
+    return None
 
 
 def warm_starter(parent: int) -> int | None:

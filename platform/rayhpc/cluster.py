@@ -371,18 +371,25 @@ def own_warm_workers(local: LocalCluster) -> dict:
     Started before Ray, it imports while Ray starts; it listens in the cluster's private folder, which the
     workers' Python names (`rayhpc.up.worker`, Ray's `py_executable`), and it ends with this process (its
     parent-death signal) or with the cluster (it carries the cluster's marker). A worker Ray starts while it
-    imports waits for it (`warm.waiting_for`). What it prints goes to `warm-workers.log` in the folder."""
+    imports waits for it (`warm.waiting_for`). What it prints goes to `warm-workers.log` in the folder. Of the
+    libraries a task may bring (`WORKER_EXTRAS`: Hugging Face's, 1.9 s of CPU), it loads those this process has
+    (the task check built the task's model here): with Ray starting on the same cores, a starter loading what no
+    worker imports delays them all."""
     import shlex
 
     from rayhpc.up import connection, worker
+    from rayhpc.up.starter import WORKER_EXTRAS
+
+    extras = [name for name in WORKER_EXTRAS if name.split(".")[0] in sys.modules]
 
     # its own temp folder inside the cluster's, which goes with it: the starter is killed, its exit handlers never run
     with environment(**{connection.HOME_VARIABLE: str(local.folder), "TMPDIR": str(local.folder)}):
         connection.folder()
         out = os.open(local.folder / "warm-workers.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            local.starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter", "--workers"],
-                                             stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+            local.starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter", "--workers",
+                                              "--extras", ",".join(extras)], stdin=subprocess.DEVNULL, stdout=out,
+                                             stderr=out)
         finally:
             os.close(out)
     return {"py_executable": f"env {connection.HOME_VARIABLE}={shlex.quote(str(local.folder))} {worker.command()}"}

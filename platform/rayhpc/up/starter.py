@@ -41,6 +41,7 @@ MODULES = ("rayhpc.cli", "ray", "rayhpc.collectives.bench", *WORKER_MODULES)
 # warm-up object). `serve` checks that it stays unseeded.
 RAY_LIBRARIES = ("ray.tune", "ray.train", "ray.train.torch")
 # where installed: what a task's Hugging Face model imports before its own model's module, 1.1 s of each worker
+# (1.9 s of CPU: the starter of a command's own Ray loads them only where the command has, `--extras`)
 WORKER_EXTRAS = ("transformers", "transformers.modeling_utils")
 # the settings those libraries read from the environment as they load: torch, its compiler and its C libraries
 # (OpenMP, MKL, OpenBLAS), sympy and mpmath (torch._dynamo's), Hugging Face's caches and switches, and those of
@@ -54,9 +55,9 @@ COMMAND_SETTINGS = ("RAY_DATA_", "TUNE_", "RAY_AIR_")
 OWN_SETTINGS = frozenset({"OMP_NUM_THREADS"})
 
 
-def serve(workers: bool = False) -> None:
-    """The starter's loop (`python -m rayhpc.up.starter [--workers]`): a child per request, its status back when
-    it ends."""
+def serve(workers: bool = False, extras: tuple[str, ...] = WORKER_EXTRAS) -> None:
+    """The starter's loop (`python -m rayhpc.up.starter [--workers [--extras A,B]]`): a child per request, its
+    status back when it ends. `extras`: those of `WORKER_EXTRAS` a starter of workers loads where installed."""
     # as the libraries read them (some set their own as they load: torch its compile cache's folder)
     prefixes = LOAD_SETTINGS if workers else COMMAND_SETTINGS
     settings = {name: value for name, value in os.environ.items() if name.startswith(prefixes)}
@@ -64,7 +65,7 @@ def serve(workers: bool = False) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     with starting(path):
-        _load(workers)
+        _load(workers, extras)
         ours = fingerprint()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))  # in the user's 0700 folder; the umask (077) makes it 0600
@@ -92,11 +93,11 @@ def serve(workers: bool = False) -> None:
                 (_worker if workers else _child)(*child)  # ends the process (the command's exit)
 
 
-def _load(workers: bool) -> None:
+def _load(workers: bool, extras: tuple[str, ...] = WORKER_EXTRAS) -> None:
     """Import what the processes it starts import; SystemExit where forking them after that would not be safe."""
     import importlib.util
 
-    installed = [name for name in WORKER_EXTRAS if importlib.util.find_spec(name.split(".")[0])]
+    installed = [name for name in extras if importlib.util.find_spec(name.split(".")[0])]
     for name in [*WORKER_MODULES, *installed] if workers else MODULES:
         importlib.import_module(name)
     if not workers:
@@ -307,16 +308,23 @@ def _worker(request: dict, fds: list[int], conn: socket.socket) -> None:
 
 
 def main() -> None:
-    """`python -m rayhpc.up.starter [--workers]`, started by the process that holds the cluster; it ends with
-    that process."""
+    """`python -m rayhpc.up.starter [--workers [--extras A,B]]`, started by the process that holds the cluster; it
+    ends with that process."""
+    import argparse
     import ctypes
+
+    parser = argparse.ArgumentParser(prog="python -m rayhpc.up.starter")
+    parser.add_argument("--workers", action="store_true", help="the starter of Ray workers")
+    parser.add_argument("--extras", type=lambda names: tuple(filter(None, names.split(","))), default=WORKER_EXTRAS,
+                        help=f"which of {','.join(WORKER_EXTRAS)} it loads where installed (default: all)")
+    args = parser.parse_args()
 
     os.umask(0o077)
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the cluster's holder gone, this goes too
     from rayhpc.slurm.private import private_tmpdir
 
     private_tmpdir()  # before torch is imported, as every command does
-    serve(workers=sys.argv[1:] == ["--workers"])
+    serve(workers=args.workers, extras=args.extras)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,15 @@ def ray_cluster():
     on it would otherwise take GPU shares (the GPU paths are `jobs/gpu_check.py`'s). Started as the platform
     starts a local Ray (private folder, its own port, its workers forked from a warm starter of its own): never
     one that `ray.init()` would find on the machine."""
+    import importlib.util
+
     from rayhpc import cluster
     from rayhpc.up import setup_worker
 
+    # the Hugging Face tasks' workers run on it too: loaded here, Hugging Face's library is loaded by its starter
+    # of workers as well (as a command's is where its task's model is a Hugging Face one), not by each worker
+    if importlib.util.find_spec("transformers"):
+        import transformers.modeling_utils  # noqa: F401
     ctx = cluster.start_local(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
     # were they Ray's own, every test would pass as well, only slower (2.3x in test_parallel, test_ps,
     # test_search, test_train and test_training_options). The first worker comes at once, while its starter

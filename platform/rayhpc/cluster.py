@@ -378,9 +378,8 @@ def own_warm_workers(local: LocalCluster) -> dict:
     import shlex
 
     from rayhpc.up import connection, worker
-    from rayhpc.up.starter import WORKER_EXTRAS
 
-    extras = [name for name in WORKER_EXTRAS if name.split(".")[0] in sys.modules]
+    extras = [name for name in worker.WORKER_EXTRAS if name.split(".")[0] in sys.modules]
 
     # its own temp folder inside the cluster's, which goes with it: the starter is killed, its exit handlers never run
     with environment(**{connection.HOME_VARIABLE: str(local.folder), "TMPDIR": str(local.folder)}):

@@ -24,6 +24,7 @@ from pathlib import Path
 from rayhpc.slurm.private import write_private
 from rayhpc.up import connection
 from rayhpc.up.warm import fingerprint, peer_uid, receive, send
+from rayhpc.up.worker import WORKER_EXTRAS
 
 # what a Ray worker of a sweep or a training run imports, Ray excepted (see above): about 1.5 s of its 2.5 s;
 # torch._dynamo: DistributedDataParallel(...) imports it (and sympy) as it is made, 0.9 s of each rank's start
@@ -40,9 +41,6 @@ MODULES = ("rayhpc.cli", "ray", "rayhpc.collectives.bench", *WORKER_MODULES)
 # draws the same IDs, and two commands started at once collided in Ray's own start-up check (its object store's
 # warm-up object). `serve` checks that it stays unseeded.
 RAY_LIBRARIES = ("ray.tune", "ray.train", "ray.train.torch")
-# where installed: what a task's Hugging Face model imports before its own model's module, 1.1 s of each worker
-# (1.9 s of CPU: the starter of a command's own Ray loads them only where the command has, `--extras`)
-WORKER_EXTRAS = ("transformers", "transformers.modeling_utils")
 # the settings those libraries read from the environment as they load: torch, its compiler and its C libraries
 # (OpenMP, MKL, OpenBLAS), sympy and mpmath (torch._dynamo's), Hugging Face's caches and switches, and those of
 # Ray's libraries (protobuf's implementation, fsspec's configuration, msgpack's pure-Python switch)

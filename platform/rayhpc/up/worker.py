@@ -17,6 +17,11 @@ from pathlib import Path
 
 from rayhpc.up import connection, warm
 
+# where installed: what a task's Hugging Face model imports before its own model's module, 1.1 s of each worker
+# (1.9 s of CPU), which a starter of workers loads too; the starter of a command's own Ray loads them only where
+# the command has (`rayhpc.up.starter --extras`)
+WORKER_EXTRAS = ("transformers", "transformers.modeling_utils")
+
 
 def command() -> str:
     """Ray's `py_executable` for a job's workers: this module, run by this Python."""

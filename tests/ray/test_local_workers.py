@@ -20,7 +20,7 @@ import ray
 @ray.remote(num_cpus=0)
 def seen():  # in a worker forked from the Ray's starter of workers: what that starter had loaded
     return {"torch": "torch" in sys.modules, "transformers": "transformers.modeling_utils" in sys.modules,
-            "env": os.environ["RAYHPC_T_ENV"], "pid": os.getpid()}
+            "env": os.environ["RAYHPC_T_ENV"]}
 
 for task_loaded_it in (False, True):
     if task_loaded_it:

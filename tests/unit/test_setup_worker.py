@@ -12,11 +12,11 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import ray
 
 from rayhpc.up import setup_worker
 
-RAY_SCRIPT = Path(sys.modules["ray"].__file__ if "ray" in sys.modules else
-                  __import__("ray").__file__).parent / "_private" / "workers" / "setup_worker.py"
+RAY_SCRIPT = Path(ray.__file__).parent / "_private" / "workers" / "setup_worker.py"
 WORKER = ["/venv/ray/_private/workers/default_worker.py", "--node-ip-address=192.0.2.2",
           "--object-store-name=/tmp/a folder/plasma", "--raylet-name=/tmp/it's/raylet", "--startup-token=7"]
 CONTEXTS = {

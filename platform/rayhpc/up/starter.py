@@ -91,7 +91,7 @@ def serve(workers: bool = False, extras: tuple[str, ...] = WORKER_EXTRAS) -> Non
                 (_worker if workers else _child)(*child)  # ends the process (the command's exit)
 
 
-def _load(workers: bool, extras: tuple[str, ...] = WORKER_EXTRAS) -> None:
+def _load(workers: bool, extras: tuple[str, ...]) -> None:
     """Import what the processes it starts import; SystemExit where forking them after that would not be safe."""
     import importlib.util
 

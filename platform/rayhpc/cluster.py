@@ -426,7 +426,7 @@ def node_defaults():
       back-off for seconds (4-5 s of every job's start, measured) and then runs without its HTTP server
       (0: the agent binds a free port and reports it, as Ray supports);
     - sets up each worker process with `rayhpc.up.setup_worker`, which does what Ray's own set-up step does
-      without importing Ray: 0.5 s of CPU less in every worker process (a training run starts 6).
+      without importing Ray: 0.5 s of CPU less in every worker process (a training run starts 7).
     `ray start` takes --dashboard-agent-listen-port (the Slurm startup sets it); `ray.init` has no argument for
     either, so the defaults of its private `RayParams` are changed here, for this call only."""
     from ray._private import parameter  # private: the only place either can be set for ray.init

@@ -3,11 +3,14 @@ commands' modules once, then forks a child per command handed over (`rayhpc.up.w
 command's own process would (its files, folder, environment, arguments and exit status).
 
 With `--workers`, the same for the Ray worker processes of the jobs on the cluster (`rayhpc.up.worker`): it
-imports torch and the libraries Ray Tune and Ray Train load (not Ray itself: Ray's core reads its settings,
-the job a worker serves among them, from the environment once, when it is loaded, so a worker forked from a
-process that had loaded Ray aborts), and forks each worker Ray starts. Those libraries read their settings
-from the environment as they load, the starter's; a worker whose environment sets any of them otherwise starts
-as a process of its own (`differing`)."""
+imports torch and the libraries Ray Tune and Ray Train load, but not Ray itself. Ray's core reads the job a
+worker serves and its raylet's pid from the environment once, as it loads (the internal flags of its
+`RayConfig`), and a worker forked from a process that had loaded Ray with other values aborts. So at a job's
+first worker it forks a starter of that job's workers (`_job_starter`), which takes that worker's environment,
+loads Ray, Ray Tune and Ray Train, and forks that worker and the job's next ones: 1 s of CPU less in each
+(a training run starts 7). The libraries read their settings from the environment as they load, the
+starter's; a worker whose environment sets any of them otherwise starts as a process of its own
+(`differing`)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import socket
 import sys
 import tempfile
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rayhpc.slurm.private import write_private
@@ -51,6 +56,21 @@ LOAD_SETTINGS = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_
 COMMAND_SETTINGS = ("RAY_DATA_", "TUNE_", "RAY_AIR_")
 # a worker's own by design: Ray's CPU share for its task, which torch follows in the child (_ThreadsFollowOMP)
 OWN_SETTINGS = frozenset({"OMP_NUM_THREADS"})
+# what a job's workers share and Ray, its libraries and gRPC's core read as they load: the job and its raylet's
+# pid (RAY_JOB_ID, RAY_RAYLET_PID), the job's settings of Ray, Ray Tune and gRPC, its temp folder. Workers
+# whose values are all the same share a starter of a job's workers (`_job_starter`)
+JOB_SETTINGS = ("RAY_", "TUNE_", "GRPC_", "TMPDIR")
+# a starter of a job's workers ends after this long with no worker to start or running (the job has ended)
+JOB_STARTER_IDLE_S = 60.0
+
+
+@dataclass
+class JobStarter:
+    """A starter of one job's workers, forked by the starter of workers: its pid and its end of the channel
+    that passes it each worker's request and files (`_pass`)."""
+
+    pid: int
+    channel: socket.socket
 
 
 def serve(workers: bool = False, extras: tuple[str, ...] = WORKER_EXTRAS) -> None:
@@ -68,27 +88,53 @@ def serve(workers: bool = False, extras: tuple[str, ...] = WORKER_EXTRAS) -> Non
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))  # in the user's 0700 folder; the umask (077) makes it 0600
         listener.listen(16)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
     print(f"rayhpc up: warm starter{' of workers' if workers else ''} on {path}", flush=True)
+    jobs: dict[tuple, JobStarter | None] | None = {} if workers else None  # the starters of jobs' workers
+
+    def stop_jobs() -> None:  # each ends once its workers have ended
+        for job in filter(None, (jobs or {}).values()):
+            job.channel.close()
+
+    child = _loop(listener, lambda selector: _accept(listener, selector, ours, settings, prefixes, jobs), stop_jobs)
+    if child is not None:  # in a forked child: it ends the process (the command's exit)
+        child[0](*child[1:])
+
+
+def _loop(source: socket.socket, take, on_stop=lambda: None, idle_s: float | None = None) -> tuple | None:
+    """Serve the requests that come on `source` (`take(selector)`: start one's child and watch it) until told
+    to stop (SIGTERM, or the end of `source`), or `idle_s` with no child running, and on until every running
+    child's status is sent. In a forked child: what it runs and its arguments, nothing of the loop's left open."""
+    selector = selectors.DefaultSelector()
+    selector.register(source, selectors.EVENT_READ)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
-    # once told to stop (SIGTERM): no new command, and on until every running command's status is sent
-    while not stopping or any(key.fileobj is not listener for key in selector.get_map().values()):
-        if stopping and listener.fileno() >= 0:  # those running end as `rayhpc down` tells them
-            selector.unregister(listener)
-            listener.close()
-        for key, _ in selector.select(timeout=0.2):
-            if key.fileobj is not listener:
+    last = time.monotonic()
+    while not stopping or any(key.fileobj is not source for key in selector.get_map().values()):
+        if stopping and source.fileno() >= 0:  # those running end as `rayhpc down` tells them
+            selector.unregister(source)
+            source.close()
+            on_stop()
+        ready = selector.select(timeout=0.2)
+        for key, _ in ready:
+            if key.fileobj is not source:
                 key.data(key.fileobj)
                 continue
-            child = _accept(listener, selector, ours, settings, prefixes)
+            try:
+                child = take(selector)
+            except EOFError:  # the starter that passed the requests has stopped
+                stopping.append(0)
+                continue
             if child is not None:  # in the forked child: nothing of the starter's stays open in it
                 for other in list(selector.get_map().values()):
                     with contextlib.suppress(OSError):
                         other.fileobj.close() if hasattr(other.fileobj, "close") else os.close(other.fileobj)
                 selector.close()
-                (_worker if workers else _child)(*child)  # ends the process (the command's exit)
+                return child
+        if ready or len(selector.get_map()) > 1:
+            last = time.monotonic()
+        elif idle_s is not None and time.monotonic() - last > idle_s:
+            stopping.append(0)
+    return None
 
 
 def _load(workers: bool, extras: tuple[str, ...]) -> None:
@@ -98,18 +144,29 @@ def _load(workers: bool, extras: tuple[str, ...]) -> None:
     installed = [name for name in extras if importlib.util.find_spec(name.split(".")[0])]
     for name in [*WORKER_MODULES, *installed] if workers else MODULES:
         importlib.import_module(name)
-    if not workers:
-        with _class_ids_from_the_kernel():
-            for name in RAY_LIBRARIES:
-                importlib.import_module(name)
     if workers and "ray" in sys.modules:
         raise SystemExit(f"rayhpc up: warm starter of workers off: {[*WORKER_MODULES, *installed]} imported Ray")
-    if threading.active_count() != 1:
+    if not workers:
+        _load_ray()
+    elif threading.active_count() != 1:
         raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
                          f"({threading.enumerate()}); fork is not safe")
-    if not workers and len({_forked_random_id() for _ in range(2)}) != 2:
+
+
+def _load_ray() -> None:
+    """Import Ray, Ray Tune and Ray Train; SystemExit where forking after that would not be safe."""
+    import importlib
+
+    importlib.import_module("ray")
+    with _class_ids_from_the_kernel():
+        for name in RAY_LIBRARIES:
+            importlib.import_module(name)
+    if threading.active_count() != 1:
+        raise SystemExit(f"rayhpc up: warm starter off: importing Ray's libraries started threads "
+                         f"({threading.enumerate()}); fork is not safe")
+    if len({_forked_random_id() for _ in range(2)}) != 2:
         raise SystemExit("rayhpc up: warm starter off: two children forked from it drew the same random Ray ID "
-                         f"(a module of {MODULES} seeded Ray core's generator); fork is not safe")
+                         f"(a module of {RAY_LIBRARIES} seeded Ray core's generator); fork is not safe")
 
 
 @contextlib.contextmanager
@@ -173,8 +230,9 @@ def differing(env: dict[str, str], settings: dict[str, str], prefixes: tuple[str
 
 
 def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str, settings: dict[str, str],
-            prefixes: tuple[str, ...]):
-    """Serve one request: fork its child and watch it. In the child: (request, fds, connection)."""
+            prefixes: tuple[str, ...], jobs: dict[tuple, JobStarter | None] | None):
+    """Serve one request: fork its child and watch it, or (a starter of workers, `jobs`) pass it to its job's
+    starter, forked for it where it has none. In a forked child: what it runs and its arguments."""
     conn, _ = listener.accept()
     fds: list[int] = []
     try:
@@ -188,18 +246,121 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str
         if other:  # its own process loads them as it has them
             send(conn, {"settings": other})
             raise OSError("other settings")
-        pid = os.fork()
-        if pid == 0:
-            return request, fds, conn
-        send(conn, {"pid": pid})
     except OSError:
         conn.close()
-        pid = None
+        for fd in fds:
+            os.close(fd)
+        return None
+    key = _job_key(request["env"]) if jobs is not None else None
+    if key is not None and key not in jobs:
+        child = _fork_job_starter(jobs, key, request["env"], selector)
+        if child is not None:  # in the job's starter
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            return child
+    job = jobs.get(key) if key is not None else None
+    if job is not None and _pass(job, request, fds, conn):
+        return None
+    return _fork(selector, conn, request, fds, _worker if jobs is not None else _child)
+
+
+def _fork(selector: selectors.BaseSelector, conn: socket.socket, request: dict, fds: list[int], run):
+    """Fork the request's child and watch it. In the child: `run` and its arguments."""
+    pid = os.fork()
+    if pid == 0:
+        return run, request, fds, conn
     for fd in fds:  # the child has its copies
         os.close(fd)
-    if pid is not None:
-        _watch(selector, conn, pid)
+    with contextlib.suppress(OSError):  # the requesting process gone: `_watch` ends the child
+        send(conn, {"pid": pid})
+    _watch(selector, conn, pid)
     return None
+
+
+def _job_key(env: dict[str, str]) -> tuple | None:
+    """What the workers one starter of a job's workers forks share (JOB_SETTINGS); None where Ray gave the worker
+    no job or raylet."""
+    if not env.get("RAY_JOB_ID") or not env.get("RAY_RAYLET_PID"):
+        return None
+    return tuple(sorted((name, value) for name, value in env.items() if name.startswith(JOB_SETTINGS)))
+
+
+def _fork_job_starter(jobs: dict[tuple, JobStarter | None], key: tuple, env: dict[str, str],
+                      selector: selectors.BaseSelector):
+    """Fork the starter of the workers that share `key` (`jobs[key]`) and watch it; once one has failed (not
+    ended idle), none again for them. In the forked starter: `_job_starter` and its arguments."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # a message per request
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        for job in filter(None, jobs.values()):  # their channels end when the starter of workers closes them
+            job.channel.close()
+        return _job_starter, theirs, env, parent
+    theirs.close()
+    ours.setblocking(False)  # a full queue: the worker is forked here instead (`_pass`)
+    jobs[key] = JobStarter(pid, ours)
+    pidfd = os.pidfd_open(pid)
+
+    def ended(_fd) -> None:
+        selector.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        jobs[key].channel.close()
+        if os.waitstatus_to_exitcode(status) == 0:  # idle: another where the job comes back
+            del jobs[key]
+        else:
+            jobs[key] = None
+
+    selector.register(pidfd, selectors.EVENT_READ, ended)
+    return None
+
+
+def _pass(job: JobStarter, request: dict, fds: list[int], conn: socket.socket) -> bool:
+    """Pass the request, its files and its connection to its job's starter, which forks and watches the worker;
+    False where that starter takes no more (ended, or its queue full)."""
+    try:
+        send(job.channel, request, [*fds, conn.fileno()])
+    except OSError:
+        return False
+    for fd in fds:  # the job's starter has its copies
+        os.close(fd)
+    conn.close()
+    return True
+
+
+def _job_starter(channel: socket.socket, env: dict[str, str], parent: int) -> None:
+    """The starter of one job's workers, forked by the starter of workers at the job's first worker: it takes
+    that worker's environment, loads Ray, Ray Tune and Ray Train with it, as the worker would, and forks the
+    workers passed to it (`_pass`) until the starter of workers stops, or for JOB_STARTER_IDLE_S no worker has
+    come or run (the job has ended)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the starter of workers gone, this goes too
+    if os.getppid() != parent:
+        return
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None
+    _load_ray()
+    child = _loop(channel, lambda selector: _take(channel, selector), idle_s=JOB_STARTER_IDLE_S)
+    if child is not None:  # in a forked worker: it ends the process
+        child[0](*child[1:])
+
+
+def _take(channel: socket.socket, selector: selectors.BaseSelector):
+    """In a job's starter: fork and watch the worker of the next request passed to it (`_pass`); EOFError where
+    the starter of workers has stopped."""
+    request, fds = receive(channel, max_fds=4)
+    if request is None or len(fds) != 4:
+        for fd in fds:
+            os.close(fd)
+        if request is None:
+            raise EOFError
+        return None
+    conn = socket.socket(fileno=fds.pop())
+    return _fork(selector, conn, request, fds, _worker)
 
 
 def _watch(selector: selectors.BaseSelector, conn: socket.socket, pid: int) -> None:

@@ -58,11 +58,12 @@ def send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
         conn.sendall(data)
 
 
-def receive(conn: socket.socket) -> tuple[dict | None, list[int]]:
-    """One message (a JSON line) and the file descriptors that came with it; None at the end of the stream."""
+def receive(conn: socket.socket, max_fds: int = 3) -> tuple[dict | None, list[int]]:
+    """One message (a JSON line) and the file descriptors that came with it; None at the end of the stream. Read
+    whole at once where it fits: a message socket (SOCK_SEQPACKET) would drop the rest."""
     data, fds = b"", []
     while not data.endswith(b"\n") and len(data) < MAX_REQUEST:
-        chunk, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(3 * array.array("i").itemsize))
+        chunk, ancillary, _, _ = conn.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(max_fds * array.array("i").itemsize))
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds += array.array("i", payload[:len(payload) - len(payload) % 4]).tolist()

@@ -7,6 +7,7 @@ import atexit
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -50,22 +51,27 @@ def ray_cluster():
     ctx = cluster.start_local(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
     # were they Ray's own, every test would pass as well, only slower (2.3x in test_parallel, test_ps,
     # test_search, test_train and test_training_options). The first worker comes at once, while its starter
-    # imports: it waits for the starter (rayhpc.up.warm.waiting_for)
-    assert worker_parent() == warm_starter(os.getpid()), "the shared cluster's workers are not forks of its warm starter"
+    # imports: it waits for the starter (rayhpc.up.warm.waiting_for). Forked by the starter of this job's workers
+    # (the starter's child), which has loaded Ray Tune and Ray Train (in each of them, 1 s of CPU less again)
+    parents, ray_loaded = worker_parents()
+    assert parents[1] == warm_starter(os.getpid()) and ray_loaded, "the shared cluster's workers are not warm forks"
     assert set_up_by(os.getpid()) == setup_worker.__file__, "the shared cluster's workers are set up by Ray's own script"
     yield ctx.address_info
     cluster.disconnect()
 
 
-def worker_parent() -> int:
-    """The parent process of a Ray worker of this job's."""
+def worker_parents() -> tuple[list[int], bool]:
+    """The parent and grandparent processes of a Ray worker of this job's, and whether it had Ray Tune and Ray
+    Train loaded before its task ran."""
     import ray
 
     @ray.remote(num_cpus=0)
-    def parent() -> int:
-        return os.getppid()
+    def parents() -> tuple[list[int], bool]:
+        import psutil  # Ray's
 
-    return ray.get(parent.remote())
+        return [os.getppid(), psutil.Process(os.getppid()).ppid()], {"ray.tune", "ray.train.torch"} <= set(sys.modules)
+
+    return ray.get(parents.remote())
 
 
 def set_up_by(parent: int) -> str | None:

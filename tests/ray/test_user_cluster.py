@@ -141,6 +141,9 @@ def probe():
     import importlib.util  # before this task's code imports them; transformers where installed
     hf = {"transformers.modeling_utils"} if importlib.util.find_spec("transformers") else set()
     imported = {"torch", "torch._dynamo", *hf} <= set(sys.modules)
+    ray_loaded = {"ray.tune", "ray.train.torch"} <= set(sys.modules)  # by its job's starter, with its job
+    parents = [os.getppid()]
+    parents.append(int(open(f"/proc/{parents[0]}/stat").read().rsplit(")", 1)[1].split()[1]))
     import tempfile, random, torch, sympy.core.cache, numpy, io, contextlib, weakref
     class Item:
         pass
@@ -151,13 +154,14 @@ def probe():
         del items
     return {"lost_exit_printed": "SystemExit" in printed.getvalue(),
             "other_printed": "ValueError: invalid literal for int() with base 10: 'kept'" in printed.getvalue(),
-            "numpy": numpy.random.random(), "random": random.random(), "ppid": os.getppid(), "imported": imported,
+            "numpy": numpy.random.random(), "random": random.random(), "parents": parents, "imported": imported,
+            "ray_loaded": ray_loaded, "job": ray.get_runtime_context().get_job_id(),
             "threads": torch.get_num_threads(),
             "omp": os.environ["OMP_NUM_THREADS"], "tmp": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"],
             "sum": float(torch.arange(4.0).sum()), "own_group": os.getpgid(0) == os.getpid(),
             "sympy_cache": sympy.core.cache.USE_CACHE, "path": sys.path}
 
-print(json.dumps(ray.get(probe.remote())))
+print(json.dumps({**ray.get(probe.remote()), "driver_job": ray.get_runtime_context().get_job_id()}))
 """
 
 
@@ -171,8 +175,9 @@ def probe_worker(folder: Path, env_vars: dict | None = None) -> dict:
 
 def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_else_processes_of_their_own(
         user_cluster, tmp_path):
-    """With the starter of workers up, a job's Ray worker is its child with torch imported, and behaves as one
-    of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for `tempfile`, a process group of
+    """With the starter of workers up, a job's Ray worker is forked, with torch imported, by the starter of that
+    job's workers, the starter of workers' child, which has loaded Ray, Ray Tune and Ray Train for that job (each
+    job its own), and behaves as one of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for `tempfile`, a process group of
     its own (Ray ends a worker by its group), and the same `sys.path`. Without one (its socket gone: Ray starts
     the workers as it would), or with a socket no starter answers (the worker's process runs the worker itself),
     the job runs the same. A worker whose environment sets what the starter's
@@ -181,13 +186,15 @@ def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_el
     (Ray forwarded it to the user's terminal at the end of a sweep)."""
     starter, sock = user_cluster["workers_pid"], connection.workers_socket_path()
     warm_one = probe_worker(tmp_path)
-    assert warm_one["ppid"] == starter and warm_one["imported"], (warm_one, starter)
+    assert warm_one["parents"][1] == starter and warm_one["imported"] and warm_one["ray_loaded"], (warm_one, starter)
+    assert warm_one["job"] == warm_one["driver_job"], warm_one
     assert warm_one["threads"] == int(warm_one["omp"]) and warm_one["tmp"] == warm_one["TMPDIR"], warm_one
     assert warm_one["sum"] == 6.0 and warm_one["sympy_cache"] == "yes"
     assert not warm_one["lost_exit_printed"] and warm_one["other_printed"], warm_one
     # read by sympy as torch._dynamo loads it (as DistributedDataParallel does) in the starter, not by torch's C code
     other = probe_worker(tmp_path, {"SYMPY_USE_CACHE": "no"})
-    assert other["ppid"] != starter and not other["imported"] and other["sympy_cache"] == "no", (other, starter)
+    assert starter not in other["parents"] and not other["imported"] and other["sympy_cache"] == "no", other
+    assert not other["ray_loaded"], other
     moved = sock.with_name("moved.sock")
     sock.rename(moved)
     try:
@@ -198,11 +205,15 @@ def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_el
     finally:
         moved.rename(sock)
     for one in (cold, unanswered):
-        assert one["ppid"] != starter and not one["imported"] and one["lost_exit_printed"], (one, starter)
+        assert starter not in one["parents"] and not one["imported"] and one["lost_exit_printed"], (one, starter)
+        assert not one["ray_loaded"], one
         same = ("threads", "omp", "sum", "own_group", "path")  # the path: as `python default_worker.py` has it
         assert {k: one[k] for k in same} == {k: warm_one[k] for k in same}, (one, warm_one)
     again = probe_worker(tmp_path)
-    assert again["ppid"] == starter  # warm again
+    assert again["parents"][1] == starter and again["ray_loaded"], (again, starter)  # warm again
+    # another job: another job's starter, which loaded Ray with that job
+    assert again["job"] == again["driver_job"] != warm_one["job"], (again, warm_one)
+    assert again["parents"][0] != warm_one["parents"][0], (again, warm_one)
     # each fork draws numbers of its own from numpy's and Python's global generators, as processes of their own do
     assert again["numpy"] != warm_one["numpy"] and again["random"] != warm_one["random"], (again, warm_one)
 

@@ -398,6 +398,9 @@ def _become(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.path[:] = request["path"]
+    if "ray" in sys.modules:  # loaded by the starter: what Ray's import does to the path (its bundled psutil)
+        bundled = os.path.join(os.path.dirname(os.path.abspath(sys.modules["ray"].__file__)), "thirdparty_files")
+        sys.path[:0] = [bundled] if bundled not in sys.path else []
     sys.argv[:] = request["sys_argv"]
     # a fork shares the starter's random state: Python's `random` reseeds itself in a forked child, numpy's
     # global generator (seeded once, as torch loaded it) does not, and two jobs' unseeded draws would be the same

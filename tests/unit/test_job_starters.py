@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -118,7 +119,11 @@ def test_stopped_the_starters_end_once_their_running_workers_have_ended(workers_
 def test_a_job_starter_stops_after_idle_s_without_a_worker_and_at_the_end_of_its_channel():
     """`_loop` as a job's starter runs it: idle (no request, no worker running) for `idle_s`, or once the starter
     of workers closes its end of the channel, it returns."""
-    before = signal.getsignal(signal.SIGTERM)
+    def never_returned(_signum, _frame):
+        raise AssertionError("the loop did not return")
+
+    before = signal.getsignal(signal.SIGTERM), signal.signal(signal.SIGALRM, never_returned)
+    signal.alarm(20)
     try:
         for idle_s, close in ((0.5, False), (None, True)):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -130,28 +135,28 @@ def test_a_job_starter_stops_after_idle_s_without_a_worker_and_at_the_end_of_its
             waited = time.monotonic() - began
             assert (0.5 <= waited < 5) if idle_s else waited < 1, (idle_s, waited)
             ours.close()
-        # busy (a request's child running) it does not stop: `take` forks none here, so a watched fd stands in
+        # busy (a request's child running, watched until 1.5 s) it is not idle: it takes a request at 1 s
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         read, write = os.pipe()
+        taken = []
 
-        def take(selector: selectors.BaseSelector):
-            ours.recv(10)
-            selector.register(read, selectors.EVENT_READ, lambda fd: selector.unregister(fd))
-            return None
+        def take(selector: selectors.BaseSelector) -> None:
+            taken.append(theirs.recv(10))
+            if len(taken) == 1:
+                selector.register(read, selectors.EVENT_READ, selector.unregister)
 
-        ours_peer = theirs
-        ours_peer.send(b"x")  # a request on the loop's side: the loop reads `ours`
-        os.write(write, b"") if False else None
+        ours.send(b"first")
+        threading.Timer(1.0, ours.send, (b"second",)).start()
+        threading.Timer(1.5, os.write, (write, b"ended")).start()
         began = time.monotonic()
-        import threading
-
-        threading.Timer(1.5, os.write, (write, b"done")).start()
-        assert starter_module._loop(ours, take, idle_s=0.3) is None
-        assert time.monotonic() - began >= 1.5
-        for fd in (read, write):
-            os.close(fd)
+        assert starter_module._loop(theirs, take, idle_s=0.3) is None
+        assert 1.5 <= time.monotonic() - began < 10 and taken == [b"first", b"second"], taken
+        for end in (read, write, ours.detach(), theirs.detach()):
+            os.close(end)
     finally:
-        signal.signal(signal.SIGTERM, before)
+        signal.alarm(0)
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGALRM, before[1])
 
 
 def children(pid: int) -> list[int]:
@@ -160,8 +165,8 @@ def children(pid: int) -> list[int]:
 
 
 def wait_gone(pid: int, timeout_s: float = 30) -> None:
+    """Until `pid` has ended and its parent (the starter of workers) has reaped it."""
     deadline = time.monotonic() + timeout_s
-    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+    while os.path.exists(f"/proc/{pid}"):
         assert time.monotonic() < deadline, f"{pid} did not end"
         time.sleep(0.05)
-    time.sleep(0.3)  # the starter of workers has reaped it (its pidfd) before the next request

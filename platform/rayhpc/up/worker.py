@@ -4,7 +4,8 @@
 
 Jobs that join the cluster name this as their workers' Python (Ray's `py_executable`, `runtime_env`). It
 hands the worker over to the cluster's warm starter of workers (`rayhpc.up.starter --workers`), which has
-imported torch once: its child runs Ray's worker script with this process's files, folder, environment and
+imported torch once (and, once per job, Ray: the starter of the job's workers it forks): a child runs Ray's
+worker script with this process's files, folder, environment and
 arguments, seconds sooner, and this process waits for it, passing on every stop signal (`rayhpc.up.warm`).
 Where there is no such starter (or one of other code), it becomes the worker itself. Standard library only.
 """

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from rayhpc.slurm.private import write_private
@@ -64,15 +63,6 @@ JOB_SETTINGS = ("RAY_", "TUNE_", "GRPC_", "TMPDIR")
 JOB_STARTER_IDLE_S = 60.0
 
 
-@dataclass
-class JobStarter:
-    """A starter of one job's workers, forked by the starter of workers: its pid and its end of the channel
-    that passes it each worker's request and files (`_pass`)."""
-
-    pid: int
-    channel: socket.socket
-
-
 def serve(workers: bool = False, extras: tuple[str, ...] = WORKER_EXTRAS) -> None:
     """The starter's loop (`python -m rayhpc.up.starter [--workers [--extras A,B]]`): a child per request, its
     status back when it ends. `extras`: those of `WORKER_EXTRAS` a starter of workers loads where installed."""
@@ -89,14 +79,15 @@ def serve(workers: bool = False, extras: tuple[str, ...] = WORKER_EXTRAS) -> Non
         listener.bind(str(path))  # in the user's 0700 folder; the umask (077) makes it 0600
         listener.listen(16)
     print(f"rayhpc up: warm starter{' of workers' if workers else ''} on {path}", flush=True)
-    jobs: dict[tuple, JobStarter | None] | None = {} if workers else None  # the starters of jobs' workers
+    # the starters of jobs' workers: our end of the channel to each (None: it failed, none again for that job)
+    jobs: dict[tuple, socket.socket | None] | None = {} if workers else None
 
     def stop_jobs() -> None:  # each ends once its workers have ended
-        for job in filter(None, (jobs or {}).values()):
-            job.channel.close()
+        for channel in filter(None, (jobs or {}).values()):
+            channel.close()
 
     child = _loop(listener, lambda selector: _accept(listener, selector, ours, settings, prefixes, jobs), stop_jobs)
-    if child is not None:  # in a forked child: it ends the process (the command's exit)
+    if child is not None:  # in a forked child (a command, a worker, a job's starter): it ends the process
         child[0](*child[1:])
 
 
@@ -148,23 +139,26 @@ def _load(workers: bool, extras: tuple[str, ...]) -> None:
         raise SystemExit(f"rayhpc up: warm starter of workers off: {[*WORKER_MODULES, *installed]} imported Ray")
     if not workers:
         _load_ray()
-    elif threading.active_count() != 1:
-        raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
-                         f"({threading.enumerate()}); fork is not safe")
+    _fork_safe()
 
 
 def _load_ray() -> None:
-    """Import Ray, Ray Tune and Ray Train; SystemExit where forking after that would not be safe."""
+    """Import Ray, Ray Tune and Ray Train, the latter two without seeding Ray core's generator of random IDs."""
     import importlib
 
     importlib.import_module("ray")
     with _class_ids_from_the_kernel():
         for name in RAY_LIBRARIES:
             importlib.import_module(name)
+
+
+def _fork_safe() -> None:
+    """SystemExit where children forked from this process would not be safe: an import started a thread, or
+    seeded Ray core's generator of random IDs (every child would draw the same IDs)."""
     if threading.active_count() != 1:
-        raise SystemExit(f"rayhpc up: warm starter off: importing Ray's libraries started threads "
+        raise SystemExit(f"rayhpc up: warm starter off: importing the platform started threads "
                          f"({threading.enumerate()}); fork is not safe")
-    if len({_forked_random_id() for _ in range(2)}) != 2:
+    if "ray" in sys.modules and len({_forked_random_id() for _ in range(2)}) != 2:
         raise SystemExit("rayhpc up: warm starter off: two children forked from it drew the same random Ray ID "
                          f"(a module of {RAY_LIBRARIES} seeded Ray core's generator); fork is not safe")
 
@@ -230,7 +224,7 @@ def differing(env: dict[str, str], settings: dict[str, str], prefixes: tuple[str
 
 
 def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str, settings: dict[str, str],
-            prefixes: tuple[str, ...], jobs: dict[tuple, JobStarter | None] | None):
+            prefixes: tuple[str, ...], jobs: dict[tuple, socket.socket | None] | None):
     """Serve one request: fork its child and watch it, or (a starter of workers, `jobs`) pass it to its job's
     starter, forked for it where it has none. In a forked child: what it runs and its arguments."""
     conn, _ = listener.accept()
@@ -259,8 +253,8 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str
             for fd in fds:
                 os.close(fd)
             return child
-    job = jobs.get(key) if key is not None else None
-    if job is not None and _pass(job, request, fds, conn):
+    channel = jobs.get(key) if key is not None else None
+    if channel is not None and _pass(channel, request, fds, conn):
         return None
     return _fork(selector, conn, request, fds, _worker if jobs is not None else _child)
 
@@ -286,7 +280,7 @@ def _job_key(env: dict[str, str]) -> tuple | None:
     return tuple(sorted((name, value) for name, value in env.items() if name.startswith(JOB_SETTINGS)))
 
 
-def _fork_job_starter(jobs: dict[tuple, JobStarter | None], key: tuple, env: dict[str, str],
+def _fork_job_starter(jobs: dict[tuple, socket.socket | None], key: tuple, env: dict[str, str],
                       selector: selectors.BaseSelector):
     """Fork the starter of the workers that share `key` (`jobs[key]`) and watch it; once one has failed (not
     ended idle), none again for them. In the forked starter: `_job_starter` and its arguments."""
@@ -295,19 +289,19 @@ def _fork_job_starter(jobs: dict[tuple, JobStarter | None], key: tuple, env: dic
     pid = os.fork()
     if pid == 0:
         ours.close()
-        for job in filter(None, jobs.values()):  # their channels end when the starter of workers closes them
-            job.channel.close()
+        for channel in filter(None, jobs.values()):  # they end when the starter of workers closes them
+            channel.close()
         return _job_starter, theirs, env, parent
     theirs.close()
     ours.setblocking(False)  # a full queue: the worker is forked here instead (`_pass`)
-    jobs[key] = JobStarter(pid, ours)
+    jobs[key] = ours
     pidfd = os.pidfd_open(pid)
 
     def ended(_fd) -> None:
         selector.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
-        jobs[key].channel.close()
+        ours.close()
         if os.waitstatus_to_exitcode(status) == 0:  # idle: another where the job comes back
             del jobs[key]
         else:
@@ -317,11 +311,11 @@ def _fork_job_starter(jobs: dict[tuple, JobStarter | None], key: tuple, env: dic
     return None
 
 
-def _pass(job: JobStarter, request: dict, fds: list[int], conn: socket.socket) -> bool:
+def _pass(channel: socket.socket, request: dict, fds: list[int], conn: socket.socket) -> bool:
     """Pass the request, its files and its connection to its job's starter, which forks and watches the worker;
     False where that starter takes no more (ended, or its queue full)."""
     try:
-        send(job.channel, request, [*fds, conn.fileno()])
+        send(channel, request, [*fds, conn.fileno()])
     except OSError:
         return False
     for fd in fds:  # the job's starter has its copies
@@ -344,6 +338,7 @@ def _job_starter(channel: socket.socket, env: dict[str, str], parent: int) -> No
     os.environ.update(env)
     tempfile.tempdir = None
     _load_ray()
+    _fork_safe()
     child = _loop(channel, lambda selector: _take(channel, selector), idle_s=JOB_STARTER_IDLE_S)
     if child is not None:  # in a forked worker: it ends the process
         child[0](*child[1:])

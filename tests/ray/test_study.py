@@ -12,13 +12,10 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
 from helpers import ROOT, job_env, run_job
 from rayhpc.study.folder import LEDGER_FILE, PACKS_DIR, RESULTS_FILE, SLICES_DIR
 from rayhpc.study.search import _journal
-
-pytestmark = pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers), which balances the two sessions
 
 # a small discrete space (8 configurations): 64 trials find its best in any order of proposals, so that the
 # best of two slices is comparable with one slice's (a trial's result depends on its configuration alone)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,13 +38,15 @@ print(json.dumps({"parent": parent, "grandparent": grandparent, "ray": {"ray.tun
 
 @pytest.fixture()
 def workers_starter(tmp_path):
-    """A starter of workers of its own (in `tmp_path`, as RAYHPC_HOME), and what a worker's environment holds."""
+    """A starter of workers of its own (with a RAYHPC_HOME of its own), and what a worker's environment holds."""
+    # not in `tmp_path`, which may be too deep for a socket's path (107 bytes) once the suite's TMPDIR is private
+    home = Path(tempfile.mkdtemp(prefix="rayhpc-home-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYHPC_HOME"))}
-    env.update(RAYHPC_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT / "platform"))
-    (tmp_path / "home" / "clusters").mkdir(mode=0o700, parents=True)  # as `rayhpc up` makes it
+    env.update(RAYHPC_HOME=str(home), PYTHONPATH=str(ROOT / "platform"))
+    (home / "clusters").mkdir(mode=0o700)  # as `rayhpc up` makes it
     proc = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter", "--workers", "--extras", ""], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sock = tmp_path / "home" / "clusters" / f"{socket.gethostname().split('.')[0]}-workers.sock"
+    sock = home / "clusters" / f"{socket.gethostname().split('.')[0]}-workers.sock"
     deadline = time.monotonic() + 120
     while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
         waiting_for(sock, timeout_s=1)
@@ -50,6 +55,7 @@ def workers_starter(tmp_path):
     yield proc, env
     proc.kill()
     proc.wait()
+    shutil.rmtree(home)
 
 
 def worker(env: dict, folder, job: str | None, **extra: str) -> subprocess.Popen:

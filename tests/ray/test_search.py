@@ -160,12 +160,15 @@ def test_a_time_budget_ends_the_sweep_in_time_and_resume_continues_it(ray_addres
     interval = (reported["train_seconds"] / reported["iterations"]).max() if len(reported) else 0.0
     assert took <= budget + interval + STOP_S, (took, interval)
     assert set(table["status"]) <= {"finished", "interrupted", "pending"} and set(table["status"]) != {"finished"}
-    stopped = table.loc[table["status"] == "interrupted", ["trial_id", "iterations"]].values.tolist()
+    stopped = table.loc[table["status"] == "interrupted", ["trial_id", "iterations", "val_loss"]].values.tolist()
     resumed = run_sweep(sweep(tmp_path, resume=True, **kw))
     assert set(resumed["status"]) == {"finished"} and (resumed["iterations"] == 40).all(), resumed
-    for trial_id, iterations in stopped:  # each went on from its checkpoint: the last one Tune had recorded
+    for trial_id, iterations, val_loss in stopped:  # each went on from its checkpoint: the last one Tune had recorded
         last = json.loads(next((tmp_path / "budget").glob(f"*{trial_id}*/result.json")).read_text().splitlines()[-1])
-        assert min(1, iterations) <= last["resumed_from_epoch"] <= iterations, (trial_id, iterations, last)
+        if iterations == 40:  # stopped after its last epoch's checkpoint: its final metrics again, nothing retrained
+            assert last["epoch"] == 40 and last["val_loss"] == val_loss, (trial_id, val_loss, last)
+        else:
+            assert min(1, iterations) <= last["resumed_from_epoch"] <= iterations, (trial_id, iterations, last)
 
 
 def test_repeats_are_members_of_one_pack_each_equal_to_its_seed_alone_and_summarised(ray_address, tmp_path):

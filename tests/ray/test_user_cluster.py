@@ -142,8 +142,8 @@ def probe():
     hf = {"transformers.modeling_utils"} if importlib.util.find_spec("transformers") else set()
     imported = {"torch", "torch._dynamo", *hf} <= set(sys.modules)
     ray_loaded = {"ray.tune", "ray.train.torch"} <= set(sys.modules)  # by its job's starter, with its job
-    parents = [os.getppid()]
-    parents.append(int(open(f"/proc/{parents[0]}/stat").read().rsplit(")", 1)[1].split()[1]))
+    import psutil  # Ray's
+    parents = [os.getppid(), psutil.Process(os.getppid()).ppid()]
     import tempfile, random, torch, sympy.core.cache, numpy, io, contextlib, weakref
     class Item:
         pass
@@ -177,13 +177,13 @@ def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_el
         user_cluster, tmp_path):
     """With the starter of workers up, a job's Ray worker is forked, with torch imported, by the starter of that
     job's workers, the starter of workers' child, which has loaded Ray, Ray Tune and Ray Train for that job (each
-    job its own), and behaves as one of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for `tempfile`, a process group of
-    its own (Ray ends a worker by its group), and the same `sys.path`. Without one (its socket gone: Ray starts
-    the workers as it would), or with a socket no starter answers (the worker's process runs the worker itself),
-    the job runs the same. A worker whose environment sets what the starter's
-    modules read as they loaded otherwise is a process of its own, which reads it. A SystemExit that Python cannot
-    raise (Ray's SIGTERM handler's, in a weakref callback) is printed by a worker of its own, not by a forked one
-    (Ray forwarded it to the user's terminal at the end of a sweep)."""
+    job its own), and behaves as one of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for
+    `tempfile`, a process group of its own (Ray ends a worker by its group), and the same `sys.path`. Without one
+    (its socket gone: Ray starts the workers as it would), or with a socket no starter answers (the worker's process
+    runs the worker itself), the job runs the same. A worker whose environment sets what the starter's modules read
+    as they loaded otherwise is a process of its own, which reads it. A SystemExit that Python cannot raise (Ray's
+    SIGTERM handler's, in a weakref callback) is printed by a worker of its own, not by a forked one (Ray forwarded
+    it to the user's terminal at the end of a sweep)."""
     starter, sock = user_cluster["workers_pid"], connection.workers_socket_path()
     warm_one = probe_worker(tmp_path)
     assert warm_one["parents"][1] == starter and warm_one["imported"] and warm_one["ray_loaded"], (warm_one, starter)

@@ -31,8 +31,9 @@ parent = os.getppid()
 grandparent = int(open(f"/proc/{parent}/stat").read().rsplit(")", 1)[1].split()[1])
 while os.environ.get("T_WAIT_FOR") and not os.path.exists(os.environ["T_WAIT_FOR"]):
     time.sleep(0.05)
-print(json.dumps({"parent": parent, "grandparent": grandparent, "ray": {"ray.tune", "ray.train.torch"} <= set(sys.modules),
-                  "job": os.environ.get("RAY_JOB_ID"), "path": sys.path}))
+ray = {"ray.tune", "ray.train.torch"} <= set(sys.modules)
+print(json.dumps({"parent": parent, "grandparent": grandparent, "ray": ray, "job": os.environ.get("RAY_JOB_ID"),
+                  "path": sys.path}))
 """
 
 
@@ -157,8 +158,10 @@ def test_a_job_starter_stops_after_idle_s_without_a_worker_and_at_the_end_of_its
         began = time.monotonic()
         assert starter_module._loop(theirs, take, idle_s=0.3) is None
         assert 1.5 <= time.monotonic() - began < 10 and taken == [b"first", b"second"], taken
-        for end in (read, write, ours.detach(), theirs.detach()):
+        for end in (read, write):
             os.close(end)
+        ours.close()
+        theirs.close()
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGTERM, before[0])

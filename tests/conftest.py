@@ -4,6 +4,7 @@ markers each folder's tests get. Helpers are in helpers.py."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import subprocess
@@ -48,7 +49,14 @@ def ray_cluster():
     # of workers as well (as a command's is where its task's model is a Hugging Face one), not by each worker
     if importlib.util.find_spec("transformers"):
         import transformers.modeling_utils  # noqa: F401
-    ctx = cluster.start_local(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
+    with node_asks() as asks:
+        ctx = cluster.start_local(num_cpus=2, num_gpus=0, logging_level="WARNING", include_dashboard=True)
+    # Ray asked the GCS for its node once, after the raylet had registered: the platform watched for that itself
+    # (cluster.registration_polled); Ray's own ask sleeps a whole second after each miss
+    assert asks == [True], f"Ray's start asked for its node before its raylet had registered: {asks}"
+    # and the raylet tries its object store's socket every 50 ms, not every second (cluster.socket_polling)
+    raylet_env = raylet(os.getpid()).environ()
+    assert cluster.socket_polling().items() <= raylet_env.items(), "the raylet polls its sockets at Ray's default"
     # were they Ray's own, every test would pass as well, only slower (2.3x in test_parallel, test_ps,
     # test_search, test_train and test_training_options). The first worker comes at once, while its starter
     # imports: it waits for the starter (rayhpc.up.warm.waiting_for). Forked by the starter of this job's workers
@@ -74,16 +82,40 @@ def worker_parents() -> tuple[list[int], bool]:
     return ray.get(parents.remote())
 
 
+@contextlib.contextmanager
+def node_asks():
+    """Inside: for each time Ray's start asks the GCS for its node (Ray's private `services.get_node`), whether
+    the node had registered by then."""
+    from ray._private import services
+    from ray._raylet import GcsClient
+
+    asks, get_node = [], services.get_node
+
+    def recorded(gcs_address, node_id, *args, **kwargs):
+        alive = GcsClient(address=gcs_address).get_all_node_info(timeout=30, state_filter=0)  # 0: ALIVE
+        asks.append(any(found.hex() == node_id for found in alive))
+        return get_node(gcs_address, node_id, *args, **kwargs)
+
+    services.get_node = recorded
+    try:
+        yield asks
+    finally:
+        services.get_node = get_node
+
+
+def raylet(parent: int):
+    """The raylet among `parent`'s children (a psutil.Process), if any."""
+    import psutil  # Ray's
+
+    return next((child for child in psutil.Process(parent).children() if child.name() == "raylet"), None)
+
+
 def set_up_by(parent: int) -> str | None:
     """The script that the raylet among `parent`'s children runs to set up each worker (Ray's `setup_worker_path`,
     the second word of the command it starts workers with)."""
-    import psutil  # Ray's
-
-    for child in psutil.Process(parent).children():
-        flag = next((arg for arg in child.cmdline() if arg.startswith("--python_worker_command=")), None)
-        if child.name() == "raylet" and flag:
-            return flag.split("=", 1)[1].split()[1]
-    return None
+    found = raylet(parent)
+    flag = next((arg for arg in found.cmdline() if arg.startswith("--python_worker_command=")), None) if found else None
+    return flag.split("=", 1)[1].split()[1] if flag else None
 
 
 def warm_starter(parent: int) -> int | None:

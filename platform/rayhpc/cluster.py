@@ -247,6 +247,28 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     return res
 
 
+def first_worker_now():
+    """Ask for this job's first worker process now, without waiting for it, where the job's workers start warm
+    (a local Ray of this process's, the user's cluster): the reference of its task, or None. The job's first worker makes a starter of that job's
+    workers load Ray, Ray Tune and Ray Train (`rayhpc.up.starter`: about 1 s on one core); asked for here, that
+    overlaps the job's own set-up in this process (Tune's experiment) instead of following it. A task of no CPU
+    that does nothing: it holds no resource, and its worker stays in Ray's pool for the job's first actor.
+
+    Only for actors with the job's own runtime environment (Tune's trials): Ray Train gives its controller and
+    workers settings of their own (`runtime_env` env_vars), so their workers have a starter of their own, and
+    this one would load Ray beside it on the same cores (a training run's first step came 1 s later, measured)."""
+    import ray
+
+    if not ((_local and _local[-1].starter is not None) or ray.get_runtime_context().gcs_address in _user_cluster):
+        return None
+
+    @ray.remote(num_cpus=0)
+    def nothing():
+        return None
+
+    return nothing.remote()  # the job does not wait for it
+
+
 def warm_workers() -> dict:
     """A job's Ray workers on the user's cluster start as forks of its warm starter of workers, which has
     imported torch (`rayhpc.up.worker`); none where it has no such starter (`rayhpc up --no-warm`)."""
@@ -295,6 +317,9 @@ class LocalCluster:
     marker: str
     token_before: dict[str, str | None]
     starter: subprocess.Popen | None = None  # its warm starter of workers (`own_warm_workers`)
+    runtime_env: dict | None = None  # what makes its workers the starter's forks (`own_warm_workers`)
+    extras: tuple[str, ...] = ()  # the libraries of `WORKER_EXTRAS` the starter loads
+    settings: dict[str, str] | None = None  # the libraries' settings it loaded them with (`starter.LOAD_SETTINGS`)
 
     @property
     def token(self) -> Path:
@@ -332,22 +357,23 @@ def start_local(warm: bool = True, **init_kwargs):
     (`warm`, `own_warm_workers`)."""
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
-    private_tmpdir()  # TMPDIR: this process's own, which the processes of its Ray inherit
-    # in the TMPDIR the process was given, not in its private one: Ray's socket paths must stay under 107 bytes
-    folder = Path(tempfile.mkdtemp(prefix="rayhpc-", dir=os.environ[OWN_TMPDIR_BASE]))
-    local = LocalCluster(folder, secrets.token_hex(8),
-                         {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")})
+    warm = warm and os.environ.get(WARM_WORKERS_VARIABLE) != "0"
+    local = (_prepared_for_use() if warm else None) or _new_local()
+    folder = local.folder
+    local.token_before = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
     write_private(local.token, secrets.token_hex(32), replace=False)  # as Ray's own generator makes one
     use_token(local.token)
-    warm = warm and os.environ.get(WARM_WORKERS_VARIABLE) != "0"
     # the workers Ray starts ahead for the first job (one per CPU, each importing Ray) are of no runtime
     # environment: with warm workers, whose Python is the job's, no task could use them
     prestart = {"RAY_prestart_worker_first_driver": "0"} if warm else {}
     try:
-        with environment(**{CLUSTER_MARKER: local.marker, "RAY_GCS_SERVER_PORT": None, **prestart}), \
-                gcs_address_published(), node_defaults():
+        with environment(**{CLUSTER_MARKER: local.marker, "RAY_GCS_SERVER_PORT": None, **prestart,
+                            **socket_polling()}), \
+                gcs_address_published(), node_defaults(), registration_polled():
             if warm:  # a runtime_env given wins, key by key
-                init_kwargs["runtime_env"] = {**own_warm_workers(local), **init_kwargs.get("runtime_env", {})}
+                if local.starter is None:
+                    own_warm_workers(local)
+                init_kwargs["runtime_env"] = {**local.runtime_env, **init_kwargs.get("runtime_env", {})}
             # in a folder of its own inside ours: Ray makes its temp dir 0777, ours stays 0700; the dashboard on a
             # port of its own choosing (0), not Ray's 8265 (one port for every Ray on the node)
             ctx = ray.init(address="local", _temp_dir=str(folder / "ray"), **{"dashboard_port": 0, **init_kwargs})
@@ -360,6 +386,69 @@ def start_local(warm: bool = True, **init_kwargs):
     atexit.unregister(disconnect)
     atexit.register(disconnect)  # once; Ray stops before its folder goes, whichever exit handler runs first
     return ctx
+
+
+def _new_local() -> LocalCluster:
+    """A new private folder for a local Ray, and the marker of its processes."""
+    private_tmpdir()  # TMPDIR: this process's own, which the processes of its Ray inherit
+    # in the TMPDIR the process was given, not in its private one: Ray's socket paths must stay under 107 bytes
+    folder = Path(tempfile.mkdtemp(prefix="rayhpc-", dir=os.environ[OWN_TMPDIR_BASE]))
+    return LocalCluster(folder, secrets.token_hex(8), {})
+
+
+_prepared: list[LocalCluster] = []  # the local Ray this command is about to start, its workers' starter running
+
+
+def prepare_local(argv: list[str]) -> None:
+    """Start the warm starter of workers of the local Ray a job command will start, now, at the command's start
+    (`run_main`), in that Ray's folder: it imports torch and the workers' modules (about 2.5 s of CPU) while
+    this process imports its own on one core, rather than beside Ray's start, which keeps every core busy
+    (`start_local` takes it). Not where the command joins a cluster (`--address`, RAY_ADDRESS; `run_main` has
+    handed the command to the user's cluster where one is up) or starts its workers cold. A command that
+    starts no Ray after all (bad input, an address in its YAML) stops it and removes the folder at exit; so
+    does a start whose task loaded a library of `WORKER_EXTRAS` the starter did not, or whose environment
+    now sets the libraries' settings otherwise (importing torch's compiler sets TORCHINDUCTOR_CACHE_DIR)."""
+    from rayhpc.up import connection, starter
+
+    if os.environ.get("RAY_ADDRESS") or os.environ.get(WARM_WORKERS_VARIABLE) == "0" or _prepared \
+            or any(arg in ("-h", "--help", "--address") or arg.startswith("--address=") for arg in argv) \
+            or connection.read() is not None:  # the user's cluster (whose starter did not take the command)
+        return
+    local = _new_local()
+    local.settings = {name: value for name, value in os.environ.items() if name.startswith(starter.LOAD_SETTINGS)}
+    with environment(**{CLUSTER_MARKER: local.marker}):
+        own_warm_workers(local)
+    _prepared.append(local)
+    atexit.register(_discard_prepared)
+
+
+def _prepared_for_use() -> LocalCluster | None:
+    """The prepared local Ray (`prepare_local`), where its starter runs and has loaded what this process's task
+    loaded; None otherwise (then gone)."""
+    from rayhpc.up.starter import differing
+
+    local = _prepared.pop() if _prepared else None
+    if local is not None and (local.starter.poll() is not None or local.extras != _worker_extras()
+                              or differing(dict(os.environ), local.settings)):
+        _stop_and_remove(local)
+        local = None
+    return local
+
+
+def _discard_prepared() -> None:
+    """At exit: the prepared local Ray no start took, its starter stopped and its folder removed."""
+    while _prepared:
+        _stop_and_remove(_prepared.pop())
+
+
+def socket_polling() -> dict[str, str]:
+    """Ray's settings for how often its processes try a local socket that is not there yet: every 50 ms, 200
+    times, where Ray's defaults are every 1000 ms, 10 times (the same 10 s in all). The raylet starts its
+    object store in a thread and connects to it at once; the store binds a moment later, so with the defaults
+    every Ray start slept a whole second there (its log: the store's start, then 1.000 s to the next line).
+    A value the user set wins."""
+    wanted = {"RAY_raylet_client_connect_timeout_milliseconds": "50", "RAY_raylet_client_num_connect_attempts": "200"}
+    return {} if any(key in os.environ for key in wanted) else wanted
 
 
 WARM_WORKERS_VARIABLE = "RAYHPC_WARM_WORKERS"  # "0": a local Ray's workers each import torch themselves
@@ -379,7 +468,7 @@ def own_warm_workers(local: LocalCluster) -> dict:
 
     from rayhpc.up import connection, worker
 
-    extras = [name for name in worker.WORKER_EXTRAS if name.split(".")[0] in sys.modules]
+    extras = local.extras = _worker_extras()
 
     # its own temp folder inside the cluster's, which goes with it: the starter is killed, its exit handlers never run
     with environment(**{connection.HOME_VARIABLE: str(local.folder), "TMPDIR": str(local.folder)}):
@@ -391,7 +480,16 @@ def own_warm_workers(local: LocalCluster) -> dict:
                                              stderr=out)
         finally:
             os.close(out)
-    return {"py_executable": f"env {connection.HOME_VARIABLE}={shlex.quote(str(local.folder))} {worker.command()}"}
+    local.runtime_env = {"py_executable": f"env {connection.HOME_VARIABLE}={shlex.quote(str(local.folder))} "
+                                          f"{worker.command()}"}
+    return local.runtime_env
+
+
+def _worker_extras() -> tuple[str, ...]:
+    """Those of `WORKER_EXTRAS` this process has loaded (its task check built the task's model)."""
+    from rayhpc.up import worker
+
+    return tuple(name for name in worker.WORKER_EXTRAS if name.split(".")[0] in sys.modules)
 
 
 @contextlib.contextmanager
@@ -446,6 +544,38 @@ def node_defaults():
         yield
     finally:
         parameter.RayParams.__init__ = init
+
+
+@contextlib.contextmanager
+def registration_polled(every_s: float = 0.02, timeout_s: float = 30.0):
+    """Inside: a `ray.init` that starts a node notices the raylet's registration with the GCS within `every_s`.
+    Ray asks for the node once, through its private `services.get_node`, whose C++ loop sleeps a whole second
+    after each miss; the raylet registers once its agents are up, 1.5-2 s after its start on 2 cores, so every
+    start waited up to a second with nothing to do (0.7 s idle, measured). Here the GCS is asked every
+    `every_s` first (`GcsClient.get_all_node_info`, which Ray's own start-up uses), then Ray's call finds the
+    node at once; after `timeout_s` Ray's call decides as before."""
+    import time
+
+    from ray._private import services  # private: where `Node.__init__` waits for its raylet
+    from ray._raylet import GcsClient
+
+    get_node = services.get_node
+
+    @functools.wraps(get_node)
+    def polled(gcs_address, node_id, *args, **kwargs):
+        client, deadline = GcsClient(address=gcs_address), time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive = client.get_all_node_info(timeout=timeout_s, state_filter=0)  # 0: GcsNodeState.ALIVE
+            if any(found.hex() == node_id for found in alive):
+                break
+            time.sleep(every_s)
+        return get_node(gcs_address, node_id, *args, **kwargs)
+
+    services.get_node = polled
+    try:
+        yield
+    finally:
+        services.get_node = get_node
 
 
 def disconnect() -> None:

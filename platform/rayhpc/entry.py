@@ -48,6 +48,7 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         if code is not None:
             _exit_status[:] = [code]
             sys.exit(code)
+        cluster.prepare_local(sys.argv[1:] if argv is None else list(argv))  # no user cluster: this job's own
     try:
         try:
             interrupt.install()

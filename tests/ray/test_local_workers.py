@@ -43,3 +43,19 @@ def test_a_commands_own_workers_get_the_jobs_environment_and_what_its_task_loade
     # both from a warm starter (torch loaded); Hugging Face's library only once the command had it
     assert (before["torch"], before["transformers"]) == (True, False), before
     assert (after["torch"], after["transformers"]) == (True, True), after
+
+
+def test_a_jobs_first_worker_is_asked_for_at_once_where_its_workers_start_warm(ray_cluster, monkeypatch):
+    import ray
+
+    from rayhpc import cluster
+
+    # the shared cluster's workers start warm (a starter of workers of its own): the task is asked for, and runs
+    ref = cluster.first_worker_now()
+    assert ref is not None and ray.get(ref, timeout=120) is None
+    # a local Ray whose workers start cold: nothing asked for
+    monkeypatch.setattr(cluster._local[-1], "starter", None)
+    assert cluster.first_worker_now() is None
+    # the user's cluster (`rayhpc up`), whose workers start warm: asked for
+    monkeypatch.setattr(cluster, "_user_cluster", [ray.get_runtime_context().gcs_address])
+    assert cluster.first_worker_now() is not None

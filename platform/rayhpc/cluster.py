@@ -319,7 +319,7 @@ class LocalCluster:
     starter: subprocess.Popen | None = None  # its warm starter of workers (`own_warm_workers`)
     runtime_env: dict | None = None  # what makes its workers the starter's forks (`own_warm_workers`)
     extras: tuple[str, ...] = ()  # the libraries of `WORKER_EXTRAS` the starter loads
-    settings: dict[str, str] | None = None  # the libraries' settings it loaded them with (`starter.LOAD_SETTINGS`)
+    settings: dict[str, str] | None = None  # the libraries' settings it loaded them with (`warm.LOAD_SETTINGS`)
 
     @property
     def token(self) -> Path:
@@ -408,14 +408,14 @@ def prepare_local(argv: list[str]) -> None:
     starts no Ray after all (bad input, an address in its YAML) stops it and removes the folder at exit; so
     does a start whose task loaded a library of `WORKER_EXTRAS` the starter did not, or whose environment
     now sets the libraries' settings otherwise (importing torch's compiler sets TORCHINDUCTOR_CACHE_DIR)."""
-    from rayhpc.up import connection, starter
+    from rayhpc.up import connection, warm
 
     if os.environ.get("RAY_ADDRESS") or os.environ.get(WARM_WORKERS_VARIABLE) == "0" or _prepared \
             or any(arg in ("-h", "--help", "--address") or arg.startswith("--address=") for arg in argv) \
             or connection.read() is not None:  # the user's cluster (whose starter did not take the command)
         return
     local = _new_local()
-    local.settings = {name: value for name, value in os.environ.items() if name.startswith(starter.LOAD_SETTINGS)}
+    local.settings = {name: value for name, value in os.environ.items() if name.startswith(warm.LOAD_SETTINGS)}
     with environment(**{CLUSTER_MARKER: local.marker}):
         own_warm_workers(local)
     _prepared.append(local)
@@ -425,7 +425,7 @@ def prepare_local(argv: list[str]) -> None:
 def _prepared_for_use() -> LocalCluster | None:
     """The prepared local Ray (`prepare_local`), where its starter runs and has loaded what this process's task
     loaded; None otherwise (then gone)."""
-    from rayhpc.up.starter import differing
+    from rayhpc.up.warm import differing
 
     local = _prepared.pop() if _prepared else None
     if local is not None and (local.starter.poll() is not None or local.extras != _worker_extras()
@@ -475,9 +475,9 @@ def own_warm_workers(local: LocalCluster) -> dict:
         connection.folder()
         out = os.open(local.folder / "warm-workers.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            local.starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter", "--workers",
-                                              "--extras", ",".join(extras)], stdin=subprocess.DEVNULL, stdout=out,
-                                             stderr=out)
+            local.starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter", "--workers", "--extras",
+                                              ",".join(extras), "--parent", str(os.getpid())],
+                                             stdin=subprocess.DEVNULL, stdout=out, stderr=out)
         finally:
             os.close(out)
     local.runtime_env = {"py_executable": f"env {connection.HOME_VARIABLE}={shlex.quote(str(local.folder))} "

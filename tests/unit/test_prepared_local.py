@@ -98,3 +98,11 @@ def test_a_start_takes_it_only_where_it_loaded_what_the_task_did_with_the_same_s
         cluster._prepared.append(taken)  # for the fixture to discard
     else:
         assert taken is None and not prepared.folder.exists() and prepared.starter.poll() is not None
+
+
+def test_a_starter_whose_starting_process_ended_before_it_could_watch_it_ends():
+    # the parent-death signal covers only a parent alive when the starter asks for it: a command that ends
+    # within the starter's first moments (bad input) would leave it running for good
+    proc = subprocess.run([sys.executable, "-m", "rayhpc.up.starter", "--workers", "--parent", "1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60, env=job_env({}))
+    assert proc.returncode == 1 and "the process that started it (1) has ended" in proc.stderr, proc.stderr

@@ -9,8 +9,8 @@ import subprocess
 import threading
 import time
 
-from rayhpc.up.starter import COMMAND_SETTINGS, differing, starting
-from rayhpc.up.warm import waiting_for
+from rayhpc.up.starter import starting
+from rayhpc.up.warm import COMMAND_SETTINGS, differing, waiting_for
 
 
 def test_a_setting_set_otherwise_either_way_counts_and_a_workers_own_and_other_variables_do_not():

@@ -10,7 +10,7 @@ first worker it forks a starter of that job's workers (`_job_starter`), which ta
 loads Ray, Ray Tune and Ray Train, and forks that worker and the job's next ones: 1 s of CPU less in each
 (a training run starts 7). The libraries read their settings from the environment as they load, the
 starter's; a worker whose environment sets any of them otherwise starts as a process of its own
-(`differing`)."""
+(`warm.differing`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from rayhpc.slurm.private import write_private
 from rayhpc.up import connection
-from rayhpc.up.warm import fingerprint, peer_uid, receive, send
+from rayhpc.up.warm import COMMAND_SETTINGS, LOAD_SETTINGS, differing, fingerprint, peer_uid, receive, send
 from rayhpc.up.worker import WORKER_EXTRAS
 
 # what a Ray worker of a sweep or a training run imports, Ray excepted (see above): about 1.5 s of its 2.5 s;
@@ -45,16 +45,6 @@ MODULES = ("rayhpc.cli", "ray", "rayhpc.collectives.bench", *WORKER_MODULES)
 # draws the same IDs, and two commands started at once collided in Ray's own start-up check (its object store's
 # warm-up object). `serve` checks that it stays unseeded.
 RAY_LIBRARIES = ("ray.tune", "ray.train", "ray.train.torch")
-# the settings those libraries read from the environment as they load: torch, its compiler and its C libraries
-# (OpenMP, MKL, OpenBLAS), sympy and mpmath (torch._dynamo's), Hugging Face's caches and switches, and those of
-# Ray's libraries (protobuf's implementation, fsspec's configuration, msgpack's pure-Python switch)
-LOAD_SETTINGS = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "SYMPY_", "MPMATH_", "HF_",
-                 "HUGGINGFACE_", "TRANSFORMERS_", "XDG_CACHE_HOME", "PROTOCOL_BUFFERS_", "FSSPEC_", "MSGPACK_")
-# what Ray Data, Ray Tune and AIR read from the environment as they load (Ray Data's defaults, mostly): a
-# command that sets them otherwise runs in a process of its own
-COMMAND_SETTINGS = ("RAY_DATA_", "TUNE_", "RAY_AIR_")
-# a worker's own by design: Ray's CPU share for its task, which torch follows in the child (_ThreadsFollowOMP)
-OWN_SETTINGS = frozenset({"OMP_NUM_THREADS"})
 # what a job's workers share and Ray, its libraries and gRPC's core read as they load: the job and its raylet's
 # pid (RAY_JOB_ID, RAY_RAYLET_PID), the job's settings of Ray, Ray Tune and gRPC, its temp folder. Workers
 # whose values are all the same share a starter of a job's workers (`_job_starter`)
@@ -213,14 +203,6 @@ def _forked_random_id() -> str:
     os.waitpid(pid, 0)
     with os.fdopen(read) as drawn:
         return drawn.read()
-
-
-def differing(env: dict[str, str], settings: dict[str, str], prefixes: tuple[str, ...] = LOAD_SETTINGS) -> list[str]:
-    """The libraries' settings (those named by `prefixes`: LOAD_SETTINGS, or the starter of commands'
-    COMMAND_SETTINGS) that `env` sets otherwise than the starter's environment did as it loaded them
-    (`settings`)."""
-    names = {name for name in (*env, *settings) if name.startswith(prefixes)} - OWN_SETTINGS
-    return sorted(name for name in names if env.get(name) != settings.get(name))
 
 
 def _accept(listener: socket.socket, selector: selectors.BaseSelector, ours: str, settings: dict[str, str],
@@ -474,10 +456,13 @@ def main() -> None:
     parser.add_argument("--workers", action="store_true", help="the starter of Ray workers")
     parser.add_argument("--extras", type=lambda names: tuple(filter(None, names.split(","))), default=WORKER_EXTRAS,
                         help=f"which of {','.join(WORKER_EXTRAS)} it loads where installed (default: all)")
+    parser.add_argument("--parent", type=int, help="the pid of the process that starts it, which it ends with")
     args = parser.parse_args()
 
     os.umask(0o077)
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the cluster's holder gone, this goes too
+    if args.parent is not None and os.getppid() != args.parent:  # it ended before that: no signal will come
+        raise SystemExit(f"rayhpc up: warm starter off: the process that started it ({args.parent}) has ended")
     from rayhpc.slurm.private import private_tmpdir
 
     private_tmpdir()  # before torch is imported, as every command does

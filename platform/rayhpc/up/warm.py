@@ -34,6 +34,18 @@ from pathlib import Path
 from rayhpc.up import connection
 
 log = logging.getLogger(__name__)
+
+# the settings the libraries a starter of workers loads read from the environment as they load (`differing`):
+# torch, its compiler and its C libraries (OpenMP, MKL, OpenBLAS), sympy and mpmath (torch._dynamo's), Hugging
+# Face's caches and switches, and those of Ray's libraries (protobuf's implementation, fsspec's configuration,
+# msgpack's pure-Python switch)
+LOAD_SETTINGS = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "SYMPY_", "MPMATH_", "HF_",
+                 "HUGGINGFACE_", "TRANSFORMERS_", "XDG_CACHE_HOME", "PROTOCOL_BUFFERS_", "FSSPEC_", "MSGPACK_")
+# what Ray Data, Ray Tune and AIR read from the environment as they load (Ray Data's defaults, mostly): a
+# command that sets them otherwise runs in a process of its own
+COMMAND_SETTINGS = ("RAY_DATA_", "TUNE_", "RAY_AIR_")
+# a worker's own by design: Ray's CPU share for its task, which torch follows in the child (_ThreadsFollowOMP)
+OWN_SETTINGS = frozenset({"OMP_NUM_THREADS"})
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 MAX_REQUEST = 1 << 20
 
@@ -134,3 +146,11 @@ def _wait(conn: socket.socket, pid: int) -> int:
     reply, _ = receive(conn)  # a signal handler runs meanwhile; the call resumes after it (PEP 475)
     conn.close()
     return 1 if reply is None else int(reply["status"])
+
+
+def differing(env: dict[str, str], settings: dict[str, str], prefixes: tuple[str, ...] = LOAD_SETTINGS) -> list[str]:
+    """The libraries' settings (those named by `prefixes`: LOAD_SETTINGS, or the starter of commands'
+    COMMAND_SETTINGS) that `env` sets otherwise than the starter's environment did as it loaded them
+    (`settings`)."""
+    names = {name for name in (*env, *settings) if name.startswith(prefixes)} - OWN_SETTINGS
+    return sorted(name for name in names if env.get(name) != settings.get(name))

@@ -249,10 +249,10 @@ def connect(address: str | None, **init_kwargs) -> Resources:
 
 def first_worker_now():
     """Ask for this job's first worker process now, without waiting for it, where the job's workers start warm
-    (a local Ray of this process's, the user's cluster): the reference of its task, or None. The job's first worker makes a starter of that job's
-    workers load Ray, Ray Tune and Ray Train (`rayhpc.up.starter`: about 1 s on one core); asked for here, that
-    overlaps the job's own set-up in this process (Tune's experiment) instead of following it. A task of no CPU
-    that does nothing: it holds no resource, and its worker stays in Ray's pool for the job's first actor.
+    (a local Ray of this process's, the user's cluster): the reference of its task, or None. The job's first
+    worker makes a starter of that job's workers load Ray, Ray Tune and Ray Train (`rayhpc.up.starter`: about
+    1 s on one core); asked for here, that overlaps the job's own set-up in this process (Tune's experiment)
+    instead of following it. A task of no CPU that does nothing: it holds no resource.
 
     Only for actors with the job's own runtime environment (Tune's trials): Ray Train gives its controller and
     workers settings of their own (`runtime_env` env_vars), so their workers have a starter of their own, and
@@ -354,7 +354,7 @@ def start_local(warm: bool = True, **init_kwargs):
     address reaches the processes Ray starts as RAY_ADDRESS (`gcs_address_published`). Every process of the
     cluster carries a marker in its environment, so that `disconnect` finds and stops them all, the GCS last.
     A start that fails leaves nothing running, and its token goes with its folder. Its workers start warm
-    (`warm`, `own_warm_workers`)."""
+    (`warm`, `own_warm_workers`; a job command's starter of workers started with it, `prepare_local`)."""
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
     warm = warm and os.environ.get(WARM_WORKERS_VARIABLE) != "0"

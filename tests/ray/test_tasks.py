@@ -508,8 +508,7 @@ class FailsInTrials(MLPTask):
 '''
 
 
-# the 2-worker case (over a minute on 2 cores) beside the Slurm tests in CI (pyproject's markers: `newest`)
-@pytest.mark.parametrize("failing, workers", [((8, 16), 1), ((8,), 1), pytest.param((8, 16), 2, marks=pytest.mark.newest)])
+@pytest.mark.parametrize("failing, workers", [((8, 16), 1), ((8,), 1), ((8, 16), 2)])
 def test_trials_failing_in_the_task_are_one_line_and_the_others_are_kept(failing, workers, ray_address, tmp_path):
     """A sweep whose every trial failed in the task's code: one `error:` line (exit 1) naming the first trial,
     the task's function and line, and the cause, each trial's traceback in the sweep's error.log. Where some

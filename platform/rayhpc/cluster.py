@@ -454,10 +454,11 @@ def socket_polling() -> dict[str, str]:
 WARM_WORKERS_VARIABLE = "RAYHPC_WARM_WORKERS"  # "0": a local Ray's workers each import torch themselves
 
 
-def own_warm_workers(local: LocalCluster) -> dict:
+def own_warm_workers(local: LocalCluster) -> None:
     """A local Ray's workers start as forks of a warm starter of workers of its own, as those of a job on the
-    user's cluster do (`rayhpc.up.starter --workers`: it has imported torch, 1-1.5 s of each worker's start).
-    Started before Ray, it imports while Ray starts; it listens in the cluster's private folder, which the
+    user's cluster do (`rayhpc.up.starter --workers`: it has imported torch, 1-1.5 s of each worker's start):
+    `local.starter`, and `local.runtime_env` for Ray. Started before Ray (at the command's start where
+    `prepare_local` did), it imports meanwhile; it listens in the cluster's private folder, which the
     workers' Python names (`rayhpc.up.worker`, Ray's `py_executable`), and it ends with this process (its
     parent-death signal) or with the cluster (it carries the cluster's marker). A worker Ray starts while it
     imports waits for it (`warm.waiting_for`). What it prints goes to `warm-workers.log` in the folder. Of the
@@ -482,7 +483,6 @@ def own_warm_workers(local: LocalCluster) -> dict:
             os.close(out)
     local.runtime_env = {"py_executable": f"env {connection.HOME_VARIABLE}={shlex.quote(str(local.folder))} "
                                           f"{worker.command()}"}
-    return local.runtime_env
 
 
 def _worker_extras() -> tuple[str, ...]:

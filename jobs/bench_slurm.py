@@ -31,7 +31,7 @@ from rayhpc.slurm.config import load_cluster
 ROOT = Path(__file__).resolve().parents[1]
 from rayhpc.slurm.submit import log_dir, sbatch, submit
 
-TIMING = re.compile(r"rayhpc: timing: head launched ([\d.]+) s, head port open ([\d.]+) s, "
+TIMING = re.compile(r"rayhpc: timing: head launched ([\d.]+) s, head up ([\d.]+) s, "
                     r"all nodes joined ([\d.]+) s")
 
 
@@ -163,7 +163,7 @@ def main() -> None:
     log_dir(cluster)  # made 0700 if missing; refused if another user controls it
     if a.sweep:
         return sweeps(cluster, a)
-    print(f"{'nodes':>5} {'Ray own start s':>16} {'head port open s':>17} {'all joined s':>13} {'overhead s':>11}")
+    print(f"{'nodes':>5} {'Ray own start s':>16} {'head up s':>17} {'all joined s':>13} {'overhead s':>11}")
     overhead = {}
     for nodes in [int(n) for n in a.nodes.split(",")]:
         own = median([ray_own_start(cluster, nodes) for _ in range(a.repeats)])

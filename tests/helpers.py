@@ -166,10 +166,12 @@ def start_as_attacker(code: str, *args: str, imports: str = "", env: dict | None
 # The other user takes a TCP port the moment it is free (its holder gone) and answers every gRPC call on it,
 # keeping the bearer tokens the calls carry: `start_as_attacker(CATCH_TOKENS, PORT, WAIT_S, LISTEN_S,
 # imports=CATCH_IMPORTS)` tries for WAIT_S, listens LISTEN_S once it has the port, and prints
-# {"bound": ..., "tokens": [...], "methods": [...]}
+# {"bound": [ports], "tokens": [...], "methods": [...]}. With `ps:TEXT` for PORT it reads every process's command
+# line for WAIT_S, as `ps` shows them to anyone, and takes each port number (`--...port=N`, N > 0) named on a line
+# that holds TEXT as soon as it appears, then listens LISTEN_S more.
 CATCH_TOKENS = """
-port, wait_s, listen_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-tokens, methods = set(), set()
+target, wait_s, listen_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+tokens, methods, servers = set(), set(), {}
 
 class Catch(grpc.GenericRpcHandler):
     def service(self, details):
@@ -177,25 +179,47 @@ class Catch(grpc.GenericRpcHandler):
         methods.add(details.method)
         return None  # UNIMPLEMENTED: the caller tries again, with its token
 
-server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), handlers=[Catch()], options=[("grpc.so_reuseport", 0)])
-deadline, bound = time.monotonic() + wait_s, False
-while not bound and time.monotonic() < deadline:
+def named_ports():
+    if not target.startswith("ps:"):
+        return {int(target)}
+    found = set()
+    for entry in os.scandir("/proc"):
+        if entry.name == str(os.getpid()):
+            continue
+        try:
+            line = open(f"/proc/{entry.name}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if target[3:] in line:
+            found |= {int(port) for port in re.findall(r"--[a-z-]*port=(\\d+)", line) if int(port)}
+    return found
+
+def take(port):
     probe = socket.socket()
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:  # a plain bind first: gRPC logs every failed one
         probe.bind(("0.0.0.0", port))
         probe.close()
-        bound = server.add_insecure_port(f"0.0.0.0:{port}") == port
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(4), handlers=[Catch()],
+                             options=[("grpc.so_reuseport", 0)])
+        if server.add_insecure_port(f"0.0.0.0:{port}") == port:
+            server.start()
+            servers[port] = server
     except (OSError, RuntimeError):
         probe.close()
-        time.sleep(0.002)
-if bound:
-    server.start()
+
+deadline = time.monotonic() + wait_s
+while time.monotonic() < deadline and (target.startswith("ps:") or not servers):
+    for port in named_ports() - set(servers):
+        take(port)
+    time.sleep(0.002)
+if servers:
     time.sleep(listen_s)
+for server in servers.values():
     server.stop(0)
-print(json.dumps({"bound": bound, "tokens": sorted(tokens), "methods": sorted(methods)}), flush=True)
+print(json.dumps({"bound": sorted(servers), "tokens": sorted(tokens), "methods": sorted(methods)}), flush=True)
 """
-CATCH_IMPORTS = "import concurrent.futures.thread, json, socket, time, grpc"
+CATCH_IMPORTS = "import concurrent.futures.thread, json, re, socket, time, grpc"
 
 
 def caught(catcher: subprocess.Popen, timeout: float = 120) -> dict:

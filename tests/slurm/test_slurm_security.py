@@ -43,6 +43,7 @@ from helpers import (
     with_changes,
 )
 from rayhpc.processes import descendants
+from rayhpc.slurm.layout import OFFSETS
 from rayhpc.slurm.private import UnsafePath, check_ancestors
 from rayhpc.slurm.submit import log_dir, slurm_job
 
@@ -165,14 +166,15 @@ def listening_ports(pid: int) -> set[int]:
     return {int(f[1].rsplit(":", 1)[1], 16) for f in lines if f[3] == "0A" and f[9] in inodes}
 
 
-def test_ray_lives_in_private_folders_listens_only_in_its_block_and_stop_leaves_nothing(slurm, attacker):
+def test_ray_lives_in_private_folders_binds_its_own_ports_and_stop_leaves_nothing(slurm, attacker):
     job = submit("python", "-c", "import time; time.sleep(600)")
     info = wait_cluster(job)
     # the connection file: routable addresses (never loopback), every port, the tunnel, the token
     assert info["nodes"] == {"node1": "10.77.0.11", "node2": "10.77.0.12"} and info["head_ip"] == "10.77.0.11", info
     assert info["token_path"] == str(LOGS / job / "auth_token") and info["tunnel"].startswith("ssh -N -L "), info
-    low = info["ports"]["gcs"]
-    assert info["ports"]["workers"] == f"{low + 20}-{low + 199}" and low >= 20000, info
+    assert info["address"] == f"10.77.0.11:{info['ports']['gcs']}", info
+    low = info["ports"]["client_server"]
+    assert [info["ports"][name] - low for name in OFFSETS] == list(OFFSETS.values()) and low >= 20000, info
     # Ray's temp dirs: inside random 0700 folders of the job's user, out of other users' reach
     for node in ("node1", "node2"):
         temp = Path(json.loads((LOGS / job / "nodes" / f"{node}.ray.json").read_text())["temp_dir"])
@@ -180,16 +182,19 @@ def test_ray_lives_in_private_folders_listens_only_in_its_block_and_stop_leaves_
         assert folder.st_mode & 0o777 == 0o700 and folder.st_uid == os.getuid(), (node, temp)
         assert temp.parent.name.startswith(f"rh-{job}-") and temp.parent.name != f"rh-{job}-{node}"
         assert as_attacker("ls", str(temp)).returncode != 0, "another user can reach Ray's sockets"
-    # every port any process of the job listens on, on either node, lies in the job's block; srun's own
-    # I/O ports (Slurm's, authenticated by Slurm) aside
+    # the port numbers on the job's `ray start` lines, which the other user reads in `ps` seconds before Ray binds
+    # them: 0 (bound by the process that serves it, then published by Ray), but for the block's client server
+    starts = [line for line in as_attacker("ps", "-ww", "-eo", "args").stdout.splitlines() if " start --block " in line
+              and f"rh-{job}-" in line]
+    assert len(starts) == 2, starts  # one per node
+    named = {flag: int(value) for line in starts for flag, value in re.findall(r"(--[a-z-]*port)=(\d+)", line)}
+    assert {flag: port for flag, port in named.items() if port} == {"--ray-client-server-port": low}, starts
+    # the job's processes hold the block's ports (the metrics servers start in the background)
     deadline = time.monotonic() + 60
     ours = [int(p.split()[0]) for p in job_processes(job) if p.split()[1] != "srun"]
-    while not {info["ports"]["autoscaler_metrics"], info["ports"]["dashboard_metrics"]} <= \
-            (ports := set().union(*map(listening_ports, ours))):
-        assert time.monotonic() < deadline, f"the metrics ports never opened: {sorted(ports)}"
+    while not {info["ports"][name] for name in OFFSETS} <= (ports := set().union(*map(listening_ports, ours))):
+        assert time.monotonic() < deadline, f"the block's ports never opened: {sorted(ports)}"
         time.sleep(1)
-    outside = sorted(p for p in ports if not low <= p < low + 200)
-    assert outside == [], f"job {job} listens outside its block {low}-{low + 199}: {outside}"
     # rayhpc status JOBID: Slurm's view and Ray's together
     status = subprocess.run([RAYHPC, "status", job], capture_output=True, text=True)
     assert status.returncode == 0, status.stderr
@@ -202,14 +207,14 @@ def test_ray_lives_in_private_folders_listens_only_in_its_block_and_stop_leaves_
 
 
 def test_a_port_block_someone_holds_on_one_node_is_skipped(slurm, tmp_path):
-    from rayhpc.slurm.layout import block_bases
+    from rayhpc.slurm.layout import BLOCK, block_bases
 
     job = submit_held(with_changes(), ["python", "-c", TWO_NODES], tmp_path)
     low, high = map(int, subprocess.run(["nsenter", "--net=/var/run/netns/n1", "cat",
                                          "/proc/sys/net/ipv4/ip_local_port_range"], capture_output=True, text=True,
                                         check=True).stdout.split())
     bases = block_bases((low, high))
-    taken = bases[int(job) % len(bases)] + 2  # the object manager port of the block the job id maps to
+    taken = bases[int(job) % len(bases)] + OFFSETS["dashboard_metrics"]  # in the block the job id maps to
     holder = subprocess.Popen(["nsenter", "--net=/var/run/netns/n2", sys.executable, "-c",
                                f"import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {taken})); s.listen(); "
                                f"print('held', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
@@ -220,38 +225,50 @@ def test_a_port_block_someone_holds_on_one_node_is_skipped(slurm, tmp_path):
     finally:
         holder.kill()
     assert info["JobState"] == "COMPLETED", job_log(job)
-    gcs, last = map(int, re.search(r"; ports (\d+)-(\d+)", job_log(job)).groups())
-    assert last == gcs + 199 and gcs != taken - 2 and not gcs <= taken < gcs + 200, (gcs, taken)
+    first, last = map(int, re.search(r"; ports (\d+)-(\d+)", job_log(job)).groups())
+    assert last == first + BLOCK - 1 and not first <= taken <= last, (first, last, taken)
     assert_nothing_left(job)
 
 
-def test_a_gcs_port_raced_after_the_layout_makes_a_failed_start_whose_token_opens_nothing(slurm, attacker, tmp_path):
-    """A job's ports are fixed once its layout is chosen (free on every node then), and its head's `ray start`
-    binds them a few seconds later: another user who binds the GCS port in between receives Ray's first calls,
-    with the job's token. That token is the job's alone, written fresh at every start: the start fails, the
-    job's log names the port and says it is held by another process, the command never runs, and nothing of
-    the job is left, so the token opens nothing."""
+@pytest.mark.parametrize("attack", ["the ports on ray start's command lines", "autoscaler_metrics",
+                                    "dashboard_metrics"])
+def test_a_port_another_user_takes_before_the_head_starts_never_receives_the_token(slurm, attacker, tmp_path,
+                                                                                    attack):
+    """The other user binds the ports the job is about to use, before its head's Ray binds them: each port number
+    on the job's `ray start` lines, read from `ps` as they appear (seconds before Ray binds them), or one of the
+    job's block (the moment the layout is printed). Every port of Ray's that its processes call with the token
+    is 0 on those lines, bound by its owner and published once bound: the only number there is the block's Ray
+    client server (Ray will not bind it with 0), which no process of Ray calls. So nothing the other user
+    receives carries the job's token. A held client server port (`ray://` clients would send their token there)
+    stops the job before its command, with one line naming the port; a held metrics port (a Prometheus endpoint)
+    costs that endpoint only, and the job runs."""
     cfg = with_changes()
     log_dir(cfg)
     job = submit_held(cfg, ["python", "-c", "print('the command ran')"], tmp_path)
     subprocess.run(["scontrol", "release", job], check=True)
-    deadline, ports = time.monotonic() + 120, None
-    while ports is None:
+    deadline, block = time.monotonic() + 120, None
+    while block is None:
         assert time.monotonic() < deadline, "the job did not lay out its ports"
         log = Path(LOGS / f"rayhpc-local-slurm-{job}.log")
-        ports = re.search(r"; ports (\d+)-(\d+)", log.read_text()) if log.exists() else None
+        block = re.search(r"; ports (\d+)-(\d+)", log.read_text()) if log.exists() else None
         time.sleep(0.02)
-    gcs = ports.group(1)
-    catcher = start_as_attacker(CATCH_TOKENS, gcs, "30", "20", imports=CATCH_IMPORTS, netns="n1")
-    token = (LOGS / job / "auth_token").read_text().strip()
+    low = int(block.group(1))
+    target = f"ps:rh-{job}-" if attack not in OFFSETS else str(low + OFFSETS[attack])
+    catcher = start_as_attacker(CATCH_TOKENS, target, "30", "40", imports=CATCH_IMPORTS, netns="n1")
     info = wait_done(job)
     got = caught(catcher)
     log = job_log(job)
-    assert got["bound"], "the other user never held the port: the job's Ray took it first"
-    assert info["JobState"] == "FAILED" and "the command ran" not in log, log
-    assert f"port {gcs} is held by another process: another user's?" in log, log
-    assert set(got["tokens"]) <= {token}, got
-    assert not (LOGS / job / "auth_token").exists()
+    assert got["tokens"] == [], got
+    if attack in OFFSETS:
+        assert got["bound"] == [low + OFFSETS[attack]], "the other user never held the port: Ray took it first"
+        assert info["JobState"] == "COMPLETED" and "the command ran" in log, log
+    else:
+        port = low + OFFSETS["client_server"]
+        assert got["bound"] == [port], got  # every other port on the lines is 0
+        assert info["JobState"] == "FAILED" and "the command ran" not in log, log
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert errors == [(f"error: port {port} (Ray's client server) on the head is held by another process "
+                           f"(another user's?), not this job's Ray: the job stops; see {LOGS}/{job}/ray-node1.log")], log
     assert_nothing_left(job)
 
 

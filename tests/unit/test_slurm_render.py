@@ -92,20 +92,20 @@ def test_job_ports_stay_out_of_the_ephemeral_range_and_rays_defaults_and_apart(e
         if (low, high) not in ((1024, 65535), (20000, 65535)):  # those leave no room: every block
             assert not any(low <= p <= high for p in used), (job, ephemeral, sorted(used))
     first, second = ports(0, ephemeral=ephemeral), ports(1, ephemeral=ephemeral)
-    assert first["max_worker"] < second["gcs"], (first, second)  # neighbouring jobs never share a port
+    assert max(first.values()) < min(second.values()), (first, second)  # neighbouring jobs never share a port
 
 
 def test_a_block_with_a_port_in_use_on_any_node_is_skipped():
-    from rayhpc.slurm.layout import block_bases, ports
+    from rayhpc.slurm.layout import BLOCK, OFFSETS, block_bases, ports
 
     bases = block_bases((32768, 60999))
     free = ports(7, ephemeral=(32768, 60999))
-    assert free["gcs"] == bases[7]
-    moved = ports(7, busy={bases[7] + 150}, ephemeral=(32768, 60999))  # one worker port held elsewhere
-    assert moved["gcs"] == bases[8], moved
+    assert free == {name: bases[7] + offset for name, offset in OFFSETS.items()}
+    moved = ports(7, busy={bases[7] + BLOCK - 1}, ephemeral=(32768, 60999))  # its last port held elsewhere
+    assert min(moved.values()) == bases[8], moved
     last = ports(len(bases) - 1, busy={bases[-1]}, ephemeral=(32768, 60999))
-    assert last["gcs"] == bases[0]  # wraps around
-    with pytest.raises(RuntimeError, match="no free block of 200 ports"):
+    assert min(last.values()) == bases[0]  # wraps around
+    with pytest.raises(RuntimeError, match=f"no free block of {BLOCK} ports"):
         ports(0, busy=set(range(20000, 65536)), ephemeral=(32768, 60999))
 
 
@@ -162,16 +162,16 @@ def test_a_container_path_is_quoted_once_and_tilde_is_expanded():
 def test_a_node_whose_ray_aborted_names_the_check_that_failed(tmp_path):
     """`ray start` shows only the stack of a raylet that aborted; the node's start-up prints the aborting
     line of each of its Ray processes' logs (and nothing else) before its folder is removed."""
-    from rayhpc.slurm.node import fatal_lines
+    from rayhpc.slurm.node import RAY_DIR, fatal_lines
 
-    logs = tmp_path / "r" / "session_2026-11-27_03-00-00_000000_1" / "logs"
+    logs = tmp_path / RAY_DIR / "session_2026-11-27_03-00-00_000000_1" / "logs"
     logs.mkdir(parents=True)
     (logs / "raylet.out").write_text(
         "[2026-11-27 03:12:44,100 I 2661 2661] (raylet) main.cc:20: Starting raylet\n"
         "[2026-11-27 03:12:45,980 C 2661 2661] (raylet) node_manager.cc:33: Check failed: bound\n"
         "*** StackTrace Information ***\n    raylet(+0x36974c) ray::raylet::NodeManager::NodeManager()\n")
     (logs / "gcs_server.out").write_text("[2026-11-27 03:12:44,000 W 2600 2600] (gcs_server) gcs.cc:1: slow\n")
-    (tmp_path / "r" / "session_latest").symlink_to(logs.parent)  # as Ray makes it: the same logs, read once
+    (tmp_path / RAY_DIR / "session_latest").symlink_to(logs.parent)  # as Ray makes it: the same logs, read once
     assert fatal_lines(tmp_path) == ["raylet.out: [2026-11-27 03:12:45,980 C 2661 2661] (raylet) node_manager.cc:33: "
                                      "Check failed: bound"]
     assert fatal_lines(tmp_path / "none") == []

@@ -46,7 +46,8 @@ def check_ports() -> tuple[bool, str]:
         block = ports(secrets.randbelow(1 << 20), busy_ports())
     except RuntimeError as exc:
         return False, f"ports: {exc}"
-    return True, f"ports: a free block of {BLOCK} here, e.g. {block['gcs']}-{block['max_worker']} (chosen per job at start)"
+    first, last = min(block.values()), max(block.values())
+    return True, f"ports: a free block of {BLOCK} here, e.g. {first}-{last} (chosen per job at start)"
 
 
 def check_folder(label: str, path: Path) -> tuple[bool, str]:

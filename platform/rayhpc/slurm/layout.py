@@ -1,11 +1,17 @@
-"""Where one Slurm job's Ray cluster lives: its ports, log folder, token and node addresses.
+"""Where one Slurm job's Ray cluster lives: its fixed ports, log folder, token and node addresses.
 
-A job's ports form one block of 200. The block is chosen at start time: the first, from block
-`job id mod blocks` on, whose every port is unused on every node of the allocation (the startup
-asks each node which ports are in use, `python -m rayhpc.slurm.layout busy`), so two jobs sharing
-a node never collide, and a port someone else holds is never handed to Ray. Blocks start at
-20000, clear of Ray's defaults that plain Ray users on the node take from (GCS 6379, client server
-10001, workers 10002-19999, dashboard 8265), and stay outside the kernel's ephemeral range.
+Every port that Ray's own processes call with the job's token is bound by its owner with port 0 and
+published by Ray after it is bound (the sbatch startup's `ray start` lines): the GCS, each raylet's node
+and object managers, the dashboard and its agents, the runtime-env agent, the metrics export, the
+workers. A port number chosen here and handed to Ray could be taken first by another user, who would
+then receive those calls. Three ports Ray cannot bind so, which none of its processes sends the token
+to, form the job's block (`OFFSETS`): the Ray client server (Ray refuses port 0; only `ray://` clients
+call it) and the autoscaler's and dashboard's Prometheus endpoints (their numbers are what Ray publishes
+for Prometheus to scrape). The block is chosen at start time: the first, from block `job id mod blocks`
+on, whose every port is unused on every node of the allocation (the startup asks each node which ports
+are in use, `python -m rayhpc.slurm.layout busy`), so two jobs sharing a node never collide. Blocks
+start at 20000, clear of Ray's defaults that plain Ray users on the node take from (GCS 6379, client
+server 10001, workers 10002-19999, dashboard 8265), and stay outside the kernel's ephemeral range.
 Standard library only: the sbatch startup runs `python -m rayhpc.slurm.layout` before anything else
 and `eval`s the `export` lines it prints.
 """
@@ -23,15 +29,11 @@ from pathlib import Path
 
 from rayhpc.slurm.private import UnsafePath, private_dir, write_private
 
-PORT_BASE, PORT_MAX, BLOCK = 20000, 65535, 200  # a 200-port block per job, from 20000 up
+# offsets inside a job's block: the ports Ray cannot bind with 0 (why each is safe to fix: docs/security.md).
+# The two metrics ports are fixed in Ray (44217, 44227) unless set by environment variable: the startup sets them.
+OFFSETS = {"client_server": 0, "autoscaler_metrics": 1, "dashboard_metrics": 2}
+PORT_BASE, PORT_MAX, BLOCK = 20000, 65535, len(OFFSETS)  # a block per job, from 20000 up
 EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
-
-# offsets inside a job's block; worker processes use the rest of the block. The two metrics ports
-# are fixed in Ray (44217, 44227) unless set by environment variable: the startup sets them.
-OFFSETS = {"gcs": 0, "node_manager": 1, "object_manager": 2, "dashboard": 3, "dashboard_agent_grpc": 4,
-           "dashboard_agent_listen": 5, "metrics_export": 6, "runtime_env_agent": 7, "client_server": 8,
-           "autoscaler_metrics": 9, "dashboard_metrics": 10}
-FIRST_WORKER, LAST_WORKER = 20, BLOCK - 1
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -54,14 +56,12 @@ def block_bases(ephemeral: tuple[int, int] | None = None) -> list[int]:
 
 
 def ports_at(base: int) -> dict[str, int]:
-    out = {name: base + offset for name, offset in OFFSETS.items()}
-    out.update(min_worker=base + FIRST_WORKER, max_worker=base + LAST_WORKER)
-    return out
+    return {name: base + offset for name, offset in OFFSETS.items()}
 
 
 def ports(job_id: int, busy: set[int] = frozenset(), ephemeral: tuple[int, int] | None = None) -> dict[str, int]:
-    """Every port Ray opens for job `job_id`: the first block from `job_id mod len(block_bases())` on
-    with no port in `busy` (the ports in use on any node of the job)."""
+    """The fixed ports of job `job_id`: the first block from `job_id mod len(block_bases())` on with no port in
+    `busy` (the ports in use on any node of the job)."""
     bases = block_bases(ephemeral)
     first = job_id % len(bases)
     for base in bases[first:] + bases[:first]:

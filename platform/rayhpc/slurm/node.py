@@ -17,7 +17,12 @@ clean-up kills everything below it.
 
 Ray's temp dir (sockets, logs, object spilling) lives in a folder made by `mkdtemp` (0700, random
 name, created exclusively) in node-local /tmp: Ray makes its own folders 0777, and inside this one
-no other user can reach them. Standard library only.
+no other user can reach them. It is `<folder>/ray`, where Ray looks by default in processes whose
+RAY_TMPDIR is that folder (all of this node's Ray): its state API in a worker finds this cluster there
+(`ray_current_cluster`, written by `ray start` once the node is up), never another user's. Ray's
+processes import nothing from their working folder (PYTHONSAFEPATH: `python -m` and `-c`, which Ray and
+its workers use, would put it first on `sys.path`, and the submit folder may be anyone's to write).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from rayhpc.slurm.private import OWN_TMPDIR_BASE, write_private
 
 NODE_MARKER, COMMAND_MARKER = "RAYHPC_RAY_NODE", "RAYHPC_COMMAND"
 TEMP_PREFIX = "rh-{job}-"  # short: Ray's socket paths under it must stay below 107 bytes
+RAY_DIR = "ray"  # Ray's temp dir inside the node's folder: where Ray looks by default with RAY_TMPDIR the folder
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -164,6 +170,16 @@ def report(job_dir: Path | None, name: str, data: dict) -> None:
         write_private(job_dir / "nodes" / f"{node_name()}.{name}.json", json.dumps(data) + "\n")
 
 
+def node_records(job_dir: Path, hosts: list[str]) -> dict[str, dict]:
+    """What each node's `run` wrote when it started Ray (`report(..., "ray", ...)`: address, temp dir)."""
+    out = {}
+    for host in hosts:
+        path = job_dir / "nodes" / f"{host}.ray.json"
+        if path.is_file():
+            out[host] = json.loads(path.read_text())
+    return out
+
+
 def clean_up(job: str, job_dir: Path | None, root: str | None = None) -> dict:
     """Reap this node's Ray processes of `job` and remove its temp folder `root`; at the job's end
     (`root` None) also the command's processes and every temp folder of the job (where nodes share
@@ -186,7 +202,8 @@ def fatal_lines(root: Path) -> list[str]:
     """The check that failed, for each of this node's Ray processes that aborted (`ray start` shows only the
     last 20 lines of a dead raylet's log, its stack, and the folder holding the rest is removed at clean-up)."""
     found = []
-    for log in sorted({path.resolve() for path in root.glob("r/session_*/logs/*.out")}):  # session_latest: a link
+    # session_latest is a link to the session: each log once
+    for log in sorted({path.resolve() for path in root.glob(f"{RAY_DIR}/session_*/logs/*.out")}):
         with contextlib.suppress(OSError):
             found += [f"{log.name}: {line[:500]}" for line in log.read_text(errors="replace").splitlines()
                       if FATAL.match(line)]
@@ -238,7 +255,7 @@ def _ray_node(job: str, command: list[str], env: dict, root: Path, retries: int)
             _say(f"Ray's agent took longer than the raylet waits for it (a loaded node): starting the node's Ray "
                  f"again ({attempt + 2} of {retries + 1})")
             reap(job, [f"{NODE_MARKER}={job}:{node_name()}"], subreaper=True)
-            for session in root.glob("r/session_*"):  # the aborted start's logs are read: the next start's are new
+            for session in root.glob(f"{RAY_DIR}/session_*"):  # the aborted start's logs are read: the next's are new
                 shutil.rmtree(session, ignore_errors=True)
         for signum in ENDING_SIGNALS:  # inside the `try`: a signal before this loop ends still counts
             signal.signal(signum, signal.SIG_IGN)
@@ -259,13 +276,14 @@ def run(job_dir: Path, command: list[str]) -> int:
     ip = node_ip(os.environ.get("RAYHPC_HEAD_IP") if head else None)
     cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE") or "1"
     gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
-    command = [*command, f"--node-ip-address={ip}", f"--temp-dir={root}/r", f"--num-cpus={cpus}", f"--num-gpus={gpus}"]
+    command = [*command, f"--node-ip-address={ip}", f"--temp-dir={root}/{RAY_DIR}", f"--num-cpus={cpus}",
+               f"--num-gpus={gpus}"]
     # TMPDIR and RAY_TMPDIR for Ray and every worker it starts: this node's private folder, not /tmp, where
     # another user may make torch's compile caches or Ray's lock folder first (rayhpc.slurm.private.private_tmpdir);
     # the node's tmp for the compile caches every job of the user shares once checked (private_compile_caches)
     env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}", "RAY_TMPDIR": root, "TMPDIR": root,
-           OWN_TMPDIR_BASE: temp_base()}
-    report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/r", "pid": os.getpid()})
+           OWN_TMPDIR_BASE: temp_base(), "PYTHONSAFEPATH": "1"}
+    report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/{RAY_DIR}", "pid": os.getpid()})
     remove_stale(job_dir.parent)
     code, ending = _ray_node(job, command, env, Path(root), retries=0 if head else AGENT_RETRIES)
     secrets = head or ending or head_gone(os.environ.get("RAY_ADDRESS", ""))

@@ -123,7 +123,7 @@ def warm_starter(parent: int) -> int | None:
     import psutil  # Ray's
 
     return next((child.pid for child in psutil.Process(parent).children()
-                 if child.cmdline()[1:4] == ["-m", "rayhpc.up.starter", "--workers"]), None)
+                 if child.cmdline()[1:5] == ["-P", "-m", "rayhpc.up.starter", "--workers"]), None)
 
 
 @pytest.fixture(scope="module")

@@ -137,6 +137,30 @@ def as_attacker(*command: str, **kwargs) -> subprocess.CompletedProcess:
                           cwd="/tmp", **kwargs)
 
 
+PLANTED = ("rayhpc/__init__.py", "torch.py", "ray.py")
+
+
+def planted_folder(world_tmp) -> tuple[Path, Path]:
+    """A folder every user may write (as /tmp is) where the other user has planted `rayhpc/__init__.py`,
+    `torch.py` and `ray.py`: a process that imports one of them from there leaves a file in the second folder
+    (the module, its pid and its command line), as code of theirs run as the victim could."""
+    folder, marks = world_tmp("rh-planted"), world_tmp("rh-marks")
+    for path in (folder, marks):
+        path.mkdir()
+        path.chmod(0o1777)
+    for name in PLANTED:
+        code = (f"import os, sys\nwith open(f'{marks}/{name.replace('/', '_')}-{{os.getpid()}}', 'w') as mark:\n"
+                f"    mark.write(' '.join(sys.argv))\n")
+        made = as_attacker("sh", "-c", f"mkdir -p {folder}/rayhpc && cat > {folder}/{name}", input=code)
+        assert made.returncode == 0, made.stderr
+    return folder, marks
+
+
+def planted_imports(marks: Path) -> list[str]:
+    """Which processes imported a planted module (`planted_folder`): 'module-pid: command line'."""
+    return sorted(f"{mark.name}: {mark.read_text()}" for mark in marks.iterdir())
+
+
 def python_as_attacker(code: str, *args: str, imports: str = "", env: dict | None = None,
                        timeout: float | None = None) -> subprocess.CompletedProcess:
     """`python -c CODE ARGS` as the other user. This interpreter may live where that user cannot read (a

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rayhpc import interrupt, processes
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import OWN_TMPDIR_BASE, UnsafePath, private_tmpdir, write_private
+from rayhpc.slurm.private import OWN_TMPDIR_BASE, UnsafePath, check_trusted, private_tmpdir, write_private
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,8 @@ def connect(address: str | None, **init_kwargs) -> Resources:
             private_tmpdir()
             if address in _user_cluster:
                 init_kwargs = {"runtime_env": warm_workers(), **init_kwargs}
-            ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
+            with working_folder_of_workers():
+                ctx = ray.init(address=address, logging_level=logging.WARNING, **init_kwargs)
             if address in _user_cluster:
                 joined_user_cluster()
     except (OSError, RuntimeError, ValueError) as exc:  # OSError: also a too-long RAY_TMPDIR socket path
@@ -245,6 +246,23 @@ def connect(address: str | None, **init_kwargs) -> Resources:
     log.info(f"ray: {started} ({res.nodes} node(s), {res.cpus:g} CPUs, {res.gpus:g} GPUs)"
              + (f"; dashboard http://{dashboard} (token: {token or '`ray get-auth-token`'})" if dashboard else ""))
     return res
+
+
+@contextlib.contextmanager
+def working_folder_of_workers():
+    """Inside: a `ray.init` puts no folder another user can write on its workers' path. Ray puts the driver's
+    working folder first on the `sys.path` of every worker of the job (`JobConfig`'s driver paths, read as it
+    connects), so a `torch.py` or `rayhpc/` planted there (a job started in /tmp, a shared scratch, a group's
+    project) would run in every worker. Where that folder is not this user's alone (`check_trusted`), the
+    process works in `/` meanwhile (root's: nothing to plant there); its own folder, as Ray has it, otherwise.
+    A local Ray started inside starts its processes there too."""
+    try:
+        check_trusted(Path.cwd())
+        unsafe = False
+    except UnsafePath:
+        unsafe = True
+    with contextlib.chdir("/") if unsafe else contextlib.nullcontext():
+        yield
 
 
 def first_worker_now():
@@ -367,9 +385,10 @@ def start_local(warm: bool = True, **init_kwargs):
     # environment: with warm workers, whose Python is the job's, no task could use them
     prestart = {"RAY_prestart_worker_first_driver": "0"} if warm else {}
     try:
-        with environment(**{CLUSTER_MARKER: local.marker, "RAY_GCS_SERVER_PORT": None, **prestart,
-                            **socket_polling()}), \
-                gcs_address_published(), node_defaults(), registration_polled():
+        # its processes import nothing from their working folder (`entry.run_main` sets the same for a command's)
+        with environment(**{CLUSTER_MARKER: local.marker, "RAY_GCS_SERVER_PORT": None, "PYTHONSAFEPATH": "1",
+                            **prestart, **socket_polling()}), \
+                gcs_address_published(), node_defaults(), registration_polled(), working_folder_of_workers():
             if warm:  # a runtime_env given wins, key by key
                 if local.starter is None:
                     own_warm_workers(local)
@@ -476,9 +495,9 @@ def own_warm_workers(local: LocalCluster) -> None:
         connection.folder()
         out = os.open(local.folder / "warm-workers.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            local.starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter", "--workers", "--extras",
+            local.starter = subprocess.Popen([sys.executable, "-P", "-m", "rayhpc.up.starter", "--workers", "--extras",
                                               ",".join(extras), "--parent", str(os.getpid())],
-                                             stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+                                             stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=local.folder)
         finally:
             os.close(out)
     local.runtime_env = {"py_executable": f"env {connection.HOME_VARIABLE}={shlex.quote(str(local.folder))} "

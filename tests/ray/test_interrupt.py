@@ -203,7 +203,7 @@ def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, gr
     started = {pid: process_name(pid) for pid in descendants(job.pid)}
     assert "raylet" in started.values(), started
     # the job's child (a worker just forked from it has its command line until Ray retitles it)
-    (starter,) = [pid for pid in started if cmdline(pid)[1:4] == ["-m", "rayhpc.up.starter", "--workers"]
+    (starter,) = [pid for pid in started if cmdline(pid)[1:5] == ["-P", "-m", "rayhpc.up.starter", "--workers"]
                   and parent(pid) == job.pid]
     assert [pid for pid in descendants(starter) if cmdline(pid)[0].startswith("ray::")], \
         f"no Ray worker of the job was forked from its warm starter: {started}"

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from helpers import ATTACKER, ROOT, as_attacker, job_env, python_as_attacker, run_job_warm
+from helpers import (ATTACKER, ROOT, as_attacker, job_env, planted_folder, planted_imports, python_as_attacker,
+                     run_job, run_job_warm)
 from rayhpc.up.connection import listening_uids
 
 # the sweep compiled: inductor builds its precompiled headers in the trial's process (every CPU kernel includes
@@ -272,6 +273,23 @@ def test_a_task_file_in_a_folder_others_can_write_is_not_imported(world_tmp):
     assert out.stderr == (f"error: task (--task) {shared}/task.py:Dropout: {shared} (mode 1777) can be written "
                           f"by other users, so what it holds may not be yours, and it is not loaded; if it is: "
                           f"chmod -R go-w {shared}\n"), out.stderr
+
+
+@pytest.mark.parametrize("job, warm", [(["tune_mlp.py", "--num-samples", "2", "--epochs", "1"], "1"),
+                                       (["train_mlp.py", "--num-workers", "2", "--epochs", "1"], "0")],
+                         ids=["sweep", "training, workers started cold"])
+def test_a_job_run_in_a_folder_another_user_writes_imports_nothing_from_it(job, warm, attacker, world_tmp, tmp_path):
+    """The attack: the other user plants `rayhpc/__init__.py`, `torch.py` and `ray.py` in a folder anyone may
+    write (/tmp, a shared scratch) where the victim starts a job. `python -m` and `-c`, which the platform and
+    Ray start processes with, put the working folder first on `sys.path`, and Ray puts the driver's working
+    folder first on every worker's: the starter of workers, Ray's dashboard modules, Tune's trials and Train's
+    ranks ran the planted code as the victim. The job (its own process is the user's: a script run by path)
+    runs to its end, and no process it started imported anything from there: with its workers forked from its
+    starter of workers (which imported torch and the platform before) and with each starting cold."""
+    folder, marks = planted_folder(world_tmp)
+    proc = run_job(*job, "--storage-path", str(tmp_path), cwd=folder, env={"RAYHPC_WARM_WORKERS": warm})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert planted_imports(marks) == []
 
 
 def test_ray_takes_its_file_locks_in_a_private_folder_not_in_the_machines_shared_one(ray_cluster):

@@ -18,7 +18,8 @@ import pytest
 from ray.util.state.api import StateApiClient
 from ray.util.state.common import ListApiOptions, StateResource
 
-from helpers import CATCH_IMPORTS, CATCH_TOKENS, ROOT, caught, dashboard_accepts, job_env, run_job, start_as_attacker
+from helpers import (CATCH_IMPORTS, CATCH_TOKENS, RAYHPC, ROOT, caught, dashboard_accepts, job_env, planted_folder,
+                     planted_imports, run_job, start_as_attacker)
 from rayhpc.processes import descendants
 from rayhpc.tune.results import TRIAL_PHASES, read_results
 from rayhpc.up import connection, warm
@@ -436,3 +437,27 @@ def test_a_freed_gcs_port_receives_no_token_and_no_clusters_token_opens_another(
     assert dashboard_accepts(kept["dashboard"], own)
     assert not any(dashboard_accepts(kept["dashboard"], token) for token in tokens.values())
     assert caught(watcher) == {"gcs_server": ["0"], "dashboard": ["0"]}
+
+
+def test_your_cluster_started_and_joined_in_a_folder_another_user_writes_imports_nothing_from_it(attacker, world_tmp,
+                                                                                                 tmp_path):
+    """The attack: the other user plants `rayhpc/__init__.py`, `torch.py` and `ray.py` where the victim runs
+    `rayhpc up`, a sweep and `rayhpc down` (/tmp, a shared scratch). The cluster's holder, its warm starters, its
+    Ray and every worker of the jobs that join it ran the planted code (the workers inherited the folder `rayhpc
+    up` was run in). Each command runs to its end, the sweep on that cluster, and nothing imported from there."""
+    folder, marks = planted_folder(world_tmp)
+    env = job_env({"RAYHPC_HOME": str(tmp_path / "home")})
+
+    def in_folder(*command: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(list(command), capture_output=True, text=True, cwd=folder, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    in_folder(RAYHPC, "up", "--num-cpus", "2", "--num-gpus", "0")
+    try:
+        sweep = in_folder(sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--num-samples", "2", "--epochs", "1",
+                          "--storage-path", str(tmp_path / "results"))
+        assert "ray: joined your cluster (rayhpc up)" in sweep.stdout, sweep.stdout
+    finally:
+        in_folder(RAYHPC, "down")
+    assert planted_imports(marks) == []

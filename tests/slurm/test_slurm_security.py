@@ -26,6 +26,7 @@ from helpers import (
     CLUSTER,
     LOGS,
     RAYHPC,
+    ROOT,
     SUBMITTED,
     TWO_NODES,
     as_attacker,
@@ -33,6 +34,8 @@ from helpers import (
     caught,
     job_log,
     job_processes,
+    planted_folder,
+    planted_imports,
     python_as_attacker,
     skip_requeue_delay,
     start_as_attacker,
@@ -269,6 +272,29 @@ def test_a_port_another_user_takes_before_the_head_starts_never_receives_the_tok
         errors = [line for line in log.splitlines() if line.startswith("error:")]
         assert errors == [(f"error: port {port} (Ray's client server) on the head is held by another process "
                            f"(another user's?), not this job's Ray: the job stops; see {LOGS}/{job}/ray-node1.log")], log
+    assert_nothing_left(job)
+
+
+def test_a_job_submitted_from_a_folder_another_user_writes_imports_nothing_from_it(slurm, attacker, world_tmp,
+                                                                                     tmp_path):
+    """The attack: the other user plants `rayhpc/__init__.py`, `torch.py` and `ray.py` in the folder the victim
+    submits from (a shared scratch). The batch script and its steps run there (SLURM_SUBMIT_DIR): every
+    `python -m rayhpc.slurm.*` step, the one that writes the token among them, each node's Ray (its client
+    server and dashboard modules start with `-m` and `-c`) and its workers would import the planted code. The
+    job (a sweep by the script's path) runs to its end, and nothing imported from there."""
+    folder, marks = planted_folder(world_tmp)
+    config = tmp_path / "cluster.yaml"
+    venv = Path(sys.executable).parent.parent
+    config.write_text(json.dumps(with_changes(setup={"venv": str(venv)}).model_dump(mode="json")))  # JSON is YAML
+    proc = subprocess.run([RAYHPC, "submit", "--cluster", str(config), "--", "python", "-u",
+                           str(ROOT / "jobs" / "tune_mlp.py"), "--num-samples", "2", "--epochs", "1",
+                           "--storage-path", str(tmp_path / "results")], capture_output=True, text=True, cwd=folder)
+    assert proc.returncode == 0, proc.stderr
+    SUBMITTED.append(job := proc.stdout.split()[2].rstrip(":"))
+    info = wait_done(job)
+    assert info["JobState"] == "COMPLETED" and f"WorkDir={folder}" in " ".join(f"{k}={v}" for k, v in info.items()), \
+        job_log(job)
+    assert planted_imports(marks) == []
     assert_nothing_left(job)
 
 

@@ -1,7 +1,7 @@
 """The starter of workers (`python -m rayhpc.up.starter --workers`) forks, at each job's first worker, a starter of
 that job's workers, which loads Ray, Ray Tune and Ray Train with that worker's environment (Ray's core reads the
 job and its raylet's pid once, as it loads) and forks the job's workers. Driven here as Ray drives it, by worker
-processes (`python -m rayhpc.up.worker SCRIPT`) whose environment names the job, without a Ray cluster: each
+processes (`python -P -m rayhpc.up.worker SCRIPT`) whose environment names the job, without a Ray cluster: each
 worker's script reports who forked it and what it found loaded."""
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def workers_starter(tmp_path):
 
 
 def worker(env: dict, folder, job: str | None, **extra: str) -> subprocess.Popen:
-    """A Ray worker process of `job` (raylet pid 1), as Ray starts one: `python -m rayhpc.up.worker SCRIPT`."""
+    """A Ray worker process of `job` (raylet pid 1), as Ray starts one: `python -P -m rayhpc.up.worker SCRIPT`."""
     names = {"RAY_JOB_ID": job, "RAY_RAYLET_PID": "1"} if job else {}
-    return subprocess.Popen([sys.executable, "-m", "rayhpc.up.worker", str(folder / "report.py")],
+    return subprocess.Popen([sys.executable, "-P", "-m", "rayhpc.up.worker", str(folder / "report.py")],
                             env={**env, **names, **extra}, stdout=subprocess.PIPE, text=True)
 
 

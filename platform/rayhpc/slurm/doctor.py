@@ -84,7 +84,7 @@ def check_ip(cfg: ClusterConfig | None, nodes: list[str]) -> tuple[bool | None, 
         server.bind((ip, 0))
         server.listen(len(others))
         code = f"import socket; socket.create_connection(({ip!r}, {server.getsockname()[1]}), timeout=10); print('ok')"
-        answers = _srun([sys.executable, "-c", code], others)
+        answers = _srun([sys.executable, "-P", "-c", code], others)
     reached = answers.count("ok")
     return reached == len(others), f"address: Ray would use {ip}; {reached} of {len(others)} other node(s) reach it"
 
@@ -137,9 +137,9 @@ def check_requeue(cfg: ClusterConfig | None) -> tuple[bool | None, str]:
 def check_versions(nodes: list[str]) -> tuple[bool, str]:
     code = "import ray, torch; print(ray.__version__, torch.__version__)"
     if len(nodes) > 1:
-        seen = {line for line in _srun([sys.executable, "-c", code], nodes) if line.strip()}
+        seen = {line for line in _srun([sys.executable, "-P", "-c", code], nodes) if line.strip()}
     else:
-        seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()}
+        seen = {subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True).stdout.strip()}
     return len(seen) == 1, f"versions: ray, torch {' | '.join(sorted(seen))} on {max(len(nodes), 1)} node(s)"
 
 

@@ -113,7 +113,7 @@ def render_array(cfg: ClusterConfig, sweep, n_trials: int, out_dir: Path, task_s
     """The array job's script: one trial per task (`rayhpc.tune.single`), its result as JSON in `out_dir`."""
     q = shlex.quote
     task = f" --task {q(task_spec)}" if task_spec else ""
-    command = (f"exec python -m rayhpc.tune.single --config {q(str(sweep.saved_file))} "
+    command = (f"exec python -P -m rayhpc.tune.single --config {q(str(sweep.saved_file))} "
                f"--index \"$SLURM_ARRAY_TASK_ID\" --out {q(str(out_dir))}{task}")
     return script(cfg, array_flags(cfg, sweep, n_trials), [command], by="rayhpc submit --array")
 
@@ -123,11 +123,11 @@ def render_study_array(cfg: ClusterConfig, sweep, n_tasks: int, study: Path, tas
     trials one at a time until none is left; no collecting job (each task writes the study's table)."""
     q = shlex.quote
     task = f" --task {q(task_spec)}" if task_spec else ""
-    command = f"exec python -m rayhpc.study.task --study {q(str(study))}{task}"
+    command = f"exec python -P -m rayhpc.study.task --study {q(str(study))}{task}"
     return script(cfg, array_flags(cfg, sweep, n_tasks), [command], by="rayhpc submit --array --study")
 
 
 def render_collect(cfg: ClusterConfig, array_id: str, sweep_dir: Path) -> str:
     """The script of the job that writes an array sweep's results.parquet once the array has ended."""
-    body = [f"exec python -m rayhpc.tune.array {shlex.quote(str(sweep_dir))}"]
+    body = [f"exec python -P -m rayhpc.tune.array {shlex.quote(str(sweep_dir))}"]
     return script(cfg, collect_flags(cfg, array_id), body, by="rayhpc submit --array")

@@ -303,7 +303,7 @@ def _drain(items) -> list:
 
 
 def _start_writer(makers: list) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "rayhpc.tracking.writer"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "rayhpc.tracking.writer"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
     pickle.dump(makers, proc.stdin)
     proc.stdin.flush()

@@ -36,4 +36,4 @@ def sync(folder: Path, dry_run: bool = False) -> tuple[list[Path], int]:
     if not installed("wandb"):
         raise ConfigError(f"wandb is not installed: {INSTALL['wandb']}")
     flags = ["--dry-run"] if dry_run else []
-    return runs, subprocess.run([sys.executable, "-m", "wandb", "sync", "--yes", *flags, *map(str, runs)]).returncode
+    return runs, subprocess.run([sys.executable, "-P", "-m", "wandb", "sync", "--yes", *flags, *map(str, runs)]).returncode

@@ -49,11 +49,11 @@ def up(num_cpus: float | None = None, num_gpus: float | None = None, dashboard: 
     info = current()
     if info is not None:
         return "already up: " + describe(info)
-    connection.folder()
+    folder = connection.folder()
     log_file = connection.log_path()
     with contextlib.suppress(FileNotFoundError):
         log_file.unlink()
-    command = [sys.executable, "-m", "rayhpc.up.daemon"]
+    command = [sys.executable, "-P", "-m", "rayhpc.up.daemon"]
     for flag, value in (("--num-cpus", num_cpus), ("--num-gpus", num_gpus)):
         if value is not None:
             command.append(f"{flag}={value:g}")
@@ -62,8 +62,10 @@ def up(num_cpus: float | None = None, num_gpus: float | None = None, dashboard: 
     if not warm:
         command.append("--no-warm")
     with open(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as log:
+        # in a session of its own (not stopped by this terminal's Ctrl-C or hang-up), and in its private folder:
+        # its Ray's processes and workers start there, never in a folder another user may write
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # not stopped by this terminal's Ctrl-C or hang-up
+                                start_new_session=True, cwd=folder)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         info = connection.read()

@@ -55,8 +55,8 @@ WARM_STOP_TIMEOUT_S = 30.0  # its jobs' statuses sent to their commands: at once
 def start_warm(workers: bool = False) -> subprocess.Popen | None:
     """The warm starter (of commands, or of Ray's workers), once it listens (the cluster is announced after it:
     the first command is warm too); None, with a line in the log, where it did not start."""
-    starter = subprocess.Popen([sys.executable, "-m", "rayhpc.up.starter", *(["--workers"] if workers else [])],
-                               stdin=subprocess.DEVNULL)
+    starter = subprocess.Popen([sys.executable, "-P", "-m", "rayhpc.up.starter", *(["--workers"] if workers else [])],
+                               stdin=subprocess.DEVNULL, cwd=connection.folder())
     deadline = time.monotonic() + WARM_START_TIMEOUT_S
     while not (connection.workers_socket_path() if workers else connection.socket_path()).exists():
         if starter.poll() is not None or time.monotonic() > deadline:

@@ -1,6 +1,6 @@
 """A Ray worker process of a job on the user's cluster (`rayhpc up`), as Ray starts it:
 
-    python -m rayhpc.up.worker .../ray/_private/workers/default_worker.py --flags...
+    python -P -m rayhpc.up.worker .../ray/_private/workers/default_worker.py --flags...
 
 Jobs that join the cluster name this as their workers' Python (Ray's `py_executable`, `runtime_env`). It
 hands the worker over to the cluster's warm starter of workers (`rayhpc.up.starter --workers`), which has
@@ -25,19 +25,19 @@ WORKER_EXTRAS = ("transformers", "transformers.modeling_utils")
 
 
 def command() -> str:
-    """Ray's `py_executable` for a job's workers: this module, run by this Python."""
+    """Ray's `py_executable` for a job's workers: this module, run by this Python (`-P`: nothing imported from
+    the worker's working folder, which `-m` would put first on the path)."""
     import shlex
 
-    return f"{shlex.quote(sys.executable)} -m rayhpc.up.worker"
+    return f"{shlex.quote(sys.executable)} -P -m rayhpc.up.worker"
 
 
 def main() -> None:
     script = sys.argv[1:]
     starter = connection.workers_socket_path()
     warm.waiting_for(starter)
-    # as `python script` would have it: the script's folder first on the path
-    status = warm.hand_over(starter, {"sys_argv": script},
-                            [str(Path(script[0]).resolve().parent), *sys.path[1:]])
+    # as `python script` would have it: the script's folder (Ray's own) first on the path
+    status = warm.hand_over(starter, {"sys_argv": script}, [str(Path(script[0]).resolve().parent), *sys.path])
     if status is None:
         os.execv(sys.executable, [sys.executable, *script])
     sys.exit(status)

@@ -23,6 +23,7 @@ import ray
 
 from helpers import (ATTACKER, ROOT, as_attacker, job_env, planted_folder, planted_imports, python_as_attacker,
                      run_job, run_job_warm)
+from rayhpc.task.load import load_task
 from rayhpc.up.connection import listening_uids
 
 # the sweep compiled: inductor builds its precompiled headers in the trial's process (every CPU kernel includes
@@ -273,6 +274,64 @@ def test_a_task_file_in_a_folder_others_can_write_is_not_imported(world_tmp):
     assert out.stderr == (f"error: task (--task) {shared}/task.py:Dropout: {shared} (mode 1777) can be written "
                           f"by other users, so what it holds may not be yours, and it is not loaded; if it is: "
                           f"chmod -R go-w {shared}\n"), out.stderr
+
+
+TASK_WITH_HELPER = """import helper
+from dropout import Dropout  # noqa: F401 - the suite's task, from the task's folder too
+
+
+class Helped(Dropout):
+    hparams = {**Dropout.hparams, "scale": helper.SCALE}
+"""
+
+
+@pytest.mark.parametrize("breach", ["helper.py", "__pycache__ entry", "__pycache__ folder", "package folder", "none"])
+def test_a_task_whose_folder_holds_code_another_user_can_write_is_not_imported(attacker, world_tmp, tmp_path,
+                                                                                 breach):
+    """The task's folder goes first on sys.path while it loads: a module beside it that another user can write
+    (`helper.py` 0666, rewritten by them), a cached `.pyc` they can write (Python runs it in place of its
+    source), or a package folder of theirs to add modules to, would run as the victim when the task imports it;
+    so would a `.pyc` they put later in a `__pycache__` folder they can write. The job refuses in one line naming the entry and imports nothing; a folder of the victim's own is loaded."""
+    tasks = world_tmp("rh-task")
+    tasks.mkdir(mode=0o755)
+    tasks.chmod(0o755)
+    shutil.copy(ROOT / "tests" / "tasks" / "dropout.py", tasks / "dropout.py")
+    (tasks / "task.py").write_text(TASK_WITH_HELPER)
+    (tasks / "helper.py").write_text("SCALE = 2.0\n")
+    marker = world_tmp("rh-ran")
+    (tasks / "data").mkdir()  # a folder of data (no code): another user may write it
+    (tasks / "data").chmod(0o777)
+    culprit = {"helper.py": tasks / "helper.py", "__pycache__ entry": tasks / "__pycache__",
+               "__pycache__ folder": tasks / "__pycache__", "package folder": tasks / "lib"}.get(breach)
+    if breach == "helper.py":
+        culprit.chmod(0o666)
+        assert as_attacker("sh", "-c", f"echo 'open(\"{marker}\", \"w\"); SCALE = 2.0' > {culprit}").returncode == 0
+    elif breach == "__pycache__ entry":
+        culprit.mkdir(mode=0o755)
+        culprit.chmod(0o755)
+        (culprit / "helper.cpython-311.pyc").write_bytes(b"")
+        (culprit / "helper.cpython-311.pyc").chmod(0o666)
+        culprit = culprit / "helper.cpython-311.pyc"
+    elif breach == "__pycache__ folder":  # empty: they would write the .pyc the victim's next import runs
+        culprit.mkdir()
+        culprit.chmod(0o777)
+    elif breach == "package folder":
+        culprit.mkdir()
+        (culprit / "__init__.py").write_text("")
+        culprit.chmod(0o777)
+    if breach == "none":
+        try:
+            assert load_task(f"{tasks}/task.py:Helped").obj.hparams["scale"] == 2.0
+        finally:
+            sys.modules.pop("helper", None)
+        return
+    out = run_job_warm("tune_mlp.py", "--task", f"{tasks}/task.py:Helped", "--num-samples", "1", "--storage-path",
+                       str(tmp_path))
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    mode = f"{culprit.stat().st_mode & 0o7777:04o}"
+    assert out.stderr.startswith(f"error: task (--task) {tasks}/task.py:Helped: {culprit} (mode {mode}) can be "
+                                 "written by other users"), out.stderr
+    assert not marker.exists(), "the planted helper ran"
 
 
 @pytest.mark.parametrize("job, warm", [(["tune_mlp.py", "--num-samples", "2", "--epochs", "1"], "1"),

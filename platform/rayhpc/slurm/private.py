@@ -163,6 +163,38 @@ def check_trusted(path: str | Path, below: bool = False, _seen: set[Path] | None
                              f"it holds may not be yours, and it is not loaded; if it is: chmod -R go-w {entry}")
 
 
+CODE_SUFFIXES = (".py", ".pyc", ".pyw", ".so")  # what Python imports from a folder on sys.path
+
+
+def check_code_folder(folder: str | Path, _seen: set[Path] | None = None) -> None:
+    """Before `folder` goes first on `sys.path` (a `--task FILE.py`'s): it passes `check_trusted`, and so does
+    everything in it an import could run: each module (source, bytecode, extension), each `__pycache__` folder
+    with everything in it (Python runs a cached `.pyc` in place of its source), and each folder that holds code
+    (a package: another user who can write it can add modules), checked the same way. Folders without code
+    (data) are not walked: a task beside a home folder's thousands of files costs one listing of each."""
+    seen = set() if _seen is None else _seen
+    folder = Path(os.path.realpath(folder))
+    if folder in seen:
+        return
+    seen.add(folder)
+    check_trusted(folder)
+    for entry in os.scandir(folder):
+        path = Path(entry.path)
+        if entry.is_dir() and entry.name == "__pycache__":
+            check_trusted(path, below=True)
+        elif entry.is_dir() and _holds_code(path):
+            check_code_folder(path, seen)
+        elif entry.name.endswith(CODE_SUFFIXES):
+            check_trusted(path)
+
+
+def _holds_code(folder: Path) -> bool:
+    try:
+        return any(e.name == "__pycache__" or e.name.endswith(CODE_SUFFIXES) for e in os.scandir(folder))
+    except OSError:  # not ours to list: nothing there is imported either
+        return False
+
+
 def private_tmpdir() -> str:
     """This process's own temp folder: a new 0700 folder of a random name (`mkdtemp`) inside the TMPDIR it was
     given, made TMPDIR, RAY_TMPDIR and Python's `tempfile` default, and removed at exit. Every process this one

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import UnsafePath, check_trusted
+from rayhpc.slurm.private import UnsafePath, check_code_folder, check_trusted
 from rayhpc.task.hparams import hparams_model
 
 BUILTIN = {"mlp": "rayhpc.task.mlp:MLPTask"}
@@ -236,7 +236,7 @@ def _import_file(path: Path, where: str):
     if not path.is_file():
         raise ConfigError(f"{where}: no such file {path}")
     try:  # its folder too: it goes on sys.path, so a module planted beside it would be imported
-        check_trusted(path.parent)
+        check_code_folder(path.parent)
         check_trusted(path)
     except UnsafePath as exc:
         raise ConfigError(f"{where}: {exc}") from None

@@ -36,8 +36,10 @@ def main() -> None:
     script = sys.argv[1:]
     starter = connection.workers_socket_path()
     warm.waiting_for(starter)
-    # as `python script` would have it: the script's folder (Ray's own) first on the path
-    status = warm.hand_over(starter, {"sys_argv": script}, [str(Path(script[0]).resolve().parent), *sys.path])
+    # as `python script` would have it: the script's folder (Ray's own) first on the path, unless the environment
+    # sets PYTHONSAFEPATH (as the platform's Rays do), which leaves it off
+    first = [] if os.environ.get("PYTHONSAFEPATH") else [str(Path(script[0]).resolve().parent)]
+    status = warm.hand_over(starter, {"sys_argv": script}, [*first, *sys.path])
     if status is None:
         os.execv(sys.executable, [sys.executable, *script])
     sys.exit(status)

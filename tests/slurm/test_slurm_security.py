@@ -298,6 +298,48 @@ def test_a_job_submitted_from_a_folder_another_user_writes_imports_nothing_from_
     assert_nothing_left(job)
 
 
+@pytest.mark.parametrize("theirs", ["links to the victim's file", "the log folder"])
+def test_the_startup_submitted_directly_writes_its_log_only_into_a_folder_of_the_users(slurm, attacker, world_tmp,
+                                                                                     tmp_path, theirs):
+    """The attack: a shared sticky folder the victim submits `sbatch ray_cluster.sbatch` from, where the other user
+    makes the names its log would take first. The script used to have Slurm append its log to
+    `rayhpc-%x-%j.log` there: a link of theirs named so led it into any file of the victim's. Now Slurm writes
+    nothing there (/dev/null) and the startup appends its own log to `rayhpc-logs/<name>-<job>.log`, a folder
+    of the victim's that no one else can create files in; where they made that folder first, the job stops
+    before anything runs, says why in its comment, and writes nothing into theirs."""
+    shared = world_tmp("rh-submit")
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = tmp_path / "victims-file"
+    victim.write_text("mine\n")
+    probe = subprocess.run(["sbatch", "--parsable", "--hold", "--output=/dev/null", "--wrap=true"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(["scancel", probe], check=True)
+    for job in range(int(probe) + 1, int(probe) + 6):
+        assert as_attacker("ln", "-s", str(victim), f"{shared}/rayhpc-rayhpc-ray-{job}.log").returncode == 0
+    if theirs == "the log folder":
+        assert as_attacker("mkdir", "-m", "777", f"{shared}/rayhpc-logs").returncode == 0
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # the venv, activated
+    env.pop("RAYHPC_LOG_DIR", None)
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", str(ROOT / "cluster_configs" / "slurm" / "ray_cluster.sbatch"),
+                          "python", "-c", "print('the command ran')"], capture_output=True, text=True, env=env,
+                         cwd=shared, check=True).stdout.strip()
+    SUBMITTED.append(job)
+    info = wait_done(job)
+    assert victim.read_text() == "mine\n", "the job's log went into the victim's file"
+    if theirs == "the log folder":
+        assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+        comment = re.search(r"\bComment=(.*?)(?= [A-Z][A-Za-z:]*=|$)", shown).group(1)  # words, spaces between
+        assert comment.startswith(f"error: log_dir {shared}/rayhpc-logs: {shared}/rayhpc-logs belongs to uid"), shown
+        assert list((shared / "rayhpc-logs").iterdir()) == [], "the job wrote into the other user's folder"
+    else:
+        log = shared / "rayhpc-logs" / f"rayhpc-ray-{job}.log"
+        assert info["JobState"] == "COMPLETED" and "the command ran" in log.read_text(), info
+        assert stat.S_IMODE(log.stat().st_mode) == 0o600 and stat.S_IMODE(log.parent.stat().st_mode) == 0o700
+    assert_nothing_left(job)
+
+
 def stub_runtime(tmp_path: Path) -> tuple[str, Path]:
     """A stand-in `apptainer`: records its arguments (one per line), checks the image is one existing
     file, and runs the command after it. Returns (PATH with it first, the folder of its records)."""

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rayhpc.slurm.private import UnsafePath, private_dir, write_private
+from rayhpc.slurm.private import UnsafePath, log_folder, private_dir, write_private
 
 # offsets inside a job's block: the ports Ray cannot bind with 0 (why each is safe to fix: docs/security.md).
 # The two metrics ports are fixed in Ray (44217, 44227) unless set by environment variable: the startup sets them.
@@ -124,12 +124,25 @@ def nodes_of(nodelist: str) -> list[str]:
     return out.stdout.split()
 
 
+def log_dir_of(env: dict[str, str]) -> str:
+    """The job's log folder: RAYHPC_LOG_DIR (`rayhpc submit` sets the cluster config's), else `rayhpc-logs` in the
+    folder it was submitted from."""
+    return env.get("RAYHPC_LOG_DIR") or os.path.join(env.get("SLURM_SUBMIT_DIR", os.getcwd()), "rayhpc-logs")
+
+
+def job_log(env: dict[str, str]) -> Path:
+    """Where a job submitted without an output file of its own (`sbatch ray_cluster.sbatch ...` directly: its
+    `--output` is /dev/null) writes its log: `<log_dir>/<job name>-<job id>.log`, as `rayhpc submit` names it,
+    in a log folder no other user can create files in (`log_folder`)."""
+    return log_folder(log_dir_of(env)) / f"{env.get('SLURM_JOB_NAME', 'rayhpc-ray')}-{env['SLURM_JOB_ID']}.log"
+
+
 def shell_exports(env: dict[str, str], busy: set[int]) -> dict[str, str]:
     """The layout of the current Slurm job, as RH_* shell variables; creates the job's private folder
     (`<log_dir>/<job>`, 0700) and a fresh token in it (0600, never printed)."""
     job = int(env["SLURM_JOB_ID"])
     nodes = nodes_of(env["SLURM_JOB_NODELIST"])
-    log_dir = env.get("RAYHPC_LOG_DIR") or os.path.join(env.get("SLURM_SUBMIT_DIR", os.getcwd()), "rayhpc-logs")
+    log_dir = log_dir_of(env)
     out = {f"RH_{k.upper()}_PORT": str(v) for k, v in ports(job, busy).items()}
     ip = node_ip(env.get("RAYHPC_HEAD_IP"))
     job_dir = private_dir(Path(log_dir) / str(job))  # last: nothing is left behind when a check above fails
@@ -140,10 +153,17 @@ def shell_exports(env: dict[str, str], busy: set[int]) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    """`busy`: this node's ports in use, one per line. No argument: the job's exports, reading every
-    node's busy ports from stdin."""
+    """`busy`: this node's ports in use, one per line. `log`: the job's own log file (`job_log`). No argument:
+    the job's exports, reading every node's busy ports from stdin."""
     if argv[:1] == ["busy"]:
         print("\n".join(map(str, sorted(busy_ports()))))
+        return 0
+    if argv[:1] == ["log"]:
+        try:
+            print(job_log(dict(os.environ)))
+        except (KeyError, OSError, UnsafePath) as exc:
+            print(f"error: log_dir {log_dir_of(dict(os.environ))}: {exc}", file=sys.stderr)
+            return 2
         return 0
     try:
         busy = {int(word) for word in sys.stdin.read().split()} if not sys.stdin.isatty() else busy_ports()

@@ -67,6 +67,18 @@ def owned_dir(path: str | Path) -> Path:
     return path
 
 
+def log_folder(path: str | Path) -> Path:
+    """`path` as a folder of this user's (`owned_dir`) that no other user can create files in, sticky bit or not:
+    Slurm appends a job's output to `<folder>/%x-%j.log`, a name they could create first (a FIFO, a file of
+    theirs, a link to one of the user's files). `UnsafePath` naming it otherwise."""
+    folder = owned_dir(path)
+    mode = folder.stat().st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafePath(f"{folder} (mode {stat.S_IMODE(mode):04o}) lets other users create files in it, such as "
+                         f"the next job's log before Slurm writes it; use a folder of your own, or chmod go-w {folder}")
+    return folder
+
+
 def private_dir(path: str | Path) -> Path:
     """`path` as a folder only this user can enter: created here with mode 0700 (missing parents too), or
     an existing one that passes the same checks. Raises `UnsafePath` otherwise (never chmods someone

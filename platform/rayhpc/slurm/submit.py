@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rayhpc.config import ConfigError
 from rayhpc.slurm.config import ClusterConfig
-from rayhpc.slurm.private import UnsafePath, check_trusted, owned_dir
+from rayhpc.slurm.private import UnsafePath, check_trusted, log_folder
 from rayhpc.slurm.render import render_sbatch
 
 
@@ -28,13 +28,7 @@ def log_dir(cfg: ClusterConfig) -> Path:
     or not: Slurm appends each job's output to `<log_dir>/%x-%j.log`, a name they could create first as a
     FIFO or a file of theirs) is a one-line error."""
     try:
-        folder = owned_dir(cfg.log_dir)
-        mode = folder.stat().st_mode
-        if mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise UnsafePath(f"{folder} (mode {stat.S_IMODE(mode):04o}) lets other users create files in it, such as "
-                             f"the next job's log before Slurm writes it; use a folder of your own, or chmod go-w "
-                             f"{folder}")
-        return folder
+        return log_folder(cfg.log_dir)
     except (UnsafePath, OSError) as exc:
         raise ConfigError(f"log_dir {cfg.log_dir}: {exc}") from None
 

@@ -350,7 +350,7 @@ def status_main(argv: Sequence[str] | None = None) -> int:
         from rayhpc.up.control import current, describe  # the user's own cluster on this machine, if up
 
         mine = current()
-        address = mine and cluster.resolve_address(None)  # and its token
+        address = mine and cluster.resolve_address(None, same_environment=False)  # its token; Ray's state only
         if mine:
             print(describe(mine))
     if address is None and shutil.which("squeue") is None:

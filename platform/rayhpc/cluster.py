@@ -106,17 +106,21 @@ def check_gpus_usable(gpus: float, key: str) -> None:
         raise ConfigError(problem)
 
 
-def resolve_address(address: str | None) -> str | None:
+def resolve_address(address: str | None, same_environment: bool = True) -> str | None:
     """`--address`, else `RAY_ADDRESS`, else the user's own cluster on this machine (`rayhpc up`), else
-    None (start a local cluster). Never a cluster found anywhere else (Ray's own default)."""
+    None (start a local cluster). Never a cluster found anywhere else (Ray's own default). A `ConfigError`
+    where the user's cluster runs another Python environment than this process (`same_environment`: a job's
+    workers would run the cluster's)."""
     if address or os.environ.get("RAY_ADDRESS"):
         return address or os.environ.get("RAY_ADDRESS")
     from rayhpc.up import connection
 
     try:
-        found = connection.find()
+        found = connection.find(same_environment)
     except UnsafePath as exc:
         raise ConfigError(f"{connection.path()}: {exc}") from None
+    except connection.OtherEnvironment as exc:
+        raise ConfigError(str(exc)) from None
     if found is not None:
         address, token = found
         use_token(token)  # the cluster's own, named by its connection file

@@ -10,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -127,6 +128,43 @@ def test_a_training_job_joins_it_and_leaves_it_as_it_found_it(user_cluster, tmp_
                 tmp_path / "marks")
     assert_joined_in_the_starter(job, tmp_path / "marks", address)
     assert_as_found(user_cluster, before)
+
+
+def other_environment(tmp_path: Path) -> Path:
+    """The Python of another virtual environment, which sees the suite's packages (the same versions): only the
+    environment differs."""
+    other = tmp_path / "other-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True)
+    site_packages = next(other.glob("lib/python*/site-packages"))
+    (site_packages / "suite.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    return other / "bin" / "python"
+
+
+def test_a_job_of_another_environment_is_refused_with_one_line_unless_it_names_the_cluster(user_cluster, tmp_path):
+    """A job run by another environment's Python would have joined the cluster and run its workers on the
+    cluster's interpreter and packages, without a word: it is one `error:` line naming both environments and
+    the commands that start a matching cluster or join this one anyway, exit 2, before any Ray starts or the
+    warm starter (the cluster's Python) runs it. Joining anyway, as the line says, runs the job there."""
+    python = other_environment(tmp_path)
+    args = ["--num-samples", "1", "--epochs", "1"]
+    proc = subprocess.run([str(python), str(ROOT / "jobs" / "tune_mlp.py"), *args, "--storage-path",
+                           str(tmp_path / "refused")], capture_output=True, text=True, cwd=ROOT, env=job_env(None),
+                          timeout=180)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    ours, theirs = os.path.realpath(python.parent.parent), os.path.realpath(sys.prefix)
+    assert lines[0].startswith(f"error: your cluster (rayhpc up, {connection.path()}) runs Python "), lines
+    assert f" in {theirs}, " in lines[0] and "; this command runs Python " in lines[0] and f" in {ours}, " in lines[0]
+    assert f"({python} -m rayhpc down && {python} -m rayhpc up)" in lines[0], lines
+    insist = f"RAY_AUTH_TOKEN_PATH={user_cluster['token_path']} and --address {user_cluster['address']}"
+    assert lines[0].endswith(insist), lines
+    assert not (tmp_path / "refused").exists()
+    joined = subprocess.run([str(python), str(ROOT / "jobs" / "tune_mlp.py"), *args, "--storage-path",
+                             str(tmp_path / "joined"), "--address", user_cluster["address"]], capture_output=True,
+                            text=True, cwd=ROOT, env=job_env({"RAY_AUTH_TOKEN_PATH": user_cluster["token_path"]}),
+                            timeout=300)
+    assert joined.returncode == 0 and "started local Ray" not in joined.stdout, joined.stdout + joined.stderr
+    assert len(read_results(tmp_path / "joined" / "mlp-sweep")) == 1
 
 
 PROBE_WORKER = """

@@ -15,8 +15,11 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import socket
+import sys
+from importlib import metadata
 from pathlib import Path
 
 from rayhpc import processes
@@ -145,10 +148,50 @@ def remove_remains(info: dict) -> list[int]:
     return left
 
 
-def find() -> tuple[str, Path] | None:
+class OtherEnvironment(Exception):
+    """The user's cluster runs another Python environment than this process: a job's workers there would run
+    the cluster's interpreter and packages, not this one's."""
+
+
+def environment() -> dict[str, str | None]:
+    """What a job's workers on the cluster run with: this Python environment, its version, and the versions of
+    the platform (and where it is imported from), Ray and torch, as installed (no import)."""
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"prefix": os.path.realpath(sys.prefix), "python": ".".join(map(str, sys.version_info[:3])),
+            "rayhpc": version("rayhpc"), "rayhpc_at": str(Path(__file__).resolve().parents[1]),
+            "ray": version("ray"), "torch": version("torch")}
+
+
+def describe_environment(env: dict | None) -> str:
+    if not env:
+        return "unknown (a cluster started by an earlier rayhpc)"
+    return (f"Python {env['python']} in {env['prefix']}, rayhpc {env['rayhpc']} from {env['rayhpc_at']}, "
+            f"ray {env['ray']}, torch {env['torch']}")
+
+
+def other_environment(info: dict) -> str | None:
+    """Why a job of this process may not join the cluster of `info` (its environment is another), or None."""
+    theirs, ours = info.get("environment"), environment()
+    if theirs == ours:
+        return None
+    rayhpc = f"{shlex.quote(sys.executable)} -m rayhpc"
+    command = f"{rayhpc} down && {rayhpc} up"
+    return (f"your cluster (rayhpc up, {path()}) runs {describe_environment(theirs)}; this command runs "
+            f"{describe_environment(ours)}: its workers would run the cluster's Python and packages, not this "
+            f"one's. Start one from this environment ({command}), or join it anyway with "
+            f"RAY_AUTH_TOKEN_PATH={info['token_path']} and --address {info['address']}")
+
+
+def find(same_environment: bool = True) -> tuple[str, Path] | None:
     """The address of the user's cluster on this machine and its token file, where it is up; None otherwise.
     A connection file whose cluster is gone is removed, with one line saying so. The token file is the
-    cluster's own (in its private folder); `UnsafePath` where another user could have put or changed it."""
+    cluster's own (in its private folder); `UnsafePath` where another user could have put or changed it;
+    `OtherEnvironment` where the cluster runs another environment than this process (`same_environment`)."""
     file = path()
     info = read(file)
     if info is None:
@@ -158,6 +201,8 @@ def find() -> tuple[str, Path] | None:
         log.info(f"ray: the cluster of `rayhpc up` in {file} is gone ({why}); this job starts a Ray of its own")
         remove_remains(info)
         return None
+    if same_environment and (other := other_environment(info)) is not None:
+        raise OtherEnvironment(other)
     token = Path(info["token_path"])
     check_trusted(token)
     return info["address"], token

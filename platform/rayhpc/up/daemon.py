@@ -40,7 +40,8 @@ def cluster_info(ctx, marker: str, holder: int) -> dict:
             "nodes": {connection.host(): address.rsplit(":", 1)[0]},
             "token_path": str(cluster.local_token()),
             "pid": holder, "pid_start": start_ticks(holder), "marker": marker, "started": time.time(),
-            "temp_dir": str(cluster.local_temp()), "ray_tmpdir": os.environ["RAY_TMPDIR"]}
+            "temp_dir": str(cluster.local_temp()), "ray_tmpdir": os.environ["RAY_TMPDIR"],
+            "environment": connection.environment()}  # a job of another environment does not join (`find`)
     if ctx.dashboard_url:
         info.update(dashboard=f"http://{ctx.dashboard_url}",
                     tunnel=f"ssh -N -L {ctx.dashboard_url.rsplit(':', 1)[1]}:{ctx.dashboard_url} {connection.host()}")

@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from rayhpc.slurm.private import UnsafePath
 from rayhpc.up import connection
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,12 @@ def run(main: str, argv) -> int | None:
     """Run the command `main(argv)` in the warm starter of the user's cluster; its exit status, or None where
     there is no starter (or not one of this code): the caller then runs it itself."""
     if os.environ.get("RAY_ADDRESS"):  # a cluster named otherwise: a process of its own
+        return None
+    try:  # a cluster of another environment: the job, in its own process, says so as it looks for a cluster
+        info = connection.read()
+    except (OSError, ValueError, UnsafePath):
+        return None
+    if info is None or connection.other_environment(info) is not None:
         return None
     return hand_over(connection.socket_path(), {"main": main, "argv": argv, "sys_argv": sys.argv})
 

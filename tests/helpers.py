@@ -236,7 +236,7 @@ deadline = time.monotonic() + wait_s
 while time.monotonic() < deadline and (target.startswith("ps:") or not servers):
     for port in named_ports() - set(servers):
         take(port)
-    time.sleep(0.002)
+    time.sleep(0.01 if target.startswith("ps:") else 0.002)  # a ps line comes seconds before Ray binds its ports
 if servers:
     time.sleep(listen_s)
 for server in servers.values():

@@ -257,7 +257,7 @@ def test_a_port_another_user_takes_before_the_head_starts_never_receives_the_tok
         time.sleep(0.02)
     low = int(block.group(1))
     target = f"ps:rh-{job}-" if attack not in OFFSETS else str(low + OFFSETS[attack])
-    catcher = start_as_attacker(CATCH_TOKENS, target, "30", "40", imports=CATCH_IMPORTS, netns="n1")
+    catcher = start_as_attacker(CATCH_TOKENS, target, "20", "20", imports=CATCH_IMPORTS, netns="n1")
     info = wait_done(job)
     got = caught(catcher)
     log = job_log(job)

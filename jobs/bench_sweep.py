@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from rayhpc.cluster import WARM_WORKERS_VARIABLE, disconnect, start_local
+from rayhpc.cluster import disconnect, start_local
 from rayhpc.task import task_for
 from rayhpc.tune.config import SweepConfig, bind_sweep
 from rayhpc.tune.plan import save_plan
@@ -196,30 +196,41 @@ def reference_sweep(args, work: Path, name: str = "ours") -> tuple[SweepConfig, 
 
 def first_result(args) -> None:
     """The default sweep and the reference sweep, cold and with the user's cluster up, side by side."""
-    from bench.first_result import breakdown, cluster_up, cold, median, timed
+    from bench.first_result import breakdown, cluster_up, cold, median, timed, timed_plain_tuner
 
     work = Path(tempfile.mkdtemp(prefix="bench_first_"))
     default_cfg = SweepConfig(storage_path=work)
     default_cfg, _ = bind_sweep(default_cfg, task_for(default_cfg.task, default_cfg.data))
+    default_file = work / "default.yaml"
+    default_file.write_text(yaml.safe_dump(default_cfg.model_dump(mode="json", exclude_none=True)))
     ref_cfg, ref_configs, ref_file = reference_sweep(args, work, "reference")
     sweeps = {"default sweep": (default_cfg, default_cfg.configs(task_for(default_cfg.task, default_cfg.data).hp_model),
-                                []),
-              f"{len(ref_configs)}-trial reference sweep": (ref_cfg, ref_configs, ["--config", str(ref_file)])}
-    ideal = {name: reference_seconds(cfg, configs) / args.cpus for name, (cfg, configs, _) in sweeps.items()}
+                                [], default_file),
+              f"{len(ref_configs)}-trial reference sweep": (ref_cfg, ref_configs, ["--config", str(ref_file)],
+                                                            ref_file)}
+    ideal = {name: reference_seconds(cfg, configs) / args.cpus for name, (cfg, configs, _, _) in sweeps.items()}
     script = [sys.executable, str(Path(__file__).with_name("tune_mlp.py"))]
 
-    def runs(env: dict, how: str) -> dict:
-        out = {}
-        for name, (_, _, flags) in sweeps.items():
-            out[name] = median([timed([*script, *flags, "--storage-path", str(work / f"{how}{i}")], env, work,
-                                      f"{how}{i}") for i in range(args.repeats)])
-        return out
+    def run(name: str, how: str, i: int, env: dict | None) -> dict:
+        flags, config = sweeps[name][2:]
+        if env is None:  # plain Ray Tune
+            return timed_plain_tuner(config, work, f"{how}-{len(flags)}-{i}")
+        return timed([*script, *flags, "--storage-path", str(work / f"{how}{i}")], env, work, f"{how}{i}")
 
-    rows = {"cold": runs(cold(work), "cold"),
-            "workers cold": runs({**cold(work), WARM_WORKERS_VARIABLE: "0"}, "cold-workers")}
-    with cluster_up(work, args.cpus) as env:
-        rows["cluster up"] = runs(env, "up")
-    print(f"time to first result: {args.cpus} CPUs, medians of {args.repeats} run(s); ideal = the trials' summed "
+    # alternating: each repeat runs every way once, so a machine that gets busier loads them alike; the user's
+    # cluster is up only for its own runs (idle, it would load the machine under the others)
+    hows = {"cold": cold(work), "plain Tuner": None}
+    measured: dict[str, dict[str, list]] = {how: {name: [] for name in sweeps} for how in (*hows, "cluster up")}
+    for i in range(args.repeats):
+        for how, env in hows.items():
+            for name in sweeps:
+                measured[how][name].append(run(name, how, i, env))
+        with cluster_up(work, args.cpus) as up_env:
+            for name in sweeps:
+                measured["cluster up"][name].append(run(name, "up", i, up_env))
+    rows = {how: {name: median(results) for name, results in by_sweep.items()} for how, by_sweep in measured.items()}
+    print(f"time to first result: {args.cpus} CPUs, medians of {args.repeats} alternating run(s); plain Tuner: "
+          f"Ray Tune's defaults, a trial per configuration (jobs/bench/plain_tuner.py); ideal = the trials' summed "
           f"in-trial seconds alone / CPUs\n\n{'sweep':28s} {'how':11s} {'wall':>7s} {'ideal':>6s} {'ideal/wall':>11s}  "
           f"where the wall goes (s)")
     for name in sweeps:

@@ -25,7 +25,9 @@ sampler and optimizer. Time to first step is from launching the command
 (`torchrun ...` / `python jobs/train_mlp.py ...`) to the end of the first
 optimizer step, Ray's start included. Throughput is the mean over epochs 2..N
 (epoch 1 holds the warm-up). "Ray Train defaults" is the same job with Ray
-Train's own start-up settings instead of the platform's. The runs take
+Train's own start-up settings instead of the platform's; "plain Ray Train" is
+the baseline's loop in a `TorchTrainer` on a `ray.init()` of Ray's defaults,
+as Ray Train's docs write it. The runs take
 turns, `--repeats` times; each figure is the median of its runs (this is a
 shared machine: single runs vary by 10-20%).
 """
@@ -47,8 +49,6 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from rayhpc.cluster import WARM_WORKERS_VARIABLE
-
 BENCH = Path(__file__).resolve().parent / "bench"  # the plain-PyTorch baseline, run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,18 +56,20 @@ NAN = float("nan")
 RAY_TRAIN_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
 
 
-def baseline(args, work: Path, raw: bool = False) -> dict:
-    """Plain PyTorch: torchrun + DDP on `--workers` CPU ranks, or (`raw`) one process on the chosen device."""
+def baseline(args, work: Path, raw: bool = False, ray_train: bool = False) -> dict:
+    """Plain PyTorch: torchrun + DDP on `--workers` CPU ranks, or (`raw`) one process on the chosen device, or
+    (`ray_train`) plain Ray Train: a TorchTrainer of `--workers` workers on a `ray.init()` of its defaults."""
     out = work / "baseline.json"
-    launcher = [] if raw else [shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun")),
-                               "--nproc_per_node", str(args.workers)]
+    launcher = [] if raw or ray_train else [shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun")),
+                                            "--nproc_per_node", str(args.workers)]
     device = ["--device", "cuda", "--bf16"] if raw and args.gpu else []
     launch = time.time()
     task = ["--task", LLAMA, "--corpus-bytes", str(args.gpt_bytes)] if args.llama else []
     subprocess.run([*(launcher or [sys.executable]), str(BENCH / "train_baseline.py"), "--out", str(out),
                     "--launch-time", str(launch), "--in-features", str(args.in_features), "--hidden",
                     str(args.hidden), "--depth", str(args.depth), "--samples", str(args.samples), "--batch",
-                    str(args.batch), "--epochs", str(args.epochs), *device, *task],
+                    str(args.batch), "--epochs", str(args.epochs), *device, *task,
+                    *(["--ray-train", str(args.workers)] if ray_train else [])],
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads(out.read_text())
     later = {key: statistics.mean(result[key][1:]) for key in ("samples_per_s", "data_wait_share")}  # epoch 1: warm-up
@@ -212,8 +214,7 @@ def plan(args, cold: dict) -> dict:
     job = {"task": LLAMA, "hparams": {"corpus_bytes": args.gpt_bytes}} if args.llama else None
     return {"torchrun + plain DDP": lambda work, i: baseline(args, work),
             "rayhpc DDP": lambda work, i: rayhpc(args, work, f"rayhpc{i}", cold, job=job),
-            "rayhpc DDP, workers cold": lambda work, i: rayhpc(args, work, f"cold-workers{i}",
-                                                               {**cold, WARM_WORKERS_VARIABLE: "0"}, job=job),
+            "plain Ray Train TorchTrainer": lambda work, i: baseline(args, work, ray_train=True),
             UP: lambda work, i, up: rayhpc(args, work, f"up{i}", up, job=job),
             "rayhpc DDP, Ray Train defaults": lambda work, i: rayhpc(args, work, f"defaults{i}",
                                                                     {**cold, **RAY_TRAIN_DEFAULTS}, job=job)}

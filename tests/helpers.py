@@ -108,14 +108,14 @@ def run_job_warm(script: str, *args: str, env: dict | None = None, timeout: floa
 
 
 def tensorboard_scalars(folder: Path) -> dict[str, list[float]]:
-    """Every scalar in the TensorBoard event files under `folder`, by tag (read with
+    """Every scalar in the TensorBoard event files under `folder`, by tag, in step order (read with
     tensorboardX's protobufs: TFRecord = length, crc, Event, crc)."""
     import struct
 
     from tensorboardX.proto.event_pb2 import Event
 
-    scalars: dict[str, list[float]] = {}
-    for path in sorted(Path(folder).rglob("events.out.tfevents.*")):
+    found = []  # (step, wall time, tag, value), in the order they were written
+    for path in Path(folder).rglob("events.out.tfevents.*"):
         data, i = path.read_bytes(), 0
         while i < len(data):
             (n,) = struct.unpack("<Q", data[i:i + 8])
@@ -123,7 +123,10 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[float]]:
             i += 12 + n + 4
             for value in event.summary.value:
                 if value.WhichOneof("value") == "simple_value":  # not a histogram, an image, ...
-                    scalars.setdefault(value.tag, []).append(value.simple_value)
+                    found.append((event.step, event.wall_time, value.tag, value.simple_value))
+    scalars: dict[str, list[float]] = {}
+    for _, _, tag, value in sorted(found, key=lambda f: f[:2]):
+        scalars.setdefault(tag, []).append(value)
     return scalars
 
 

@@ -6,6 +6,7 @@ cluster up (`rayhpc up`: it joins), each run's wall split into the phases it mar
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -56,6 +57,25 @@ def timed(command: list[str], env: dict, work: Path, name: str) -> dict:
         raise SystemExit(f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}")
     at = read(marks)
     row, before = {"wall": end - launch, "stdout": proc.stdout}, launch
+    for phase in PHASES:
+        if phase in at:
+            row[phase], before = at[phase] - before, at[phase]
+    row["exit"] = end - before
+    return row
+
+
+def timed_plain_tuner(config: Path, work: Path, name: str) -> dict:
+    """The sweep of `config` as plain Ray Tune runs it (`plain_tuner.py`): its wall from launch to exit, and the
+    seconds of each phase it marks."""
+    out, launch = work / f"{name}.json", time.time()
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("plain_tuner.py")), str(config),
+                           "--storage-path", str(work / name), "--out", str(out), "--launch-time", str(launch)],
+                          capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
+    end = time.time()
+    if proc.returncode:
+        raise SystemExit(f"plain_tuner.py {config} failed:\n{proc.stdout}\n{proc.stderr}")
+    at = {k: launch + v for k, v in json.loads(out.read_text()).items() if k != "trials"}
+    row, before = {"wall": end - launch}, launch
     for phase in PHASES:
         if phase in at:
             row[phase], before = at[phase] - before, at[phase]

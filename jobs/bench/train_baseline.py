@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 jobs/bench/train_baseline.py --out result.json --launch-time T [options]
     torchrun --nproc_per_node 2 jobs/bench/train_baseline.py ... --task jobs/tasks/llama.py:Llama
     python jobs/bench/train_baseline.py --out result.json --launch-time T --device cuda --bf16 [options]
+    python jobs/bench/train_baseline.py --out result.json --launch-time T --ray-train 2 [options]
 
 Same model, data, sampler and optimizer as the platform's loop: the MLP of the options, or with `--task` a
 task file's own model, data and loss, used as a plain script would use that file. Under torchrun
@@ -11,7 +12,9 @@ environment and nothing else. Run directly: one process, no process group, no
 wrapper ("raw PyTorch"), on `--device`, with bf16 autocast if `--bf16`; on a GPU the
 training rows sit on the GPU and batches are index gathers there, as a careful user
 writes it (a DataLoader collating samples one by one and copying pageable memory keeps a
-GPU waiting). Each epoch's share of time spent waiting for its next batch is recorded.
+GPU waiting). With `--ray-train N`: plain Ray Train, as its docs write it: `ray.init()` with its defaults (a
+local Ray of its own), a `TorchTrainer` of N CPU workers (gloo), the same loop in each, DDP by
+`ray.train.torch.prepare_model`. Each epoch's share of time spent waiting for its next batch is recorded.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import os
+import tempfile
 import time
 
 import torch
@@ -48,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (cuda), as the platform's DDP")
     parser.add_argument("--task", help="FILE:CLASS: that task's model, data and loss instead of the MLP")
     parser.add_argument("--corpus-bytes", type=int, default=200_000, help="with --task: its corpus_bytes")
+    parser.add_argument("--ray-train", type=int, metavar="N", help="plain Ray Train: a TorchTrainer of N workers")
     return parser.parse_args()
 
 
@@ -91,14 +96,39 @@ def build(args, device: torch.device):
 
 def main() -> None:
     args = parse_args()
+    if args.ray_train:
+        return ray_train(args)
     distributed = "RANK" in os.environ  # launched by torchrun
     if distributed:
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
+    loop(args, distributed)
+
+
+def ray_train(args) -> None:
+    """Plain Ray Train: its own local Ray (`ray.init()`'s defaults), a TorchTrainer of `args.ray_train` workers."""
+    import ray
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init()
+    with tempfile.TemporaryDirectory() as storage:
+        TorchTrainer(lambda: loop(args, True, prepare=True), scaling_config=ScalingConfig(num_workers=args.ray_train),
+                     run_config=ray.train.RunConfig(storage_path=storage)).fit()
+    ray.shutdown()
+
+
+def loop(args, distributed: bool, prepare: bool = False) -> None:
+    """The training loop; `prepare`: under Ray Train (its process group, DDP by its `prepare_model`)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = torch.device("cpu" if distributed else args.device)
     train, model, loss_of, tokens = build(args, device)
-    model = DistributedDataParallel(model) if distributed else model
+    if prepare:
+        import ray.train.torch
+
+        model = ray.train.torch.prepare_model(model)
+    else:
+        model = DistributedDataParallel(model) if distributed else model
     opt = torch.optim.Adam(model.parameters(), lr=0.01)  # every job's default optimizer
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
     # on a GPU the MLP's training rows (a Subset of a TensorDataset) go there once
@@ -133,7 +163,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"first_step_s": first_step - args.launch_time, "samples_per_s": per_epoch,
                        "data_wait_share": waits}, f)
-    if distributed:
+    if distributed and not prepare:
         dist.destroy_process_group()
 
 

@@ -402,15 +402,12 @@ def up_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=float, metavar="N", help="CPUs it offers (default: this machine's)")
     parser.add_argument("--num-gpus", type=float, metavar="N", help="GPUs it offers (default: this machine's)")
     parser.add_argument("--no-dashboard", action="store_true", help="without Ray's dashboard")
-    parser.add_argument("--no-warm", action="store_true", help="without the warm starters: each command, and each "
-                        "Ray worker of a job, then imports torch (and Ray) itself (about 2 s) instead of running in "
-                        "a child of a process that has")
     args = parser.parse_args(argv)
     for key in ("num_cpus", "num_gpus"):
         value = getattr(args, key)
         if value is not None and not 0 <= value < float("inf"):
             parser.error(f"{key} (--{key.replace('_', '-')}) {value:g}: expected a number >= 0")
-    print(up(args.num_cpus, args.num_gpus, not args.no_dashboard, not args.no_warm))
+    print(up(args.num_cpus, args.num_gpus, not args.no_dashboard))
     return 0
 
 

@@ -22,13 +22,11 @@ USAGE_ERROR = 2
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None, *,
-             quick_exit: bool = True, warm: bool = True) -> NoReturn:
+             quick_exit: bool = True) -> NoReturn:
     """Run `main`, turning user-input errors into `error: ...` and exit status 2, and a stop signal
     (Ctrl-C, SIGTERM, Slurm's SIGUSR1 warning: `rayhpc.interrupt`) into one line and 128 + its number;
     checkpoints already written are kept, and a resumed run continues from them. `quick_exit`: the
-    process ends once its exit handlers ran (`_quick_exit`); False where the caller goes on after it.
-    `warm`: a job command is handed to the warm starter of the user's cluster where one is up
-    (`rayhpc.up.warm`), which runs it without the seconds of imports."""
+    process ends once its exit handlers ran (`_quick_exit`); False where the caller goes on after it."""
     if quick_exit:
         atexit.register(_quick_exit)
     rayhpc_log.show()  # the platform's progress lines, as plain lines on stdout
@@ -41,14 +39,6 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         print(f"error: {exc}", file=sys.stderr)
         _exit_status[:] = [USAGE_ERROR]
         sys.exit(USAGE_ERROR)
-    if warm and quick_exit and main.__name__ in WARM_COMMANDS:
-        from rayhpc.up import warm as starter  # standard library only: no seconds of imports here
-
-        code = starter.run(main.__name__, None if argv is None else list(argv))
-        if code is not None:
-            _exit_status[:] = [code]
-            sys.exit(code)
-        cluster.prepare_local(sys.argv[1:] if argv is None else list(argv))  # no user cluster: this job's own
     try:
         try:
             interrupt.install()
@@ -85,5 +75,3 @@ def _quick_exit() -> None:
 
 
 _exit_status: list[int] = []  # the status this process exits with, once known
-# the job commands: the warm starter of the user's cluster runs them (the others import little)
-WARM_COMMANDS = {"tune_main", "train_main", "parallel_main", "ps_main", "collectives_main", "scaling_main"}

@@ -192,8 +192,7 @@ def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_addres
 @pytest.mark.parametrize("kind, grace_s", [("tune", None), ("ps", 0)])
 def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, grace_s, tmp_path):
     """Without --address the job starts its own Ray: Ctrl-C ends the job and that Ray with it, its folder
-    removed (by the forced exit too). That Ray's workers are forks of a warm starter of workers the job
-    started (cluster.own_warm_workers), which ends with it."""
+    removed (by the forced exit too), its GCS stopped after every other process of it."""
     (script, *flags), checkpoints = JOBS[kind]
     # the job's TMPDIR, where its private folder and its Ray's are made: short (Ray's socket paths must fit)
     tmp = Path(tempfile.mkdtemp(prefix="ri-", dir="/tmp"))
@@ -202,11 +201,10 @@ def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, gr
     wait_for(job, tmp_path / kind, checkpoints, tmp_path / "out")
     started = {pid: process_name(pid) for pid in descendants(job.pid)}
     assert "raylet" in started.values(), started
-    # the job's child (a worker just forked from it has its command line until Ray retitles it)
-    (starter,) = [pid for pid in started if cmdline(pid)[1:5] == ["-P", "-m", "rayhpc.up.starter", "--workers"]
-                  and parent(pid) == job.pid]
-    assert [pid for pid in descendants(starter) if cmdline(pid)[0].startswith("ray::")], \
-        f"no Ray worker of the job was forked from its warm starter: {started}"
+    # the job's Ray: `ray start` under the job's supervisor (rayhpc.ray_start), the job's child
+    (supervisor,) = [pid for pid in started if cmdline(pid)[1:4] == ["-P", "-m", "rayhpc.ray_start"]]
+    assert parent(supervisor) == job.pid and "gcs_server" in {process_name(p) for p in descendants(supervisor)}
+    assert [pid for pid in started if cmdline(pid)[0].startswith("ray::")], f"no Ray worker of the job: {started}"
     line = stop(job, signal.SIGINT, tmp_path / "out")
     forced = "" if grace_s is None else f" (not stopped within {grace_s:g} s: ended at once)"
     assert line.startswith(f"interrupted by SIGINT{forced}: ") and "resume with: " in line, line

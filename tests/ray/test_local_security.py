@@ -23,6 +23,7 @@ import ray
 
 from helpers import (ATTACKER, ROOT, as_attacker, job_env, planted_folder, planted_imports, python_as_attacker,
                      run_job, run_job_warm)
+from rayhpc import cluster
 from rayhpc.task.load import load_task
 from rayhpc.up.connection import listening_uids
 
@@ -334,19 +335,17 @@ def test_a_task_whose_folder_holds_code_another_user_can_write_is_not_imported(a
     assert not marker.exists(), "the planted helper ran"
 
 
-@pytest.mark.parametrize("job, warm", [(["tune_mlp.py", "--num-samples", "2", "--epochs", "1"], "1"),
-                                       (["train_mlp.py", "--num-workers", "2", "--epochs", "1"], "0")],
-                         ids=["sweep", "training, workers started cold"])
-def test_a_job_run_in_a_folder_another_user_writes_imports_nothing_from_it(job, warm, attacker, world_tmp, tmp_path):
+@pytest.mark.parametrize("job", [["tune_mlp.py", "--num-samples", "2", "--epochs", "1"],
+                                 ["train_mlp.py", "--num-workers", "2", "--epochs", "1"]], ids=["sweep", "training"])
+def test_a_job_run_in_a_folder_another_user_writes_imports_nothing_from_it(job, attacker, world_tmp, tmp_path):
     """The attack: the other user plants `rayhpc/__init__.py`, `torch.py` and `ray.py` in a folder anyone may
     write (/tmp, a shared scratch) where the victim starts a job. `python -m` and `-c`, which the platform and
     Ray start processes with, put the working folder first on `sys.path`, and Ray puts the driver's working
-    folder first on every worker's: the starter of workers, Ray's dashboard modules, Tune's trials and Train's
-    ranks ran the planted code as the victim. The job (its own process is the user's: a script run by path)
-    runs to its end, and no process it started imported anything from there: with its workers forked from its
-    starter of workers (which imported torch and the platform before) and with each starting cold."""
+    folder first on every worker's: Ray's dashboard modules, Tune's trials and Train's ranks ran the planted
+    code as the victim. The job (its own process is the user's: a script run by path) runs to its end, and no
+    process it started imported anything from there."""
     folder, marks = planted_folder(world_tmp)
-    proc = run_job(*job, "--storage-path", str(tmp_path), cwd=folder, env={"RAYHPC_WARM_WORKERS": warm})
+    proc = run_job(*job, "--storage-path", str(tmp_path), cwd=folder)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert planted_imports(marks) == []
 
@@ -354,7 +353,7 @@ def test_a_job_run_in_a_folder_another_user_writes_imports_nothing_from_it(job, 
 def test_ray_takes_its_file_locks_in_a_private_folder_not_in_the_machines_shared_one(ray_cluster):
     """Ray Tune and Train lock files in `<RAY_TMPDIR or /tmp>/_ray_lockfiles`, one folder for all users: whoever
     makes it first (0700) makes every other user's resume fail with PermissionError. The driver and the
-    processes of the Ray it started lock in a 0700 folder of this user's (RAY_TMPDIR) instead."""
+    processes of the Ray it started lock in 0700 folders of this user's (RAY_TMPDIR) instead."""
     from ray._common.utils import get_default_system_temp_dir  # where Ray's TempFileLock puts its locks
 
     def where() -> tuple[str, int, int]:
@@ -363,7 +362,8 @@ def test_ray_takes_its_file_locks_in_a_private_folder_not_in_the_machines_shared
 
     driver = where()
     assert driver == (os.environ["RAY_TMPDIR"], 0o700, os.getuid()) and Path(driver[0]).name.startswith("rayhpc-tmp-")
-    assert ray.get(ray.remote(where).remote()) == driver  # the workers of the Ray the driver started: the same
+    # the workers of the Ray the driver started: in that Ray's private folder
+    assert ray.get(ray.remote(where).remote()) == (str(cluster.local_temp()), 0o700, os.getuid())
 
 
 def test_the_local_rays_dashboard_agent_listens_on_a_free_port_not_rays_fixed_one(ray_cluster):

@@ -21,9 +21,8 @@ from ray.util.state.common import ListApiOptions, StateResource
 
 from helpers import (CATCH_IMPORTS, CATCH_TOKENS, RAYHPC, ROOT, caught, dashboard_accepts, job_env, planted_folder,
                      planted_imports, run_job, start_as_attacker)
-from rayhpc.processes import descendants
 from rayhpc.tune.results import TRIAL_PHASES, read_results
-from rayhpc.up import connection, warm
+from rayhpc.up import connection
 
 # Ray Train's autoscaling coordinator: one detached actor per cluster, made by its first Train run
 CLUSTER_SERVICES = {"_AutoscalingCoordinatorActor"}
@@ -53,8 +52,7 @@ def assert_gone(info: dict) -> None:
         time.sleep(0.2)
     assert not connection.leftovers(info["marker"]), "processes of the cluster are left"
     assert not Path(info["temp_dir"]).exists() and not Path(info["ray_tmpdir"]).exists()
-    assert not connection.path().exists() and not connection.socket_path().exists()
-    assert not connection.workers_socket_path().exists()
+    assert not connection.path().exists()
     assert not connection.listening_uids(info["ports"]["gcs"])
 
 
@@ -111,14 +109,13 @@ def start(script: str, args: list[str], marks: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=job_env({"RAYHPC_TIMINGS": str(marks)}))
 
 
-def assert_joined_in_the_starter(job: subprocess.Popen, marks: Path, address: str) -> None:
-    """The job ended well, joined the cluster, and ran in a child of the cluster's warm starter (the process the
-    command started only waited for it)."""
+def assert_joined(job: subprocess.Popen, marks: Path, address: str) -> None:
+    """The job ended well, joined the cluster, and ran in the process the command started."""
     out, _ = job.communicate(timeout=300)
     assert job.returncode == 0, out
     assert f"ray: joined your cluster (rayhpc up) at {address}" in out and "started local Ray" not in out, out
     ran_in = {json.loads(line)["pid"] for line in marks.read_text().splitlines()}
-    assert len(ran_in) == 1 and ran_in != {job.pid}, (ran_in, job.pid)
+    assert ran_in == {job.pid}, (ran_in, job.pid)
 
 
 def test_a_training_job_joins_it_and_leaves_it_as_it_found_it(user_cluster, tmp_path):
@@ -126,7 +123,7 @@ def test_a_training_job_joins_it_and_leaves_it_as_it_found_it(user_cluster, tmp_
     before = snapshot(user_cluster)
     job = start("train_mlp.py", ["--storage-path", str(tmp_path), "--num-workers", "2", "--epochs", "1"],
                 tmp_path / "marks")
-    assert_joined_in_the_starter(job, tmp_path / "marks", address)
+    assert_joined(job, tmp_path / "marks", address)
     assert_as_found(user_cluster, before)
 
 
@@ -143,8 +140,8 @@ def other_environment(tmp_path: Path) -> Path:
 def test_a_job_of_another_environment_is_refused_with_one_line_unless_it_names_the_cluster(user_cluster, tmp_path):
     """A job run by another environment's Python would have joined the cluster and run its workers on the
     cluster's interpreter and packages, without a word: it is one `error:` line naming both environments and
-    the commands that start a matching cluster or join this one anyway, exit 2, before any Ray starts or the
-    warm starter (the cluster's Python) runs it. Joining anyway, as the line says, runs the job there."""
+    the commands that start a matching cluster or join this one anyway, exit 2, before any Ray starts. Joining
+    anyway, as the line says, runs the job there."""
     python = other_environment(tmp_path)
     args = ["--num-samples", "1", "--epochs", "1"]
     proc = subprocess.run([str(python), str(ROOT / "jobs" / "tune_mlp.py"), *args, "--storage-path",
@@ -171,34 +168,16 @@ PROBE_WORKER = """
 import json, os, sys
 from rayhpc import cluster
 env_vars = json.loads(sys.argv[1])  # the workers' environment, set otherwise
-cluster.connect(cluster.resolve_address(None), **({"runtime_env": {**cluster.warm_workers(), "env_vars": env_vars}}
-                                                  if env_vars else {}))
+cluster.connect(cluster.resolve_address(None), **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}))
 import ray
 
 @ray.remote(num_cpus=1)
 def probe():
-    import importlib.util  # before this task's code imports them; transformers where installed
-    hf = {"transformers.modeling_utils"} if importlib.util.find_spec("transformers") else set()
-    imported = {"torch", "torch._dynamo", *hf} <= set(sys.modules)
-    ray_loaded = {"ray.tune", "ray.train.torch"} <= set(sys.modules)  # by its job's starter, with its job
-    import psutil  # Ray's
-    parents = [os.getppid(), psutil.Process(os.getppid()).ppid()]
-    import tempfile, random, torch, sympy.core.cache, numpy, io, contextlib, weakref
-    class Item:
-        pass
-    items, printed = [Item(), Item()], io.StringIO()
-    with contextlib.redirect_stderr(printed):  # a SystemExit where Python cannot raise it (as Ray's SIGTERM's)
-        lost = [weakref.ref(items[0], lambda _ref: sys.exit(1)),
-                weakref.ref(items[1], lambda _ref: int("kept"))]  # and another error there
-        del items
-    return {"lost_exit_printed": "SystemExit" in printed.getvalue(),
-            "other_printed": "ValueError: invalid literal for int() with base 10: 'kept'" in printed.getvalue(),
-            "numpy": numpy.random.random(), "random": random.random(), "parents": parents, "imported": imported,
-            "ray_loaded": ray_loaded, "job": ray.get_runtime_context().get_job_id(),
-            "threads": torch.get_num_threads(),
+    import tempfile, torch
+    return {"job": ray.get_runtime_context().get_job_id(), "threads": torch.get_num_threads(),
             "omp": os.environ["OMP_NUM_THREADS"], "tmp": tempfile.gettempdir(), "TMPDIR": os.environ["TMPDIR"],
-            "sum": float(torch.arange(4.0).sum()), "own_group": os.getpgid(0) == os.getpid(),
-            "sympy_cache": sympy.core.cache.USE_CACHE, "path": sys.path}
+            "own_group": os.getpgid(0) == os.getpid(), "cwd": os.getcwd(), "set": os.environ.get("PROBE_SET"),
+            "safe_path": os.environ.get("PYTHONSAFEPATH")}
 
 print(json.dumps({**ray.get(probe.remote()), "driver_job": ray.get_runtime_context().get_job_id()}))
 """
@@ -212,49 +191,19 @@ def probe_worker(folder: Path, env_vars: dict | None = None) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def test_a_jobs_ray_workers_are_forks_of_the_warm_starter_that_imported_torch_else_processes_of_their_own(
-        user_cluster, tmp_path):
-    """With the starter of workers up, a job's Ray worker is forked, with torch imported, by the starter of that
-    job's workers, the starter of workers' child, which has loaded Ray, Ray Tune and Ray Train for that job (each
-    job its own), and behaves as one of its own: Ray's CPU share as torch's threads, the worker's own TMPDIR for
-    `tempfile`, a process group of its own (Ray ends a worker by its group), and the same `sys.path`. Without one
-    (its socket gone: Ray starts the workers as it would), or with a socket no starter answers (the worker's process
-    runs the worker itself), the job runs the same. A worker whose environment sets what the starter's modules read
-    as they loaded otherwise is a process of its own, which reads it. A SystemExit that Python cannot raise (Ray's
-    SIGTERM handler's, in a weakref callback) is printed by a worker of its own, not by a forked one (Ray forwarded
-    it to the user's terminal at the end of a sweep)."""
-    starter, sock = user_cluster["workers_pid"], connection.workers_socket_path()
-    warm_one = probe_worker(tmp_path)
-    assert warm_one["parents"][1] == starter and warm_one["imported"] and warm_one["ray_loaded"], (warm_one, starter)
-    assert warm_one["job"] == warm_one["driver_job"], warm_one
-    assert warm_one["threads"] == int(warm_one["omp"]) and warm_one["tmp"] == warm_one["TMPDIR"], warm_one
-    assert warm_one["sum"] == 6.0 and warm_one["sympy_cache"] == "yes"
-    assert not warm_one["lost_exit_printed"] and warm_one["other_printed"], warm_one
-    # read by sympy as torch._dynamo loads it (as DistributedDataParallel does) in the starter, not by torch's C code
-    other = probe_worker(tmp_path, {"SYMPY_USE_CACHE": "no"})
-    assert starter not in other["parents"] and not other["imported"] and other["sympy_cache"] == "no", other
-    assert not other["ray_loaded"], other
-    moved = sock.with_name("moved.sock")
-    sock.rename(moved)
-    try:
-        cold = probe_worker(tmp_path)  # no py_executable: Ray's own worker processes
-        sock.write_text("")  # a socket path that no starter answers: the worker runs in the process Ray started
-        unanswered = probe_worker(tmp_path)
-        sock.unlink()
-    finally:
-        moved.rename(sock)
-    for one in (cold, unanswered):
-        assert starter not in one["parents"] and not one["imported"] and one["lost_exit_printed"], (one, starter)
-        assert not one["ray_loaded"], one
-        same = ("threads", "omp", "sum", "own_group", "path")  # the path: as `python default_worker.py` has it
-        assert {k: one[k] for k in same} == {k: warm_one[k] for k in same}, (one, warm_one)
-    again = probe_worker(tmp_path)
-    assert again["parents"][1] == starter and again["ray_loaded"], (again, starter)  # warm again
-    # another job: another job's starter, which loaded Ray with that job
-    assert again["job"] == again["driver_job"] != warm_one["job"], (again, warm_one)
-    assert again["parents"][0] != warm_one["parents"][0], (again, warm_one)
-    # each fork draws numbers of its own from numpy's and Python's global generators, as processes of their own do
-    assert again["numpy"] != warm_one["numpy"] and again["random"] != warm_one["random"], (again, warm_one)
+def test_a_jobs_ray_workers_are_of_that_job_with_its_environment_in_the_clusters_private_folder(user_cluster,
+                                                                                                 tmp_path):
+    """A job's Ray workers on the user's cluster belong to that job (each job its own), take what the job gives
+    them in its runtime environment, use Ray's CPU share as torch's threads, the cluster's private folder as
+    TMPDIR, `tempfile`'s and working folder, a process group of their own (Ray ends a worker by its group), and
+    import nothing from their working folder."""
+    one, other = probe_worker(tmp_path), probe_worker(tmp_path, {"PROBE_SET": "given"})
+    for probed in (one, other):
+        assert probed["job"] == probed["driver_job"] and probed["own_group"], probed
+        assert probed["threads"] == int(probed["omp"]) and probed["tmp"] == probed["TMPDIR"], probed
+        assert Path(probed["TMPDIR"]) == Path(user_cluster["temp_dir"]) == Path(probed["cwd"]), probed
+        assert probed["safe_path"] == "1", probed
+    assert one["job"] != other["job"] and (one["set"], other["set"]) == (None, "given"), (one, other)
 
 
 def sweep_args(folder: Path, widths: list[int]) -> list[str]:
@@ -291,7 +240,7 @@ def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(use
     while len(seen) < 2 and time.monotonic() < deadline and all(j.poll() is None for j in jobs.values()):
         seen |= {frozenset(hidden) for hidden in sweeps_shown() if len(hidden) == 2}
     for name, job in jobs.items():
-        assert_joined_in_the_starter(job, tmp_path / f"{name}.marks", address)
+        assert_joined(job, tmp_path / f"{name}.marks", address)
         # its start-up, through the first trial's own marks (its process, Ray Tune and imports, data and model)
         marks = [json.loads(line) for line in (tmp_path / f"{name}.marks").read_text().splitlines()]
         phases = [m["phase"] for m in marks]
@@ -305,8 +254,7 @@ def test_two_sweeps_at_once_see_only_their_own_and_leave_it_as_they_found_it(use
     assert not list(connection.jobs_dir().iterdir()), "a job that ended is still registered"
 
 
-def test_ctrl_c_reaches_a_job_in_the_warm_starter_and_other_code_runs_in_its_own_process(user_cluster, tmp_path,
-                                                                                          monkeypatch, caplog):
+def test_ctrl_c_stops_a_job_on_it_and_only_that_job(user_cluster, tmp_path):
     job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--storage-path", str(tmp_path),
                             "--num-samples", "2", "--epochs", "100000"], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=job_env(None))
@@ -318,7 +266,7 @@ def test_ctrl_c_reaches_a_job_in_the_warm_starter_and_other_code_runs_in_its_own
     out, err = job.communicate(timeout=60)
     assert job.returncode == 128 + signal.SIGINT, (job.returncode, err)
     assert err.startswith("interrupted by SIGINT: sweep mlp-sweep stopped;") and err.count("\n") == 1, err
-    # the command it prints is the one the user ran (the starter ran it in a child of its own), and resumes it
+    # the command it prints is the one the user ran, and resumes it
     resume = shlex.split(err.split("resume with: ", 1)[1])
     assert resume == ["python", str(ROOT / "jobs" / "tune_mlp.py"), "--name", "mlp-sweep", "--storage-path",
                       str(tmp_path), "--resume"], err
@@ -338,18 +286,7 @@ def test_ctrl_c_reaches_a_job_in_the_warm_starter_and_other_code_runs_in_its_own
     assert job.returncode == 128 + signal.SIGINT and len(stopped) == 1, err
     assert stopped[0].startswith("interrupted by SIGINT: sweep mlp-sweep"), err
 
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    # a command that sets what Ray Data reads as it loads (in the starter, before any command) otherwise
-    monkeypatch.setenv("RAY_DATA_USE_DATASOURCE_V2", "0")
-    with caplog.at_level("INFO", logger="rayhpc"):
-        assert warm.run("tune_main", ["--help"]) is None  # the starter refuses: the command runs here
-    assert ("RAY_DATA_USE_DATASOURCE_V2 set otherwise than when `rayhpc up` started its warm starter: this "
-            "process loads its libraries itself") in caplog.text
-    monkeypatch.delenv("RAY_DATA_USE_DATASOURCE_V2")
-    monkeypatch.setattr(warm, "fingerprint", lambda: "other code")
-    with caplog.at_level("INFO", logger="rayhpc"):
-        assert warm.run("tune_main", ["--help"]) is None
-    assert "your cluster's warm starter runs other code than this command" in caplog.text
+    assert connection.problem(user_cluster) is None, "the cluster went with the job"
 
 
 def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user_cluster, tmp_path):
@@ -376,11 +313,10 @@ def test_down_while_a_sweep_runs_ends_it_with_one_line_and_resume_continues(user
     finished_before = read_results(exp_dir).query("status == 'finished'").set_index("trial_id")
     assert 0 < len(finished_before) < 4
 
-    info = up("--no-warm")  # no warm starter: this cluster is killed at once
-    # the process that holds the cluster in the holder's child, killed: its Ray ends with it (tied to the process
-    # that started it), then the holder; the connection file stays (a killed holder's child would remove it)
-    (runner,) = descendants(info["pid"])[:1]
-    os.kill(runner, signal.SIGKILL)
+    info = up()
+    # the process that holds the cluster, killed: its Ray ends with it (its supervisor's parent-death signal);
+    # the connection file stays
+    os.kill(info["pid"], signal.SIGKILL)
     ended, deadline = f"its process {info['pid']} has ended", time.monotonic() + 15
     while connection.problem(info) != ended and time.monotonic() < deadline:
         time.sleep(0.1)  # its port may close before the holder has ended: both say it is gone
@@ -450,7 +386,7 @@ def test_a_freed_gcs_port_receives_no_token_and_no_clusters_token_opens_another(
     assert (folder / "auth_token").exists(), sweep.communicate()[0]
     tokens = {"sweep": (folder / "auth_token").read_text()}
     catchers = {"sweep": start_as_attacker(CATCH_TOKENS, port, "180", "4", imports=CATCH_IMPORTS)}
-    ups = {end: in_home(tmp_path / end, "up", "--num-cpus", "1", "--no-warm", "--no-dashboard")
+    ups = {end: in_home(tmp_path / end, "up", "--num-cpus", "1", "--no-dashboard")
            for end in ("down", "killed")}
     for end, up_proc in ups.items():
         succeeded(up_proc)
@@ -480,7 +416,7 @@ def test_a_freed_gcs_port_receives_no_token_and_no_clusters_token_opens_another(
 def test_your_cluster_started_and_joined_in_a_folder_another_user_writes_imports_nothing_from_it(attacker, world_tmp,
                                                                                                  tmp_path):
     """The attack: the other user plants `rayhpc/__init__.py`, `torch.py` and `ray.py` where the victim runs
-    `rayhpc up`, a sweep and `rayhpc down` (/tmp, a shared scratch). The cluster's holder, its warm starters, its
+    `rayhpc up`, a sweep and `rayhpc down` (/tmp, a shared scratch). The cluster's holder, its
     Ray and every worker of the jobs that join it ran the planted code (the workers inherited the folder `rayhpc
     up` was run in). Each command runs to its end, the sweep on that cluster, and nothing imported from there."""
     folder, marks = planted_folder(world_tmp)

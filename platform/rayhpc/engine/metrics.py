@@ -40,7 +40,6 @@ class MetricsRecorder(UserCallback):
         self.epochs, self.log_level = epochs, log_level
         self.rows: list[dict] | None = None  # loaded lazily: a resumed run keeps its earlier rows
         self.tensorboard = Path(run_dir) / TENSORBOARD_DIR
-        self._writer = None  # made where the callback runs: it does not pickle
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         """Rank 0's report, and the step rows it carries (held back: `rayhpc.train.loop.Worker.report`)."""
@@ -84,23 +83,20 @@ class MetricsRecorder(UserCallback):
         return [] if all((r["global_step"], r["kind"]) in recorded for r in saved) else saved
 
     def _write_events(self, row: dict) -> None:
-        """The report's scalars as TensorBoard events (tensorboardX ships with Ray Tune).
+        """The report's scalars as TensorBoard events (tensorboardX ships with Ray Tune), in a file of their own.
 
-        Written synchronously: SummaryWriter queues events for a background thread, and Ray
-        Train ends the controller right after the last report, losing what was queued.
+        Written before the report returns: SummaryWriter queues events for a background thread that only
+        `close` waits for, and Ray Train ends the controller right after the last report, losing what was
+        queued. So each report's writer is closed at once (TensorBoard reads every event file of the folder).
         """
-        from tensorboardX.event_file_writer import EventsWriter  # TensorBoard events only
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import scalar
+        from tensorboardX import SummaryWriter  # TensorBoard events only
 
-        if self._writer is None:
-            self.tensorboard.mkdir(parents=True, exist_ok=True)
-            self._writer = EventsWriter(str(self.tensorboard / "events"))
-        for key in (*EVENT_SCALARS, *(k for k in row if k.startswith("val_"))):
-            if row.get(key) is not None:
-                self._writer.write_event(Event(wall_time=time.time(), step=row["global_step"],
-                                               summary=scalar(f"{row['kind']}/{key}", row[key])))
-        self._writer.flush()
+        self.tensorboard.mkdir(parents=True, exist_ok=True)
+        writer = SummaryWriter(str(self.tensorboard), filename_suffix=f".{row['global_step']}.{row['kind']}")
+        try:
+            for key in (*EVENT_SCALARS, *(k for k in row if k.startswith("val_"))):
+                if row.get(key) is not None:
+                    writer.add_scalar(f"{row['kind']}/{key}", row[key], row["global_step"], walltime=time.time())
+        finally:
+            writer.close()
 
-    def __getstate__(self):
-        return {**self.__dict__, "_writer": None}

@@ -97,13 +97,14 @@ def private_compile_caches() -> None:
     worker of a cluster the platform did not start), the folder must pass `own_dir` (`UnsafePath` otherwise,
     naming it). TORCHINDUCTOR_CACHE_DIR, where set, passes the same check."""
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # read first: importing torch's cache module sets it
-    # private: the headers' folder is fixed when this module is first imported, from the tmp of that moment
-    from torch._inductor.codecache import _HEADER_DIR
+    # private: torch's default folder of its compile caches, `<tmp>/torchinductor_<user>`, no public API names it;
+    # its precompiled headers go there too, fixed as its cache module is first imported (under the private TMPDIR
+    # every process of the platform has by then)
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     if chosen and os.path.abspath(chosen) == default_cache_dir():
         chosen = None  # torch's own default, which it sets when its cache module is imported
-    looked_up = {Path(_HEADER_DIR).parent, Path(chosen or default_cache_dir())}
+    looked_up = {Path(default_cache_dir()), Path(chosen or default_cache_dir())}
     node: Path | None = Path(os.environ.get(OWN_TMPDIR_BASE) or tempfile.gettempdir()) / Path(default_cache_dir()).name
     try:
         own_dir(node)

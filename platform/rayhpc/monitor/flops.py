@@ -1,13 +1,11 @@
 """Model FLOPs utilisation (MFU): achieved model FLOP/s over the device's dense peak, as torchtitan reports it.
 
-What is counted: the matmuls, convolutions and attention of one real training step's **forward**
-(torch's FLOP formulas, `torch.utils.flop_counter`), times 3: the backward computes a gradient for
-each operand, twice the forward's work. That is the 6 x parameters x tokens convention for a dense
-model (less its bias adds), and it holds for any task's model (convolutions reuse their weights, so a
-formula in parameters would not). Counting the backward as it runs would miss the first layer's
-input gradient, which autograd skips because the data needs none (5.6% of the anchor MLP).
-Bias adds, elementwise work and the optimizer are not model FLOPs. Peaks are the vendors' dense
-(no sparsity) figures per GPU, for the precision each counted FLOP ran in.
+What is counted: the matmuls, convolutions and attention of one real training step, forward and backward as
+they run, by torch's own counter (`torch.utils.flop_counter.FlopCounterMode` and its FLOP formulas). For a
+dense model that is the 6 x parameters x tokens convention, less the first layer's input gradient, which
+autograd skips because the data needs none (5.6% of the anchor MLP), and less the bias adds. Elementwise
+work and the optimizer are not model FLOPs. Peaks are the vendors' dense (no sparsity) figures per GPU, for
+the precision each counted FLOP ran in.
 """
 
 from __future__ import annotations
@@ -15,8 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode  # the hook FlopCounterMode itself is built on
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import FlopCounterMode
 
 # (name fragment, bf16/fp16 peak, TF32 peak, plain fp32 peak) in FLOP/s; first match wins, so the
 # specific names come before the generic ones ("H200 NVL" before "H200", "GH200" before "H200")
@@ -31,34 +28,15 @@ PEAKS = (
     ("L40S", 362e12, 183e12, 91.6e12),
     ("A10", 125e12, 62.5e12, 31.2e12),
 )
-CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten._convolution, torch.ops.aten.cudnn_convolution}
-
-
-class _ForwardFlops(TorchDispatchMode):
-    """FLOPs of the ops torch has formulas for, run with grad mode on (the forward: autograd runs the
-    backward with grad mode off), split into convolutions and the rest (matmuls, attention)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = self.other = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None and torch.is_grad_enabled():
-            n = formula(*args, **kwargs, out_val=out)
-            if func._overloadpacket in CONVOLUTIONS:
-                self.conv += n
-            else:
-                self.other += n
-        return out
+CONVOLUTIONS = {torch.ops.aten.convolution, torch.ops.aten._convolution, torch.ops.aten.cudnn_convolution,
+                torch.ops.aten.convolution_backward}
 
 
 class StepFlops:
-    """Counts the model FLOPs of the first step it wraps (`with counter.once(): step()`), then steps freely.
-    `enabled=False` for a compiled model: torch.compile does not compile under a dispatch mode, and then runs
-    the code eagerly from there on (no FLOPs, no MFU for compiled runs)."""
+    """Counts the model FLOPs of the first step it wraps (`with counter.once(): step()`), then steps freely:
+    `flops` in all, `conv_flops` of them convolutions (their TF32 peak is their own). `enabled=False` for a
+    compiled model: torch.compile does not compile under a dispatch mode, and then runs the code eagerly from
+    there on (no FLOPs, no MFU for compiled runs)."""
 
     def __init__(self, enabled: bool = True):
         self.flops: int | None = None if enabled else 0
@@ -69,9 +47,11 @@ class StepFlops:
         if self.flops is not None:
             yield
             return
-        with _ForwardFlops() as counted:
+        with FlopCounterMode(display=False) as counted:
             yield
-        self.flops, self.conv_flops = 3 * (counted.conv + counted.other), 3 * counted.conv
+        by_op = counted.get_flop_counts().get("Global", {})
+        self.flops = counted.get_total_flops()
+        self.conv_flops = sum(n for op, n in by_op.items() if op in CONVOLUTIONS)
 
 
 def tf32_matmuls() -> bool:

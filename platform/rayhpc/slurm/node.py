@@ -1,10 +1,11 @@
 """One Ray node of a Slurm job, and the clean-up that finds every process the job started.
 
-    python -m rayhpc.slurm.node run JOB_DIR -- [container...] ray start --block ...   # per node, under srun
+    python -m rayhpc.slurm.node run JOB_DIR -- [--head --port=0 ... | --address=...]  # per node, under srun
     python -m rayhpc.slurm.node reap JOB [JOB_DIR]                                  # per node, at the end
 
 Ray rewrites its processes' titles (`ray::IDLE`) and some of them outlive their parents, so neither
-command lines nor the process tree alone find them all. `run` starts Ray with
+command lines nor the process tree alone find them all. `run` starts Ray as every node the platform starts
+(`rayhpc.ray_start.command`, in its `environment`: the container of RAYHPC_CONTAINER first, where set), with
 `RAYHPC_RAY_NODE=<job>:<node>` (the sbatch startup starts the user's command with
 `RAYHPC_COMMAND=<job>`), every process Ray forks inherits it, and `reap` kills this user's processes
 that carry it *and* the job's `SLURM_JOB_ID`: a job submitted from inside the command inherits the
@@ -28,10 +29,10 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -43,13 +44,13 @@ import time
 from pathlib import Path
 
 from rayhpc.processes import descendants
+from rayhpc.ray_start import RAY_DIR, Stop, collect_zombies, command, environment, ignore_signals, stop_on_signals, \
+    stop_tree, supervisor
 from rayhpc.slurm.layout import node_ip
 from rayhpc.slurm.private import OWN_TMPDIR_BASE, write_private
 
 NODE_MARKER, COMMAND_MARKER = "RAYHPC_RAY_NODE", "RAYHPC_COMMAND"
 TEMP_PREFIX = "rh-{job}-"  # short: Ray's socket paths under it must stay below 107 bytes
-RAY_DIR = "ray"  # Ray's temp dir inside the node's folder: where Ray looks by default with RAY_TMPDIR the folder
-PR_SET_CHILD_SUBREAPER = 36
 
 
 def node_name() -> str:
@@ -108,18 +109,9 @@ def reap(job: str, markers: list[str], subreaper: bool = False, timeout_s: float
             except OSError:
                 pass
         if subreaper:  # otherwise the dead are their parents' to wait for (a caller's own children included)
-            _collect_zombies()
+            collect_zombies()
         time.sleep(0.1)
     return pids
-
-
-def _collect_zombies() -> None:
-    """As a subreaper, orphans that die are ours to wait for."""
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
-    except ChildProcessError:
-        pass
 
 
 def temp_base() -> str:
@@ -210,21 +202,6 @@ def fatal_lines(root: Path) -> list[str]:
     return found[-10:]
 
 
-class _Stop(Exception):
-    """Raised by the signal handler, to leave `wait()` at once."""
-
-
-ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def _stop(signum, _frame):
-    # only the first signal raises: a second one (Slurm's SIGTERM after a forwarded one, SIGHUP from a lost
-    # srun) raised inside the `except` that handles the first would skip the clean-up that removes the secrets
-    for other in ENDING_SIGNALS:
-        signal.signal(other, signal.SIG_IGN)
-    raise _Stop(signum)
-
-
 def _say(line: str) -> None:
     """A line to the job's log; the srun that carries it may be gone with a lost head node, which must not
     keep this node from cleaning up."""
@@ -241,12 +218,12 @@ AGENT_TIMED_OUT, AGENT_RETRIES = "Timed out waiting for file", 3
 def _ray_node(job: str, command: list[str], env: dict, root: Path, retries: int) -> tuple[int, bool]:
     """Run `ray start --block` (again, up to `retries` times, where its raylet gave up on a slow agent);
     its exit code, and whether the job is ending (SIGTERM, SIGINT or SIGHUP to this process)."""
-    for signum in ENDING_SIGNALS:
-        signal.signal(signum, _stop)
-    code, ending = 0, False
+    code, ending, proc = 0, False, None
     try:
+        stop_on_signals()
         for attempt in range(retries + 1):
-            code = subprocess.Popen(command, env=env).wait()
+            proc = subprocess.Popen(command, env=env)
+            code = proc.wait()
             fatal = fatal_lines(root) if code else []
             for line in fatal:
                 _say(line)
@@ -257,35 +234,39 @@ def _ray_node(job: str, command: list[str], env: dict, root: Path, retries: int)
             reap(job, [f"{NODE_MARKER}={job}:{node_name()}"], subreaper=True)
             for session in root.glob(f"{RAY_DIR}/session_*"):  # the aborted start's logs are read: the next's are new
                 shutil.rmtree(session, ignore_errors=True)
-        for signum in ENDING_SIGNALS:  # inside the `try`: a signal before this loop ends still counts
-            signal.signal(signum, signal.SIG_IGN)
-    except _Stop:
+        ignore_signals()  # inside the `try`: a signal before this loop ends still counts
+    except Stop:
         # the job is ending (Slurm gives KillWait, 10-30 s, before SIGKILL): no graceful drain, which
-        # `ray start` would spend up to 30 s on; the caller's clean-up kills every process of this node's Ray
+        # `ray start` would spend up to 30 s on; every process of this node's Ray is killed, the GCS last (the
+        # caller's clean-up then kills whatever of the job is left)
         code, ending = 0, True
+        if proc is not None:
+            stop_tree(proc.pid)
     return code, ending
 
 
-def run(job_dir: Path, command: list[str]) -> int:
-    """Run `command` (a `ray start --block ...`) as this node's Ray, with its temp dir, address, CPUs and
-    GPUs, and clean up after it, whether it ends by itself or by SIGTERM (scancel, the job's end)."""
+def run(job_dir: Path, args: list[str]) -> int:
+    """Run this node's Ray (`ray start --block` with `args`, `--head ...` or `--address=...`), with its temp dir,
+    address, CPUs and GPUs, and clean up after it, whether it ends by itself or by SIGTERM (scancel, the job's
+    end)."""
     job = os.environ["SLURM_JOB_ID"]
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    supervisor()
     root = tempfile.mkdtemp(prefix=TEMP_PREFIX.format(job=job), dir=temp_base())
-    head = "--head" in command
+    head = "--head" in args
     ip = node_ip(os.environ.get("RAYHPC_HEAD_IP") if head else None)
     cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE") or "1"
     gpus = os.environ.get("SLURM_GPUS_ON_NODE", "0")
-    command = [*command, f"--node-ip-address={ip}", f"--temp-dir={root}/{RAY_DIR}", f"--num-cpus={cpus}",
-               f"--num-gpus={gpus}"]
+    store = os.environ.get("RAYHPC_OBJECT_STORE_BYTES")
+    ray = (*shlex.split(os.environ.get("RAYHPC_CONTAINER", "")), "ray")  # inside the container, where there is one
+    argv = command(root, *args, f"--node-ip-address={ip}", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
+                   *([f"--object-store-memory={store}"] if store else []), ray=ray)
     # TMPDIR and RAY_TMPDIR for Ray and every worker it starts: this node's private folder, not /tmp, where
     # another user may make torch's compile caches or Ray's lock folder first (rayhpc.slurm.private.private_tmpdir);
     # the node's tmp for the compile caches every job of the user shares once checked (private_compile_caches)
-    env = {**os.environ, NODE_MARKER: f"{job}:{node_name()}", "RAY_TMPDIR": root, "TMPDIR": root,
-           OWN_TMPDIR_BASE: temp_base(), "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, **environment(root, NODE_MARKER, f"{job}:{node_name()}"), OWN_TMPDIR_BASE: temp_base()}
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/{RAY_DIR}", "pid": os.getpid()})
     remove_stale(job_dir.parent)
-    code, ending = _ray_node(job, command, env, Path(root), retries=0 if head else AGENT_RETRIES)
+    code, ending = _ray_node(job, argv, env, Path(root), retries=0 if head else AGENT_RETRIES)
     secrets = head or ending or head_gone(os.environ.get("RAY_ADDRESS", ""))
     if secrets:
         # the job's secrets and targets go with its head, and with every node when the job ends or its head is
@@ -321,7 +302,7 @@ def main(argv: list[str]) -> int:
         print(f"{out['node']}: {len(out['left_pids'])} process(es) left {out['left_pids'] or ''}, "
               f"{len(out['left_dirs'])} temp folder(s) left {out['left_dirs'] or ''}".rstrip(), flush=True)
         return 1 if out["left_pids"] or out["left_dirs"] else 0
-    print("usage: python -m rayhpc.slurm.node run JOB_DIR -- COMMAND... | reap JOB [JOB_DIR]", file=sys.stderr)
+    print("usage: python -m rayhpc.slurm.node run JOB_DIR -- RAY_START_ARGS... | reap JOB [JOB_DIR]", file=sys.stderr)
     return 2
 
 

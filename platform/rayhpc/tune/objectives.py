@@ -6,8 +6,8 @@ An objective is `NAME:MODE` (`val_accuracy:max`); a constraint is `NAME<=BOUND` 
 platform measures per trial:
 
 - `params`: the parameters of the trial's model (`model(hp)`, built once on the CPU before it trains);
-- `flops`: model FLOPs per training sample, the MFU counter's (`rayhpc.monitor.flops`: the forward's
-  matmuls, convolutions and attention, times 3);
+- `flops`: model FLOPs per training sample (`rayhpc.monitor.flops`, torch's counter: the forward's matmuls,
+  convolutions and attention, times 3 for the backward);
 - `step_ms`: milliseconds per optimizer step of the trial's pack (members of one pack share it);
 - `peak_mem_mb`: the trial process's peak memory in MiB (its GPU's allocated peak on a GPU, else its
   resident set): also shared by a pack's members.
@@ -131,8 +131,8 @@ FLOP_SAMPLES = 4  # training samples the FLOP count runs on (per sample: the cou
 
 def measure_member(task, hp: dict, train, names: tuple[str, ...]) -> dict[str, float]:
     """The per-member measured values `names` asks for (`PER_MEMBER`): the parameters of `model(hp)` and its
-    model FLOPs per training sample, counted on the CPU with a few training samples (the forward's, times 3,
-    as MFU counts them)."""
+    model FLOPs per training sample, counted on the CPU with a few training samples (the forward's, by torch's
+    counter, times 3: the backward computes a gradient for each operand, twice the forward's work)."""
     import torch  # only in trial processes
 
     from rayhpc.monitor.flops import StepFlops
@@ -149,7 +149,7 @@ def measure_member(task, hp: dict, train, names: tuple[str, ...]) -> dict[str, f
         counter = StepFlops()
         with counter.once():
             task.loss(model, batch)
-        out["flops"] = counter.flops / batch_size_of(batch)
+        out["flops"] = 3 * counter.flops / batch_size_of(batch)  # the forward, and twice it for the backward
     return {n: out[n] for n in wanted}
 
 

@@ -70,8 +70,6 @@ def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: 
     job = start_job(cfg, explicit, bind=bind_sweep, check=check_resources, gpus=trial_gpus,
                     objectives=bind_objectives)
     cfg = job.cfg
-    if cfg.workers_per_trial == 1:  # trials that are Tune's actors of the job's own runtime environment
-        cluster.first_worker_now()
     gpus = trial_gpus(cfg, job.resources)
     if cfg.model_options_set and cfg.workers_per_trial == 1:
         options = ", ".join(f"{k} {v}" for k, v in cfg.model_options_set.items())

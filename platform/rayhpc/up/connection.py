@@ -50,16 +50,6 @@ def log_path() -> Path:
     return path().with_suffix(".log")
 
 
-def socket_path() -> Path:
-    """Where the cluster's warm starter listens (`rayhpc.up.starter`)."""
-    return path().with_suffix(".sock")
-
-
-def workers_socket_path() -> Path:
-    """Where the cluster's warm starter of Ray workers listens (`rayhpc.up.starter --workers`)."""
-    return path().with_name(f"{host()}-workers.sock")
-
-
 def folder() -> Path:
     """The folder of the connection files, made private (0700) where missing; `UnsafePath` naming RAYHPC_HOME
     where another user could swap it or what is in it."""
@@ -142,7 +132,7 @@ def remove_remains(info: dict) -> list[int]:
     processes.kill_gcs_last(left)
     for folder in (info["temp_dir"], info["ray_tmpdir"]):
         shutil.rmtree(folder, ignore_errors=True)
-    for file in (path(), log_path(), socket_path(), workers_socket_path()):
+    for file in (path(), log_path()):
         with contextlib.suppress(OSError):
             file.unlink()
     return left

@@ -42,8 +42,7 @@ def describe(info: dict) -> str:
     return "\n".join(lines)
 
 
-def up(num_cpus: float | None = None, num_gpus: float | None = None, dashboard: bool = True,
-       warm: bool = True) -> str:
+def up(num_cpus: float | None = None, num_gpus: float | None = None, dashboard: bool = True) -> str:
     """Start the cluster in a background process of its own session (it outlives this command) and
     wait for its connection file; the text to print."""
     info = current()
@@ -59,8 +58,6 @@ def up(num_cpus: float | None = None, num_gpus: float | None = None, dashboard: 
             command.append(f"{flag}={value:g}")
     if not dashboard:
         command.append("--no-dashboard")
-    if not warm:
-        command.append("--no-warm")
     with open(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as log:
         # in a session of its own (not stopped by this terminal's Ctrl-C or hang-up), and in its private folder:
         # its Ray's processes and workers start there, never in a folder another user may write

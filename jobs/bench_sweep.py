@@ -211,33 +211,43 @@ def first_result(args) -> None:
     ideal = {name: reference_seconds(cfg, configs) / args.cpus for name, (cfg, configs, _, _) in sweeps.items()}
     script = [sys.executable, str(Path(__file__).with_name("tune_mlp.py"))]
 
+    # the same sweep on your cluster however it is started: the script, the command, the module
+    commands = {"cluster up": script, "up, rayhpc tune": [str(Path(sys.executable).with_name("rayhpc")), "tune"],
+                "up, -m rayhpc tune": [sys.executable, "-m", "rayhpc", "tune"]}
+
     def run(name: str, how: str, i: int, env: dict | None) -> dict:
         flags, config = sweeps[name][2:]
         if env is None:  # plain Ray Tune
             return timed_plain_tuner(config, work, f"{how}-{len(flags)}-{i}")
-        return timed([*script, *flags, "--storage-path", str(work / f"{how}{i}")], env, work, f"{how}{i}")
+        tag = f"{how.replace(' ', '').replace(',', '')}{len(flags)}-{i}"
+        return timed([*commands.get(how, script), *flags, "--storage-path", str(work / tag)], env, work, tag)
 
     # alternating: each repeat runs every way once, so a machine that gets busier loads them alike; the user's
     # cluster is up only for its own runs (idle, it would load the machine under the others)
     hows = {"cold": cold(work), "plain Tuner": None}
-    measured: dict[str, dict[str, list]] = {how: {name: [] for name in sweeps} for how in (*hows, "cluster up")}
+    measured: dict[str, dict[str, list]] = {how: {name: [] for name in sweeps} for how in (*hows, *commands)}
     for i in range(args.repeats):
         for how, env in hows.items():
             for name in sweeps:
                 measured[how][name].append(run(name, how, i, env))
         with cluster_up(work, args.cpus) as up_env:
-            for name in sweeps:
-                measured["cluster up"][name].append(run(name, "up", i, up_env))
+            for how in commands:
+                for name in sweeps:
+                    measured[how][name].append(run(name, how, i, up_env))
     rows = {how: {name: median(results) for name, results in by_sweep.items()} for how, by_sweep in measured.items()}
     print(f"time to first result: {args.cpus} CPUs, medians of {args.repeats} alternating run(s); plain Tuner: "
           f"Ray Tune's defaults, a trial per configuration (jobs/bench/plain_tuner.py); ideal = the trials' summed "
-          f"in-trial seconds alone / CPUs\n\n{'sweep':28s} {'how':11s} {'wall':>7s} {'ideal':>6s} {'ideal/wall':>11s}  "
+          f"in-trial seconds alone / CPUs\n\n{'sweep':28s} {'how':18s} {'wall':>7s} {'ideal':>6s} {'ideal/wall':>11s}  "
           f"where the wall goes (s)")
     for name in sweeps:
         for how, measured in rows.items():
             r = measured[name]
-            print(f"{name:28s} {how:11s} {r['wall']:6.1f}s {ideal[name]:5.1f}s {ideal[name] / r['wall']:10.2f}   "
+            print(f"{name:28s} {how:18s} {r['wall']:6.1f}s {ideal[name]:5.1f}s {ideal[name] / r['wall']:10.2f}   "
                   f"{breakdown(r)}")
+    for name in sweeps:  # the goal: the default sweep on your cluster at most 0.75x its wall cold
+        print(f"\n{name}, wall on your cluster / cold: " + ", ".join(
+            f"{how} {rows[how][name]['wall'] / rows['cold'][name]['wall']:.2f}x" for how in commands), end="")
+    print()
 
 
 def distributed(args) -> None:

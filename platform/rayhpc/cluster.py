@@ -348,7 +348,7 @@ def start_local(num_cpus: float | None = None, num_gpus: float | None = None, in
     use_token(local.token)
     cpus = local_cpus() if num_cpus is None else num_cpus
     gpus = local_gpus() if num_gpus is None else num_gpus
-    args = ["--head", "--port=0", f"--ray-client-server-port={ray_start.free_port()}", "--node-ip-address=127.0.0.1",
+    args = ["--head", "--port=0", f"--ray-client-server-port={ray_start.free_port()}",
             f"--num-cpus={cpus:g}", f"--num-gpus={gpus:g}", f"--include-dashboard={str(include_dashboard).lower()}",
             *(["--dashboard-host=127.0.0.1", "--dashboard-port=0"] if include_dashboard else [])]
     env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_GCS_SERVER_PORT")},
@@ -415,25 +415,6 @@ def remove_local_temp() -> None:
 
 
 interrupt.at_forced_exit(remove_local_temp)
-
-
-@contextlib.contextmanager
-def environment(**values: str | None):
-    """`values` in os.environ inside (what processes started inside inherit; None: unset), as before outside."""
-    before = {k: os.environ.get(k) for k in values}
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _current() -> Resources:

@@ -72,10 +72,10 @@ def address(folder: Path | str) -> str | None:
 
 
 def free_port() -> int:
-    """A port free on loopback now, for Ray's client server (which takes no 0): nothing of ours ever calls it,
+    """A port free now, for Ray's client server (which takes no 0): nothing of ours ever calls it,
     and a `ray start` whose client server cannot bind it (another process took it meanwhile) fails."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))  # on every address: where the client server binds
         return sock.getsockname()[1]
 
 

@@ -88,4 +88,4 @@ def test_an_installed_rayhpc_renders_its_sbatch_startup(installed, tmp_path):
     assert proc.returncode == 0, proc.stderr
     startup = proc.stdout.strip().splitlines()[-1].split()[2]  # exec bash STARTUP python ...
     assert startup.startswith(str(installed / "venv")) and startup.endswith("rayhpc/slurm/ray_cluster.sbatch")
-    assert Path(startup).is_file() and "ray start --block" in Path(startup).read_text()
+    assert Path(startup).is_file() and "-m rayhpc.slurm.node run" in Path(startup).read_text()

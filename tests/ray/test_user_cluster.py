@@ -127,6 +127,19 @@ def test_a_training_job_joins_it_and_leaves_it_as_it_found_it(user_cluster, tmp_
     assert_as_found(user_cluster, before)
 
 
+def test_a_tp_job_and_a_parameter_server_job_join_it_and_leave_it_as_they_found_it(user_cluster, tmp_path):
+    """The model-parallel and parameter-server jobs join your cluster as the others do (the sweep and the
+    training run: above), each in the process the command started, and leave nothing on it."""
+    address = user_cluster["address"]
+    before = snapshot(user_cluster)
+    for name, args in {"tp": ["train_parallel.py", "--tp", "2", "--steps", "4"],
+                       "ps": ["train_ps.py", "--mode", "sync", "--num-workers", "2", "--epochs", "1"]}.items():
+        job = start(args[0], [*args[1:], "--storage-path", str(tmp_path / name)], tmp_path / f"{name}.marks")
+        assert_joined(job, tmp_path / f"{name}.marks", address)
+        assert (tmp_path / name).is_dir(), name
+    assert_as_found(user_cluster, before)
+
+
 def other_environment(tmp_path: Path) -> Path:
     """The Python of another virtual environment, which sees the suite's packages (the same versions): only the
     environment differs."""

@@ -67,6 +67,21 @@ def test_the_scaling_study_runs_inside_the_startup_and_marks_the_two_node_run(sl
     assert_nothing_left(job)
 
 
+def test_a_tp_job_and_a_parameter_server_job_run_across_both_nodes(slurm):
+    """The model-parallel job (TP over 2 workers) and the parameter-server job (2 workers, sync) on the job's
+    Ray, one after the other in one allocation: 1 CPU per node, so each spans both nodes."""
+    storage = f"/tmp/rayhpc-slurm-results-{uuid.uuid4().hex[:8]}"
+    job = submit("bash", "-c", f"python -u jobs/train_parallel.py --tp 2 --steps 4 --storage-path {storage} && "
+                 f"python -u jobs/train_ps.py --mode sync --num-workers 2 --num-servers 1 --epochs 1 "
+                 f"--storage-path {storage}")
+    info = wait_done(job)
+    log = job_log(job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    assert log.count("ray: joined Ray at ") == 2 and "rayhpc: command exited with code 0" in log, log
+    assert len(list(Path(storage).iterdir())) == 2, list(Path(storage).iterdir())  # each job's run folder
+    assert_nothing_left(job)
+
+
 def test_the_command_exit_code_reaches_slurm(slurm):
     job = submit("python", "-c", "import ray, sys; ray.init(); sys.exit(3)")
     info = wait_done(job)

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import shlex
 import signal
 import socket
 import stat
@@ -605,9 +606,11 @@ def test_a_worker_nodes_ray_that_ends_by_itself_removes_the_token_only_when_the_
         gcs.bind(("127.0.0.1", 0))
         if head.startswith("up"):  # else bound and not listening: connections are refused
             gcs.listen()
-        env = {**os.environ, "SLURM_JOB_ID": job, "RAY_ADDRESS": f"127.0.0.1:{gcs.getsockname()[1]}"}
-        node = subprocess.run([sys.executable, "-m", "rayhpc.slurm.node", "run", str(job_dir), "--", "sh", "-c",
-                               stand_in], env=env, capture_output=True, text=True, timeout=60)
+        # the stand-in as the node's container runtime: it is given `ray start ...` and ignores it
+        env = {**os.environ, "SLURM_JOB_ID": job, "RAY_ADDRESS": f"127.0.0.1:{gcs.getsockname()[1]}",
+               "RAYHPC_CONTAINER": shlex.join(["sh", "-c", stand_in])}
+        node = subprocess.run([sys.executable, "-m", "rayhpc.slurm.node", "run", str(job_dir), "--"], env=env,
+                              capture_output=True, text=True, timeout=60)
     assert node.returncode == (0 if ends else 1), node.stderr
     assert [path.exists() for path in secrets] == [head == "up"] * 3, (head, node.stdout, node.stderr)
     assert not glob.glob(f"/tmp/rh-{job}-*"), "the node's temp folder outlived its Ray"

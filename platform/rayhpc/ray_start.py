@@ -99,7 +99,9 @@ def start(folder: Path, args: list[str], env: dict[str, str], timeout_s: float =
         supervisor = subprocess.Popen(
             [sys.executable, "-P", "-m", "rayhpc.ray_start", str(os.getpid()), "--",
              *command(folder, *args, ray=(sys.executable, "-P", "-m", "ray.scripts.scripts"))],
-            env=env, cwd=folder, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+            # in a session of its own: a terminal's Ctrl-C (SIGINT to the foreground group) stops the job, which
+            # stops its Ray when it is done with it, not Ray under the job's last save
+            env=env, cwd=folder, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
     finally:
         os.close(out)
     node = Node(folder, supervisor, "")

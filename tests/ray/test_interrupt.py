@@ -47,11 +47,12 @@ IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.
 STARTED: list[subprocess.Popen] = []  # the jobs the running test started
 
 
-def start(command: list[str], out: Path, env: dict | None = None) -> subprocess.Popen:
+def start(command: list[str], out: Path, env: dict | None = None, terminal: bool = False) -> subprocess.Popen:
     """`command` (a job script and its flags, or a `python ...` or `rayhpc ...` command) in the background, as a
     script would run it (`cmd &` in a batch script, or a CI runner that started the suite so): SIGINT
     inherited *ignored*, which makes Python install no KeyboardInterrupt handler of its own; stdout and
-    stderr to files in `out`."""
+    stderr to files in `out`. `terminal`: the leader of a process group of its own, as a shell's foreground job
+    (`stop(..., terminal=True)` then signals the whole group, as a terminal's Ctrl-C does)."""
     if command[0] == "python":
         command = command[1:]
     elif command[0] == "rayhpc":
@@ -61,7 +62,8 @@ def start(command: list[str], out: Path, env: dict | None = None) -> subprocess.
     out.mkdir(exist_ok=True)
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONUNBUFFERED": "1", **(env or {})}
     job = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, *command], cwd=ROOT,
-                           stdout=open(out / "stdout", "w"), stderr=open(out / "stderr", "w"), env=env)
+                           stdout=open(out / "stdout", "w"), stderr=open(out / "stderr", "w"), env=env,
+                           process_group=0 if terminal else None)
     STARTED.append(job)
     return job
 
@@ -88,11 +90,15 @@ def wait_for(job: subprocess.Popen, folder: Path, pattern: str, out: Path, timeo
         time.sleep(0.2)
 
 
-def stop(job: subprocess.Popen, signum: int, out: Path, within_s: float = STOP_WITHIN_S) -> str:
-    """Send `signum`; the job must end within `within_s` with 128 + signum, writing one line to stderr
-    from then on, which is returned."""
+def stop(job: subprocess.Popen, signum: int, out: Path, within_s: float = STOP_WITHIN_S,
+         terminal: bool = False) -> str:
+    """Send `signum` (`terminal`: to the job's whole process group); the job must end within `within_s` with
+    128 + signum, writing one line to stderr from then on, which is returned."""
     written = (out / "stderr").stat().st_size
-    job.send_signal(signum)
+    if terminal:
+        os.killpg(job.pid, signum)
+    else:
+        job.send_signal(signum)
     sent = time.monotonic()
     try:
         job.wait(timeout=within_s)
@@ -192,12 +198,15 @@ def test_ctrl_c_stops_the_job_and_sigterm_stops_its_resumed_run(kind, ray_addres
 @pytest.mark.parametrize("kind, grace_s", [("tune", None), ("ps", 0)])
 def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, grace_s, tmp_path):
     """Without --address the job starts its own Ray: Ctrl-C ends the job and that Ray with it, its folder
-    removed (by the forced exit too), its GCS stopped after every other process of it."""
+    removed (by the forced exit too), its GCS stopped after every other process of it. Ctrl-C as a terminal
+    sends it, to the job's whole process group: the job's Ray, in a session of its own, is stopped by the job
+    once it is done with it (the sweep's clean stop, within its grace period), not under it."""
     (script, *flags), checkpoints = JOBS[kind]
     # the job's TMPDIR, where its private folder and its Ray's are made: short (Ray's socket paths must fit)
     tmp = Path(tempfile.mkdtemp(prefix="ri-", dir="/tmp"))
     env = {"TMPDIR": str(tmp), **({} if grace_s is None else {GRACE_VARIABLE: str(grace_s)})}
-    job = start([script, *flags, "--name", kind, "--storage-path", str(tmp_path)], tmp_path / "out", env)
+    job = start([script, *flags, "--name", kind, "--storage-path", str(tmp_path)], tmp_path / "out", env,
+                terminal=True)
     wait_for(job, tmp_path / kind, checkpoints, tmp_path / "out")
     started = {pid: process_name(pid) for pid in descendants(job.pid)}
     assert "raylet" in started.values(), started
@@ -205,7 +214,7 @@ def test_ctrl_c_stops_a_job_on_its_own_ray_and_every_process_it_started(kind, gr
     (supervisor,) = [pid for pid in started if cmdline(pid)[1:4] == ["-P", "-m", "rayhpc.ray_start"]]
     assert parent(supervisor) == job.pid and "gcs_server" in {process_name(p) for p in descendants(supervisor)}
     assert [pid for pid in started if cmdline(pid)[0].startswith("ray::")], f"no Ray worker of the job: {started}"
-    line = stop(job, signal.SIGINT, tmp_path / "out")
+    line = stop(job, signal.SIGINT, tmp_path / "out", terminal=True)
     forced = "" if grace_s is None else f" (not stopped within {grace_s:g} s: ended at once)"
     assert line.startswith(f"interrupted by SIGINT{forced}: ") and "resume with: " in line, line
     deadline = time.monotonic() + STOP_WITHIN_S

@@ -75,24 +75,9 @@ def plain_tune(cfg: SweepConfig, configs: list[dict], storage: Path) -> tuple[fl
     """Ray Tune with its defaults: one actor per trial, report + checkpoint per epoch."""
     from ray import tune
 
-    from rayhpc.tune.single import train_single
+    from bench.plain_tuner import plain_trainable
 
-    task = task_for(cfg.task, cfg.data)
-
-    def trainable(config):
-        import torch
-
-        torch.set_num_threads(1)
-
-        def report(epoch, values, model):
-            with tempfile.TemporaryDirectory() as d:
-                torch.save(model.state_dict(), Path(d) / "model.pt")
-                tune.report({"val_loss": values["val_loss"], "epoch": epoch},
-                            checkpoint=tune.Checkpoint.from_directory(d))
-
-        result = train_single(task, config["hp"], cfg.epochs, cfg.data, on_epoch=report)
-        tune.report({"val_loss": result["val_loss"], "train_seconds": result["train_seconds"]})
-
+    trainable = plain_trainable(task_for(cfg.task, cfg.data), cfg)
     tuner = tune.Tuner(trainable, param_space={"hp": tune.grid_search(configs)},
                        run_config=tune.RunConfig(name="plain", storage_path=str(storage), verbose=0))
     start = time.perf_counter()

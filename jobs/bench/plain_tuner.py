@@ -18,6 +18,30 @@ from pathlib import Path
 import yaml
 
 
+def plain_trainable(task, cfg):
+    """The trials' function as Ray Tune's docs write one: the platform's loop for one configuration, one thread,
+    a report and a checkpoint per epoch, then its last values and seconds."""
+    from ray import tune
+
+    from rayhpc.tune.single import train_single
+
+    def trainable(config):
+        import torch
+
+        torch.set_num_threads(1)
+
+        def report(epoch, values, model):
+            with tempfile.TemporaryDirectory() as d:
+                torch.save(model.state_dict(), Path(d) / "model.pt")
+                tune.report({"val_loss": values["val_loss"], "epoch": epoch},
+                            checkpoint=tune.Checkpoint.from_directory(d))
+
+        result = train_single(task, config["hp"], cfg.epochs, cfg.data, on_epoch=report)
+        tune.report({"val_loss": result["val_loss"], "train_seconds": result["train_seconds"]})
+
+    return trainable
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config")
@@ -31,8 +55,6 @@ def main() -> None:
 
     from rayhpc.task import task_for
     from rayhpc.tune.config import SweepConfig, bind_sweep
-    from rayhpc.tune.single import train_single
-
     cfg = SweepConfig(**yaml.safe_load(Path(args.config).read_text()))
     task = task_for(cfg.task, cfg.data)
     cfg, _ = bind_sweep(cfg, task)
@@ -41,24 +63,11 @@ def main() -> None:
     ray.init()
     marks["ray"] = time.time() - args.launch_time
 
-    def trainable(config):
-        import torch
-
-        torch.set_num_threads(1)
-
-        def report(epoch, values, model):
-            with tempfile.TemporaryDirectory() as d:
-                torch.save(model.state_dict(), Path(d) / "model.pt")
-                tune.report({"val_loss": values["val_loss"], "epoch": epoch},
-                            checkpoint=tune.Checkpoint.from_directory(d))
-
-        train_single(task, config["hp"], cfg.epochs, cfg.data, on_epoch=report)
-
     class FirstResult(tune.Callback):
         def on_trial_result(self, iteration, trials, trial, result, **info):
             marks.setdefault("first result", time.time() - args.launch_time)
 
-    tune.Tuner(trainable, param_space={"hp": tune.grid_search(configs)},
+    tune.Tuner(plain_trainable(task, cfg), param_space={"hp": tune.grid_search(configs)},
                run_config=tune.RunConfig(name="plain", storage_path=str(Path(args.storage_path).resolve()),
                                          verbose=0, callbacks=[FirstResult()])).fit()
     marks["work"] = time.time() - args.launch_time

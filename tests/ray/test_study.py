@@ -51,19 +51,19 @@ def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_a
         ray_address, tmp_path):
     study, config = tmp_path / "study", tmp_path / "sweep.yaml"
     config.write_text(f"study: {study}\n{SWEEP}")
-    first = slice_proc(config, "--address", ray_address)  # a slice on the suite's cluster
-    deadline = time.monotonic() + 120
-    while not ((study / LEDGER_FILE).exists() and events(study)):
-        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
-        time.sleep(0.05)
-    doomed = events(study)[0]["slice"]
-    other = slice_proc(config, env={"RAY_OVERRIDE_RESOURCES": '{"CPU": 1}'})  # a cluster of its own, later
-    # the kill waits for the other slice's first claim: a slice whose own cluster starts slowly (a loaded machine)
-    # would otherwise find every pack taken by the time it is up, and run none
+    # the slice on a cluster of its own starts first and claims a pack before the other starts: started the other
+    # way round, a cold cluster (seconds of `ray start`, more on a loaded machine) could find every pack finished
+    other = slice_proc(config, env={"RAY_OVERRIDE_RESOURCES": '{"CPU": 1}'})
     deadline = time.monotonic() + 180
-    while not any(e["event"] == "claim" and e["slice"] != doomed for e in events(study)):
+    while not ((study / LEDGER_FILE).exists() and any(e["event"] == "claim" for e in events(study))):
         assert other.poll() is None and time.monotonic() < deadline, other.stdout.read()
         time.sleep(0.05)
+    first = slice_proc(config, "--address", ray_address)  # a slice on the suite's cluster, to be killed
+    deadline = time.monotonic() + 120
+    while len({e["slice"] for e in events(study) if e["event"] == "slice"}) < 2:
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+        time.sleep(0.05)
+    doomed = [e["slice"] for e in events(study) if e["event"] == "slice"][1]
     orphan = wait_for_checkpoint(study, doomed, first)
     first.kill()  # SIGKILL: no clean-up at all, its packs claimed and unfinished
     first.wait()
@@ -81,7 +81,7 @@ def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_a
     by_slice = collections.Counter(e["slice"] for e in log if e["event"] == "finish")
     # the other cluster's slice ran some; the third, a cold start of its own, may find the killed slice's packs taken
     # over already by the other, which then runs them (once each, as below)
-    assert slices[1] in by_slice, story
+    assert slices[0] in by_slice, story
     claims = [e["slice"] for e in log if e["event"] == "claim" and e["pack"] == orphan]
     assert claims[0] == doomed and len(claims) == 2, story  # the killed slice's pack, taken over once
     assert [e["slice"] for e in log if e["event"] == "finish" and e["pack"] == orphan] == claims[1:], story

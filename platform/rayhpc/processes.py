@@ -37,13 +37,27 @@ def descendants(*pids: int) -> list[int]:
     return found
 
 
-def marked(entry: str, also: str | None = None) -> list[int]:
-    """This user's processes whose environment holds `entry` (`NAME=value`; and `also`, where given), and
-    every process below them; never this process."""
-    wanted = [entry.encode()] + ([also.encode()] if also else [])
-    uid, found = os.getuid(), []
+def ancestors() -> set[int]:
+    """This process and every process above it."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return pids
+
+
+def carrying(*entries: str, job: str | None = None) -> list[int]:
+    """This user's processes whose environment holds one of `entries` (`NAME=value`) and, with `job`, that
+    Slurm job's SLURM_JOB_ID; never this process or its ancestors (which may carry them too: a job's clean-up
+    step)."""
+    wanted = [entry.encode() for entry in entries]
+    of_job = f"SLURM_JOB_ID={job}".encode() if job is not None else None
+    skip, uid, found = ancestors(), os.getuid(), []
     for proc in os.scandir("/proc"):
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+        if not proc.name.isdigit() or int(proc.name) in skip:
             continue
         try:
             if proc.stat().st_uid != uid:
@@ -51,9 +65,17 @@ def marked(entry: str, also: str | None = None) -> list[int]:
             environ = Path(proc.path, "environ").read_bytes().split(b"\0")
         except OSError:  # gone, or not ours to read
             continue
-        if all(w in environ for w in wanted):
+        if (of_job is None or of_job in environ) and any(w in environ for w in wanted):
             found.append(int(proc.name))
-    return sorted(set(found + descendants(*found)) - {os.getpid()})
+    return found
+
+
+def marked(*entries: str, job: str | None = None, below: tuple[int, ...] = ()) -> list[int]:
+    """The processes `carrying` one of `entries` (of `job`), and every process below them and below `below`;
+    never this process or its ancestors. The tree counts because a marker can vanish from /proc/PID/environ:
+    Ray's processes retitle themselves (setproctitle), which may overwrite the start of that block."""
+    found = carrying(*entries, job=job)
+    return sorted(set(found + descendants(*found, *below)) - ancestors())
 
 
 def alive(pid: int) -> bool:

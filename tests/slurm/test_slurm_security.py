@@ -46,7 +46,7 @@ from helpers import (
     wait_done,
     with_changes,
 )
-from rayhpc.processes import descendants
+from rayhpc.processes import carrying, descendants
 from rayhpc.slurm.layout import OFFSETS
 from rayhpc.slurm.private import UnsafePath, check_ancestors
 from rayhpc.slurm.submit import log_dir, slurm_job
@@ -683,7 +683,7 @@ def test_the_clean_up_finds_a_process_whose_retitling_hid_its_marker(tmp_path):
                 Path(f"/proc/{min(child)}/cmdline").read_bytes()[:5] != b"ray::":
             assert time.monotonic() < deadline, "the child never retitled itself"
             time.sleep(0.1)
-        assert node.marked_processes(job, markers) == [parent.pid], "the retitled child still shows its marker"
+        assert carrying(*markers, job=job) == [parent.pid], "the retitled child still shows its marker"
         assert node.job_processes(job, markers) == sorted([parent.pid, *child])
         assert node.reap(job, markers) == []
         assert parent.wait(timeout=10) == -signal.SIGKILL and not descendants(parent.pid)

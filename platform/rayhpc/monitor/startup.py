@@ -1,8 +1,7 @@
 """Where a command's fixed cost goes: named marks on the way to its first result, timed from the process's start.
 
 A job calls `mark(phase)` as each phase ends (imports, the task check, Ray's start, the first result, the
-work, the shutdown). `breakdown()` is the one line a job prints (`start-up: ...`); with RAYHPC_TIMINGS=FILE
-each mark is also appended to FILE as a JSON line (`{"phase": ..., "t": unix time, "pid": ...}`), which
+work, the shutdown). With RAYHPC_TIMINGS=FILE each mark is appended to FILE as a JSON line (`{"phase": ..., "t": unix time, "pid": ...}`), which
 `jobs/bench_sweep.py --first-result` and `jobs/bench_train.py --first-result` read to print the
 breakdown of a run beside the ideal and `torchrun`. Standard library only: the first mark is taken
 before Ray or torch is imported.
@@ -53,18 +52,6 @@ def mark(phase: str, at: float | None = None) -> None:
     if path:
         with open(path, "a") as out:  # a file the benchmark made in its own private folder
             out.write(json.dumps({"phase": phase, "t": now, "pid": os.getpid()}) + "\n")
-
-
-def breakdown(upto: str | None = None) -> str:
-    """`phase 1.2 s, phase 0.3 s, ...`: each marked phase's own seconds, the first from the process's start,
-    up to and including `upto`."""
-    parts, before = [], process_start()
-    for name, t in _marks:
-        parts.append(f"{name} {max(t - before, 0.0):.1f} s")
-        before = t
-        if name == upto:
-            break
-    return ", ".join(parts)
 
 
 def read(path: str | Path) -> dict[str, float]:

@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rayhpc.processes import descendants
+from rayhpc.processes import marked
 from rayhpc.ray_start import RAY_DIR, Stop, collect_zombies, command, environment, ignore_signals, stop_on_signals, \
     stop_tree, supervisor
 from rayhpc.slurm.layout import node_ip
@@ -57,45 +57,10 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
-def _ancestors() -> set[int]:
-    pids, pid = set(), os.getpid()
-    while pid > 1:
-        pids.add(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    return pids
-
-
-def marked_processes(job: str, markers: list[str]) -> list[int]:
-    """This user's processes of Slurm job `job` whose environment holds one of `markers` (`NAME=value`
-    entries), except this process and its ancestors (the clean-up step carries the job's environment too)."""
-    wanted, of_job = [m.encode() for m in markers], f"SLURM_JOB_ID={job}".encode()
-    skip, uid, found = _ancestors(), os.getuid(), []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) in skip:
-            continue
-        try:
-            if entry.stat().st_uid != uid:
-                continue
-            environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-        except OSError:  # gone, or not ours to read
-            continue
-        if of_job in environ and any(m in environ for m in wanted):
-            found.append(int(entry.name))
-    return found
-
-
 def job_processes(job: str, markers: list[str], subreaper: bool = False) -> list[int]:
-    """The marked processes of `job` and every process below them; with `subreaper` (this process is
-    the node's `run`: orphans of what it started become its children), everything below it too.
-    The tree matters because a marker can vanish from /proc/PID/environ: Ray's agents and workers
-    retitle themselves (`ray::DashboardAgent`, setproctitle), which may overwrite the start of the
-    environment block that file shows."""
-    marked = marked_processes(job, markers)
-    roots = [*marked, os.getpid()] if subreaper else marked
-    return sorted(set(marked + descendants(*roots)) - _ancestors())
+    """The processes of `job` that carry one of `markers` and every process below them; with `subreaper`
+    (this process is the node's `run`: orphans of what it started become its children), everything below it."""
+    return marked(*markers, job=job, below=(os.getpid(),) if subreaper else ())
 
 
 def reap(job: str, markers: list[str], subreaper: bool = False, timeout_s: float = 10.0) -> list[int]:

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from rayhpc import ray_start
+from rayhpc.processes import is_gcs
 from rayhpc.slurm import connection
 from rayhpc.slurm.layout import sockets
 from rayhpc.slurm.node import NODE_MARKER, job_processes, node_records
@@ -53,13 +55,6 @@ def listened_by(pid: int) -> set[int]:
     return {port for _, port, state, inode in sockets(("tcp", "tcp6")) if state == "0A" and inode in held}
 
 
-def is_gcs(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == "gcs_server"
-    except OSError:
-        return False
-
-
 def wait_head(timeout_s: float, job_dir: Path, step_pid: int) -> str:
     """This job's head's GCS address, once the job's GCS listens; `TimeoutError` naming what went wrong."""
     job, head = os.environ["SLURM_JOB_ID"], os.environ.get("RH_HEAD", "")
@@ -78,15 +73,6 @@ def wait_head(timeout_s: float, job_dir: Path, step_pid: int) -> str:
             raise TimeoutError(f"the Ray head's GCS ({head}) did not listen within {timeout_s:g} s: see "
                                f"{job_dir}/ray-{head}.log")
         time.sleep(POLL_S)
-
-
-def published(job_dir: Path, head: str) -> str | None:
-    """The GCS address `ray start` wrote into the head's private temp folder once every process of the head
-    was up (`ray_current_cluster`), if it has."""
-    try:
-        return (Path(node_records(job_dir, [head])[head]["temp_dir"]) / "ray_current_cluster").read_text().strip()
-    except (OSError, KeyError):
-        return None
 
 
 def held_by_the_job(port: int, name: str, job_dir: Path, head: str) -> bool:
@@ -112,7 +98,8 @@ def wait_nodes(address: str, job_dir: Path, hosts: list[str], timeout_s: float) 
     client = int(os.environ["RH_CLIENT_SERVER_PORT"]), "Ray's client server", job_dir, hosts[0]
     # connected once the head is up (its dashboard's address is published then), never while its client
     # server cannot bind (its `ray start` stops every process of the head a second later)
-    while not held_by_the_job(*client) or (head := published(job_dir, hosts[0])) is None:
+    head_dir = node_records(job_dir, hosts[:1])[hosts[0]]["temp_dir"]  # `ray start` writes the address there
+    while not held_by_the_job(*client) or (head := ray_start.address(Path(head_dir).parent)) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the Ray head ({hosts[0]}) was not up within {timeout_s:g} s: see "
                                f"{job_dir}/ray-{hosts[0]}.log")
@@ -122,7 +109,6 @@ def wait_nodes(address: str, job_dir: Path, hosts: list[str], timeout_s: float) 
                            f"({address}): see {job_dir}/ray-{hosts[0]}.log")
     ctx = ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:
-        head_dir = node_records(job_dir, hosts[:1])[hosts[0]]["temp_dir"]
         nodes = [n for n in ray.nodes() if n["Alive"]]
         if not any(n.get("RayletSocketName", "").startswith(head_dir + "/") for n in nodes):
             raise TimeoutError(f"the cluster at {address} is not this job's: no node's raylet lives in {head_dir}")

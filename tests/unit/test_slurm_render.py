@@ -82,15 +82,18 @@ def test_bad_cluster_configs_are_one_line_errors(data, expected):
 
 @pytest.mark.parametrize("ephemeral", [(32768, 60999), (20000, 65535), (1024, 65535)])
 def test_job_ports_stay_out_of_the_ephemeral_range_and_rays_defaults_and_apart(ephemeral):
-    from rayhpc.slurm.layout import block_bases, ports
+    from rayhpc.slurm.layout import block_bases, ports, ports_at
 
-    n = len(block_bases(ephemeral))
-    low, high = ephemeral
-    for job in range(2 * n):
-        used = set(ports(job, ephemeral=ephemeral).values())
-        assert all(20000 <= p <= 65535 for p in used), (job, sorted(used))  # Ray's defaults are below 20000
+    bases = block_bases(ephemeral)
+    n, low, high = len(bases), *ephemeral
+    # job j takes block j mod n: every block checked, and jobs across the wrap-around take theirs
+    for job in (0, 1, n // 2, n - 1, n, n + 1, 2 * n - 1):
+        assert ports(job, ephemeral=ephemeral) == ports_at(bases[job % n]), job
+    for base in bases:
+        used = set(ports_at(base).values())
+        assert all(20000 <= p <= 65535 for p in used), (base, sorted(used))  # Ray's defaults are below 20000
         if (low, high) not in ((1024, 65535), (20000, 65535)):  # those leave no room: every block
-            assert not any(low <= p <= high for p in used), (job, ephemeral, sorted(used))
+            assert not any(low <= p <= high for p in used), (base, ephemeral, sorted(used))
     first, second = ports(0, ephemeral=ephemeral), ports(1, ephemeral=ephemeral)
     assert max(first.values()) < min(second.values()), (first, second)  # neighbouring jobs never share a port
 

@@ -18,8 +18,10 @@ from rayhpc.study.folder import LEDGER_FILE, PACKS_DIR, RESULTS_FILE, SLICES_DIR
 from rayhpc.study.search import _journal
 
 # a small discrete space (8 configurations): 64 trials find its best in any order of proposals, so that the
-# best of two slices is comparable with one slice's (a trial's result depends on its configuration alone)
-SWEEP = ("search: optuna\nnum_samples: 64\nepochs: 4\nseed: 3\ndata: {synthetic: {num_samples: 4000}}\n"
+# best of two slices is comparable with one slice's (a trial's result depends on its configuration alone);
+# 12000 samples: a pack takes long enough (seconds an epoch) for the test to see one checkpointed and unfinished
+# on a loaded machine too (with 4000, a slice on 2 CPUs once ran its 3 packs between two looks)
+SWEEP = ("search: optuna\nnum_samples: 64\nepochs: 4\nseed: 3\ndata: {synthetic: {num_samples: 12000}}\n"
          "space: {hidden: {choice: [16, 64]}, lr: {choice: [0.003, 0.01, 0.03, 0.1]}}\n")
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from helpers import job_env
@@ -37,6 +38,7 @@ sys.meta_path.insert(0, WithoutDashboardPackages())
 UNUSABLE = "cannot use them: torch.cuda.is_available() is False"
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 def test_a_gpu_torch_cannot_use_is_refused_before_training_and_the_ps_places_on_one_gpu(tmp_path):
     site = tmp_path / "site"
     site.mkdir()

@@ -335,9 +335,13 @@ def test_a_task_whose_folder_holds_code_another_user_can_write_is_not_imported(a
     assert not marker.exists(), "the planted helper ran"
 
 
-@pytest.mark.parametrize("job", [["tune_mlp.py", "--num-samples", "2", "--epochs", "1"],
-                                 ["train_mlp.py", "--num-workers", "2", "--epochs", "1"]], ids=["sweep", "training"])
-def test_a_job_run_in_a_folder_another_user_writes_imports_nothing_from_it(job, attacker, world_tmp, tmp_path):
+# one job that runs every kind of process the platform starts: its own Ray (dashboard and agents), Tune's trial,
+# and Ray Train's controller and ranks (the trial's TorchTrainer)
+PLANTED_JOB = ["tune_mlp.py", "--num-samples", "1", "--epochs", "1", "--workers-per-trial", "2", "--trial-runner",
+               "trainer"]
+
+
+def test_a_job_run_in_a_folder_another_user_writes_imports_nothing_from_it(attacker, world_tmp, tmp_path):
     """The attack: the other user plants `rayhpc/__init__.py`, `torch.py` and `ray.py` in a folder anyone may
     write (/tmp, a shared scratch) where the victim starts a job. `python -m` and `-c`, which the platform and
     Ray start processes with, put the working folder first on `sys.path`, and Ray puts the driver's working
@@ -345,7 +349,7 @@ def test_a_job_run_in_a_folder_another_user_writes_imports_nothing_from_it(job, 
     code as the victim. The job (its own process is the user's: a script run by path) runs to its end, and no
     process it started imported anything from there."""
     folder, marks = planted_folder(world_tmp)
-    proc = run_job(*job, "--storage-path", str(tmp_path), cwd=folder)
+    proc = run_job(*PLANTED_JOB, "--storage-path", str(tmp_path), cwd=folder)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert planted_imports(marks) == []
 

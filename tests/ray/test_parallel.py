@@ -254,6 +254,7 @@ def test_bad_input_exits_2_before_ray_starts(args, expected, tmp_path):
 BENCH_GPT_HP = {"dim": 32, "layers": 4, "block": 16, "corpus_bytes": 20000}
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 def test_the_parallel_benchmark_prints_the_bubble_of_every_schedule_and_the_gpt_layouts(ray_address, tmp_path):
     proc = run_job("bench_parallel.py", "--microbatches", "1,2", "--hidden", "64", "--microbatch-size", "8",
                    "--steps", "1", "--gpt-steps", "2", "--gpt-batch-size", "8", "--address", ray_address,

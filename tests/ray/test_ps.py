@@ -90,17 +90,10 @@ def assert_same_weights(got: dict, want: dict, **tol) -> None:
         torch.testing.assert_close(got[key], want[key].detach(), msg=lambda m: f"{key}: {m}", **tol)
 
 
-def test_sync_equals_ddp_with_the_same_data_order(ray_address, tmp_path):
-    cfg = ps_cfg(tmp_path, compute={"num_workers": 2, "num_servers": 1}, optim={"lr": 0.05, "momentum": 0.9})
-    result = run_ps(cfg)
-    assert_same_weights(result.weights, two_ranks(cfg))
-    assert result.metrics["epoch"].tolist() == [1, 2] and result.metrics["val_loss"].iloc[-1] > 0
-    assert (result.steps["staleness"] == 0).all() and len(result.steps) == 2 * result.metrics["global_step"].iloc[-1]
-
-
 def test_sync_with_adamw_warm_up_cosine_clipping_accumulation_and_steps_equals_ddp(ray_address, tmp_path):
-    """40 steps of 26 an epoch: the second epoch is cut short; accumulation 2 leaves the step as it is; the
-    mean gradient is clipped by its norm over both servers' shards on some steps, not all."""
+    """Sync is DDP with the same data order: 40 steps of 26 an epoch (the second epoch cut short); accumulation 2
+    leaves the step as it is; the mean gradient is clipped by its norm over both servers' shards on some steps,
+    not all; every gradient is of the step's weights (staleness 0)."""
     cfg = ps_cfg(tmp_path, epochs=None, steps=40, accumulate=2, compute={"num_workers": 2, "num_servers": 2},
                  optim={"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1, "clip_grad_norm": 0.5},
                  schedule={"warmup_steps": 5, "decay": "cosine"})
@@ -113,6 +106,7 @@ def test_sync_with_adamw_warm_up_cosine_clipping_accumulation_and_steps_equals_d
     sizes = result.layout.sizes()
     assert len(sizes) == 2 and all(s > 0 for s in sizes) and sum(sizes) == 6 * 16 + 16 + 16 * 2 + 2
     assert result.metrics["global_step"].tolist() == [26, 40] and len(result.steps) == 2 * 40
+    assert (result.steps["staleness"] == 0).all()
     torch.testing.assert_close(result.metrics["lr"].tolist(), [0.01 * warmup_cosine(s, 40, 5) for s in (25, 39)])
     events = tensorboard_scalars(cfg.experiment_dir / "tensorboard")
     torch.testing.assert_close(events["epoch/val_loss"], result.metrics["val_loss"].tolist())
@@ -198,6 +192,7 @@ def test_a_killed_server_restarts_everything_from_the_checkpoint(ray_address, tm
     assert_same_weights(result.weights, two_ranks(cfg))  # sync from a checkpoint with Adam's state: no difference
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 def test_resume_writes_the_row_of_an_epoch_that_ended_in_the_checkpoint(ray_address, tmp_path):
     """A driver killed after the servers' epoch-end checkpoint but before the epoch's row: the resumed
     run validates that checkpoint and writes the row (here: the row cut from a finished run)."""

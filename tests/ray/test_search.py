@@ -145,6 +145,7 @@ def test_a_warm_started_tpe_learns_the_earlier_sweep_and_proposes_otherwise_than
     assert not set(warm_first) & set(zip(earlier["config.lr"].round(12), earlier["config.hidden"]))
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 def test_a_time_budget_ends_the_sweep_in_time_and_resume_continues_it(ray_address, tmp_path, monkeypatch):
     """4 trials of 40 epochs (about 16 s here), 2 at a time, and a budget of 10 s: the sweep ends within the budget
     plus one report interval (and Tune's last save), its trials finished, stopped or never started; --resume

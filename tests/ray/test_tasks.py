@@ -508,7 +508,8 @@ class FailsInTrials(MLPTask):
 '''
 
 
-@pytest.mark.parametrize("failing, workers", [((8, 16), 1), ((8,), 1), ((8, 16), 2)])
+# every trial failed (packed), and some (distributed, in warm worker groups): each branch once
+@pytest.mark.parametrize("failing, workers", [((8, 16), 1), ((8,), 2)])
 def test_trials_failing_in_the_task_are_one_line_and_the_others_are_kept(failing, workers, ray_address, tmp_path):
     """A sweep whose every trial failed in the task's code: one `error:` line (exit 1) naming the first trial,
     the task's function and line, and the cause, each trial's traceback in the sweep's error.log. Where some

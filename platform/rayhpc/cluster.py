@@ -378,9 +378,11 @@ def _new_local() -> LocalCluster:
 
 def disconnect() -> None:
     """Leave Ray; a local Ray this process started stops (every one of its processes, its GCS last), and its
-    private folder, token included, is removed."""
+    private folder, token included, is removed. The job has printed what it had to say: what its workers
+    print while Ray stops them (a SIGTERM inside a weakref callback prints a traceback) is not shown."""
     import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
 
+    interrupt.quiet_workers()
     ray.shutdown()
     remove_local_temp()
 

@@ -251,15 +251,3 @@ def test_optuna_and_asha_see_the_mean_of_a_configurations_repeats(ray_address, t
     told = sorted((round(t["params"]["lr"], 12), t["params"]["hidden"], round(t["value"], 6)) for t in study)
     means = sorted((round(lr, 12), hidden, round(g["val_loss"].mean(), 6)) for (lr, hidden), g in configs)
     assert told == means
-
-
-def test_bohb_proposes_and_stops_unpacked_trials(ray_address, tmp_path):
-    """Tune's TuneBOHB proposes (the searcher state the experiment saves holds HpBandSter's BOHB model) and
-    HyperBandForBOHB stops trials at its rungs."""
-    table = run_sweep(sweep(tmp_path, name="bohb", num_samples=6, epochs=9, scheduler="bohb",
-                            space={"lr": {"loguniform": [1e-4, 1.0]}, "hidden": {"choice": [4, 16]}}))
-    assert len(table) == 6 and set(table["pack_size"]) == {1}
-    assert set(table["status"]) == {"finished", "early-stopped"}, table[["status", "iterations"]]
-    assert table["config.lr"].between(1e-4, 1.0).all() and set(table["config.hidden"]) <= {4, 16}
-    (state,) = (tmp_path / "bohb").glob("searcher-state-*.pkl")
-    assert b"hpbandster.optimizers.config_generators.bohb" in state.read_bytes()

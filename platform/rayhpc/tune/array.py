@@ -39,7 +39,7 @@ def prepare_array(cfg: SweepConfig, explicit: set[str]):
     is refused, and the task is checked in this process, before anything is submitted."""
     if cfg.search == "optuna":
         raise ConfigError("search (--search) optuna: an array job draws every config up front; use random or grid")
-    if cfg.scheduler in ("asha", "median", "hyperband", "bohb"):
+    if cfg.scheduler in ("asha", "median", "hyperband"):
         raise ConfigError(f"scheduler (--scheduler) {cfg.scheduler}: array tasks cannot be stopped early; use fifo")
     if cfg.scheduler == "pbt":
         raise ConfigError("scheduler (--scheduler) pbt: array tasks train one trial each, apart; use fifo")

@@ -66,14 +66,6 @@ class HyperbandConfig(StrictModel):
                                     json_schema_extra={"flag": "--hyperband-reduction-factor"})
 
 
-class BohbConfig(StrictModel):
-    """BOHB (`scheduler: bohb`: Tune's TuneBOHB proposing, HyperBandForBOHB stopping), unpacked trials as
-    HyperBand's; needs `pip install 'rayhpc[bohb]'` (hpbandster, ConfigSpace)."""
-
-    reduction_factor: float = Field(3.0, gt=1, description="each round keeps the best 1/reduction_factor",
-                                    json_schema_extra={"flag": "--bohb-reduction-factor"})
-
-
 class PbtConfig(StrictModel):
     """Population-based training of each pack's members (`scheduler: pbt`, `rayhpc.tune.pbt`)."""
 
@@ -125,10 +117,9 @@ class SweepConfig(ModelOptions, TaskJobConfig):
                                                             "searched keys they leave out are drawn")
     warm_start: Path | None = Field(None, description="an earlier sweep's folder: Optuna learns from its "
                                     "finished trials before it proposes any (search optuna)")
-    scheduler: Literal["fifo", "asha", "median", "hyperband", "bohb", "pbt"] = Field(
+    scheduler: Literal["fifo", "asha", "median", "hyperband", "pbt"] = Field(
         "fifo", description="run trials to the end, stop bad ones early (asha, median: on pack members; "
-        "hyperband: Tune's synchronous HyperBand, unpacked trials; bohb: HyperBand with BOHB proposing), or "
-        "evolve each pack's members (pbt)")
+        "hyperband: Tune's synchronous HyperBand, unpacked trials), or evolve each pack's members (pbt)")
     pack: int | None = Field(None, ge=1, description="trials trained together as one batched model; "
                              "unset: enough to fill the cluster once (optuna: 2 batches per slot)")
     workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is "
@@ -143,7 +134,6 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     asha: AshaConfig = AshaConfig()
     median: MedianConfig = MedianConfig()
     hyperband: HyperbandConfig = HyperbandConfig()
-    bohb: BohbConfig = BohbConfig()
     pbt: PbtConfig = PbtConfig()
     optim: Optim = Optim()
     schedule: Schedule = Schedule()
@@ -224,12 +214,10 @@ class SweepConfig(ModelOptions, TaskJobConfig):
                               "epoch; give epochs")
         if self.scheduler == "pbt":
             self._check_pbt()
-        if self.scheduler in ("hyperband", "bohb") and ((self.pack or 1) > 1 or self.repeats > 1):
+        if self.scheduler == "hyperband" and ((self.pack or 1) > 1 or self.repeats > 1):
             what = f"pack (--pack) {self.pack}" if (self.pack or 1) > 1 else f"repeats (--repeats) {self.repeats}"
             raise ConfigError(f"{what}: scheduler {self.scheduler} pauses and resumes whole trials, so its trials "
                               "run unpacked; use pack 1 and repeats 1 (or asha/median, which stop pack members)")
-        if self.scheduler == "bohb":
-            self._check_bohb()
         if self.pack is not None and self.pack > 1 and self.model_options_set:
             key, value = next((k, v) for k, v in self.model_options_set.items())
             raise ConfigError(f"{key} (--{key.replace('_', '-')}) {value}: packed trials run as one batched model "
@@ -264,21 +252,6 @@ class SweepConfig(ModelOptions, TaskJobConfig):
         if self.sampler == "nsga2" and self.search != "optuna":
             raise ConfigError(f"sampler (--sampler) nsga2: Optuna's sampler; use it with search optuna "
                               f"(got {self.search})")
-
-    def _check_bohb(self) -> None:
-        """BOHB proposes its own trials from a plain space, and needs its optional packages."""
-        import importlib.util
-
-        if self.search != "random":
-            raise ConfigError(f"search (--search) {self.search}: scheduler bohb proposes its own trials (TuneBOHB); "
-                              "leave search random")
-        if self.space and conditional(self.space):
-            raise ConfigError(f"space.{next(iter(conditional(self.space)))}.when: scheduler bohb samples every "
-                              "parameter; leave out the condition or use search optuna")
-        missing = [m for m in ("hpbandster", "ConfigSpace") if importlib.util.find_spec(m) is None]
-        if missing:
-            raise ConfigError(f"scheduler (--scheduler) bohb: needs {' and '.join(missing)}, not installed: "
-                              "pip install 'rayhpc[bohb]'")
 
     def _check_repeats(self) -> None:
         """Repeats are members of packs that differ in their seed: single-process trials, no PBT (which would

@@ -36,7 +36,7 @@ def can_pack(cfg: SweepConfig) -> bool:
     one is the task's own model, not a batch of them; ASHA stops members of packs and Optuna proposes packs:
     `rayhpc.tune.adaptive`)."""
     return (cfg.workers_per_trial == 1 and cfg.pack != 1 and not cfg.model_options_set
-            and cfg.scheduler not in ("hyperband", "bohb"))  # HyperBand pauses and resumes whole trials
+            and cfg.scheduler != "hyperband")  # HyperBand pauses and resumes whole trials
 
 
 def pack_size(cfg: SweepConfig, n_trials: int, n_slots: int) -> int:

@@ -17,7 +17,6 @@ from ray.tune import Callback
 from ray.tune.schedulers import (
     ASHAScheduler,
     FIFOScheduler,
-    HyperBandForBOHB,
     HyperBandScheduler,
     MedianStoppingRule,
 )
@@ -148,7 +147,7 @@ def _plan(job: Started[SweepConfig], study=None) -> list[list[dict]] | None:
         with study.locked():
             study.ensure_plan(lambda: _new_plan(job, STUDY_ROUNDS))
         return None  # the slice's Tune trials are the packs it claims (`rayhpc.study.search`)
-    packs = None if cfg.search == "optuna" or cfg.scheduler == "bohb" else _new_plan(job)  # searchers propose
+    packs = None if cfg.search == "optuna" else _new_plan(job)  # searchers propose
     save_plan(packs, cfg.experiment_dir)
     return packs
 
@@ -266,11 +265,6 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
     elif packs is not None:
         param_space = {"pack": tune.grid_search(list(range(len(packs))))}
         search_alg, num_samples = None, 1
-    elif cfg.scheduler == "bohb":
-        from ray.tune.search.bohb import TuneBOHB  # optional: only BOHB sweeps
-
-        param_space, num_samples = tune_domains(cfg.space), cfg.num_samples + len(cfg.points_to_evaluate or [])
-        search_alg = TuneBOHB(seed=cfg.seed, points_to_evaluate=cfg.points_to_evaluate)
     else:
         param_space, search_alg, num_samples = _optuna(job, proposed)
     return tune.Tuner(
@@ -451,8 +445,6 @@ def _scheduler(cfg: SweepConfig):
     if cfg.scheduler == "hyperband":
         return HyperBandScheduler(time_attr="epoch", max_t=cfg.epochs,
                                   reduction_factor=cfg.hyperband.reduction_factor)
-    if cfg.scheduler == "bohb":
-        return HyperBandForBOHB(time_attr="epoch", max_t=cfg.epochs, reduction_factor=cfg.bohb.reduction_factor)
     return FIFOScheduler()
 
 
@@ -461,8 +453,7 @@ def _describe(cfg: SweepConfig, packs, gpus: float, study=None) -> None:
         n = sum(len(p) for p in study.plan) if study.plan is not None else cfg.num_samples
         trials = f"slice of study {study.path} ({n} trials, {cfg.search})"
     elif packs is None:
-        proposer = "bohb" if cfg.scheduler == "bohb" else cfg.search
-        trials = f"{cfg.num_samples} trials proposed by {proposer}{f' in packs of {cfg.pack}' if cfg.pack else ''}"
+        trials = f"{cfg.num_samples} trials proposed by {cfg.search}{f' in packs of {cfg.pack}' if cfg.pack else ''}"
     else:
         n = sum(len(p) for p in packs)
         trials = f"{n} trials in {len(packs)} pack(s) of up to {max(len(p) for p in packs)}"

@@ -17,7 +17,7 @@
         # the default sweep (`python jobs/tune_mlp.py`) and the 16-trial reference sweep below (30 epochs), each
         # cold (its own Ray) and with the user's cluster up (`rayhpc up`): wall, ideal / wall, and where the
         # wall goes (imports and config, task check, Ray, first result, work, shutdown, exit)
-        # trials of 2 workers each, on warm worker groups and with a TorchTrainer per trial, side by side
+        # trials of 2 workers each, on warm worker groups
 
 (a) array job: one fresh Python process per trial, `--cpus` at a time (what
     `sbatch --array=0-15%2` does), each running the plain PyTorch loop;
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--kill-after", type=float, help="with --scale: also kill the largest sweep's driver this "
                         "many seconds in and resume it")
     parser.add_argument("--distributed", action="store_true", help="instead: --trials trials of --workers workers "
-                        "(--epochs, default 5 here), on warm worker groups and with a TorchTrainer per trial")
+                        "(--epochs, default 5 here), on warm worker groups")
     parser.add_argument("--workers", type=int, default=2, help="with --distributed: workers per trial")
     parser.add_argument("--first-result", action="store_true", help="instead: time to first result, cold and "
                         "with the user's cluster up, of the default sweep and of the --trials reference sweep")
@@ -243,8 +243,7 @@ def distributed(args) -> None:
     print(f"distributed trials: the default sweep, {args.trials} trials of {args.workers} workers (1 CPU each), "
           f"{epochs} epochs, {args.cpus} CPUs\n\n{HEADER}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_warm_") as work:
-        for runner in ("warm", "trainer"):
-            print_row(distributed_row(runner, args.trials, epochs, args.workers, Path(work)))
+        print_row(distributed_row("warm", args.trials, epochs, args.workers, Path(work)))
 
 
 def scale(args) -> None:

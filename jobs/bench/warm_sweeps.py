@@ -1,7 +1,7 @@
-"""The distributed-trials rows of `jobs/bench_sweep.py --distributed`: the same sweep of trials of N
-workers run on warm worker groups and with a `TorchTrainer` per trial, one after the other on one Ray.
+"""The distributed-trials row of `jobs/bench_sweep.py --distributed`: a sweep of trials of N workers on
+warm worker groups.
 
-Per path: the sweep's wall (from `run_sweep` to its table), the trials' summed in-trial training
+Its columns: the sweep's wall (from `run_sweep` to its table), the trials' summed in-trial training
 seconds (`train_seconds`: the epochs' training windows, without validation, checkpoints or
 start-up), wall / (that sum / slots), and where the rest went: the first trial of each slot
 (start-up included) and, for every later trial, its overhead inside the trial (its span minus its
@@ -36,8 +36,7 @@ class TrialTimes(Callback):
 def distributed_row(runner: str, trials: int, epochs: int, workers: int, storage: Path) -> dict:
     from rayhpc.tune.sweep import run_sweep
 
-    cfg = SweepConfig(name=runner, storage_path=storage, num_samples=trials, epochs=epochs, workers_per_trial=workers,
-                      trial_runner=runner)
+    cfg = SweepConfig(name=runner, storage_path=storage, num_samples=trials, epochs=epochs, workers_per_trial=workers)
     times = TrialTimes()
     began = time.time()
     table = run_sweep(cfg, callbacks=(times,))

@@ -335,10 +335,9 @@ def test_a_task_whose_folder_holds_code_another_user_can_write_is_not_imported(a
     assert not marker.exists(), "the planted helper ran"
 
 
-# one job that runs every kind of process the platform starts: its own Ray (dashboard and agents), Tune's trial,
-# and Ray Train's controller and ranks (the trial's TorchTrainer)
-PLANTED_JOB = ["tune_mlp.py", "--num-samples", "1", "--epochs", "1", "--workers-per-trial", "2", "--trial-runner",
-               "trainer"]
+# one job that runs the kinds of process the platform starts: its own Ray (dashboard and agents), and Ray
+# Train's controller and ranks (a sweep's trial processes and warm ranks are Ray workers as these are)
+PLANTED_JOB = ["train_mlp.py", "--epochs", "1"]
 
 
 def test_a_job_run_in_a_folder_another_user_writes_imports_nothing_from_it(attacker, world_tmp, tmp_path):

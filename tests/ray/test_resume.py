@@ -51,7 +51,7 @@ JOBS = {  # name: (ranks, script, its own arguments)
 SWEEP_EPOCHS = EPOCHS + 1
 SWEEPS = {  # name: (ranks, the sweep's own keys)
     "pack member": (1, {"pack": 4}),
-    "warm group trial": (2, {"workers_per_trial": 2, "trial_runner": "warm", "max_concurrent": 1}),
+    "warm group trial": (2, {"workers_per_trial": 2, "max_concurrent": 1}),
 }
 # one task of `rayhpc submit --array` as its sbatch script runs it; a requeued task runs the same command again
 ARRAY = "array task"

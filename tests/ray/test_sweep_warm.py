@@ -3,7 +3,7 @@
 Every trial is checked against a plain-PyTorch two-rank reference with dropout (each rank its own
 DistributedSampler shard and its own random stream), the second and third trials on the same warm
 group included, so that anything one trial left on the group (model, optimizer state, RNG, sampler
-epoch) would show; the first also against the same trial on the `TorchTrainer` path.
+epoch) would show.
 """
 
 import json
@@ -29,24 +29,22 @@ LRS = [0.03, 0.01, 0.1]
 pytestmark = pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
 
 
-def dist_sweep(tmp_path, name: str, runner: str, lrs=LRS, **kw):
+def dist_sweep(tmp_path, name: str, lrs=LRS, **kw):
     # one slot (max_concurrent 1): every trial of the warm sweep runs on the same group, one after another
     return run_sweep(sweep(tmp_path, name=name, task=TASK, search="grid", epochs=EPOCHS, workers_per_trial=2,
-                           max_concurrent=1, trial_runner=runner, space={"lr": {"grid": lrs}, **FIXED}, **kw))
+                           max_concurrent=1, space={"lr": {"grid": lrs}, **FIXED}, **kw))
 
 
-def trial_folder(exp: Path, trial_id: str, runner: str) -> Path:
-    """Where a trial's checkpoints are: Tune's trial folder (warm), Ray Train's run folder (trainer)."""
-    if runner == "trainer":
-        return exp / f"train-trial_id={trial_id}"
+def trial_folder(exp: Path, trial_id: str) -> Path:
+    """Where a trial's checkpoints are: Tune's trial folder."""
     return next(p for p in exp.iterdir() if p.is_dir() and trial_id in p.name and (p / "params.json").exists())
 
 
-def final_weights(exp: Path, table: pd.DataFrame, runner: str) -> dict[float, dict]:
+def final_weights(exp: Path, table: pd.DataFrame) -> dict[float, dict]:
     """lr -> the weights of that trial's last checkpoint, which must be its last epoch's."""
     out = {}
     for trial_id, lr in zip(table["trial_id"], table["config.lr"]):
-        ckpt = latest_checkpoint(trial_folder(exp, trial_id, runner))
+        ckpt = latest_checkpoint(trial_folder(exp, trial_id))
         assert load_progress(ckpt).epoch == EPOCHS, ckpt
         out[lr] = load_full_state_dict(ckpt)
     return out
@@ -58,26 +56,19 @@ def group_rows(exp: Path, trial_id: str) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def runs(ray_address, tmp_path_factory):
-    """Three trials one after another on one warm group (10 s on 2 CPUs); the first as a TorchTrainer (15 s
-    for each such trial: its own Train run, so more of them would add time and no check)."""
+    """Three trials one after another on one warm group (10 s on 2 CPUs)."""
     tmp = tmp_path_factory.mktemp("warm")
-    return {runner: (tmp / runner, dist_sweep(tmp, runner, runner, lrs=lrs))
-            for runner, lrs in (("warm", LRS), ("trainer", LRS[:1]))}
+    return {"warm": (tmp / "warm", dist_sweep(tmp, "warm"))}
 
 
-def test_trials_on_one_warm_group_equal_the_torch_trainer_path_and_plain_ddp(runs):
-    weights = {}
-    for runner, (exp, table) in runs.items():
-        assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {EPOCHS}
-        weights[runner] = final_weights(exp, table, runner)
-    assert sorted(weights["warm"]) == sorted(LRS) and list(weights["trainer"]) == LRS[:1]
-    for lr in LRS:
-        reference = two_ranks(lr)
-        assert_same_weights(weights["warm"][lr], reference)
-        if lr in weights["trainer"]:
-            assert_same_weights(weights["trainer"][lr], reference)
-    # the three warm trials ran one after another on one group, started once
+def test_trials_on_one_warm_group_equal_plain_ddp(runs):
     exp, table = runs["warm"]
+    assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {EPOCHS}
+    weights = final_weights(exp, table)
+    assert sorted(weights) == sorted(LRS)
+    for lr in LRS:
+        assert_same_weights(weights[lr], two_ranks(lr))
+    # the three trials ran one after another on one group, started once
     rows = {tid: group_rows(exp, tid) for tid in table["trial_id"]}
     assert sorted(int(r["group_trial"].iloc[0]) for r in rows.values()) == [1, 2, 3]
     for r in rows.values():
@@ -116,7 +107,7 @@ def test_a_killed_rank_restarts_the_group_and_the_trial_ends_equal(ray_cluster, 
     log = tmp_path / "killed.json"
     lrs = LRS[:2]
     table = run_sweep(sweep(tmp_path, name="killed", task=TASK, search="grid", epochs=EPOCHS, workers_per_trial=2,
-                            max_concurrent=1, space={"lr": {"grid": lrs}, **FIXED}, trial_runner="warm"),
+                            max_concurrent=1, space={"lr": {"grid": lrs}, **FIXED}),
                       callbacks=(KillRankOnce(str(log), f"http://{ray_cluster['webui_url']}"),))
     killed = json.loads(log.read_text())
     assert killed["ranks"] == 2
@@ -125,8 +116,8 @@ def test_a_killed_rank_restarts_the_group_and_the_trial_ends_equal(ray_cluster, 
     assert set(table["status"]) == {"finished"} and set(table["iterations"]) == {EPOCHS}
     exp = tmp_path / "killed"
     warm_exp, warm_table = runs["warm"]
-    want = final_weights(warm_exp, warm_table, "warm")
-    for lr, got in final_weights(exp, table, "warm").items():
+    want = final_weights(warm_exp, warm_table)
+    for lr, got in final_weights(exp, table).items():
         assert_same_weights(got, want[lr])  # equal to the uninterrupted trials (and so to the reference)
     # the first trial's epochs after the kill ran on a group started again; the sweep went on on it
     first, second = (group_rows(exp, tid) for tid in table["trial_id"])
@@ -139,7 +130,7 @@ def test_trials_that_asha_stops_hand_their_group_to_the_next(ray_address, tmp_pa
     lrs = [0.1, 1e-5, 0.03, 1e-6]  # the tiny rates lose at the first rung
     table = run_sweep(sweep(tmp_path, name="asha", task=TASK, search="grid", epochs=EPOCHS, workers_per_trial=2,
                             max_concurrent=1, scheduler="asha", asha={"grace_period": 1, "reduction_factor": 2},
-                            space={"lr": {"grid": lrs}, **FIXED, "step_ms": 0.0}, trial_runner="warm"))
+                            space={"lr": {"grid": lrs}, **FIXED, "step_ms": 0.0}))
     assert "early-stopped" in set(table["status"]), table[["config.lr", "status", "iterations"]]
     starts = [group_rows(tmp_path / "asha", tid) for tid in table["trial_id"]]
     # one group for the whole sweep: started by the first trial, taken over by each next one
@@ -148,11 +139,11 @@ def test_trials_that_asha_stops_hand_their_group_to_the_next(ray_address, tmp_pa
 
 
 def test_fsdp_trials_on_a_warm_group_equal_the_ddp_ones(runs, tmp_path):
-    table = dist_sweep(tmp_path, "fsdp", "warm", lrs=LRS[:2], strategy="fsdp")
+    table = dist_sweep(tmp_path, "fsdp", lrs=LRS[:2], strategy="fsdp")
     assert set(table["status"]) == {"finished"}
     warm_exp, warm_table = runs["warm"]
-    want = final_weights(warm_exp, warm_table, "warm")
-    for lr, got in final_weights(tmp_path / "fsdp", table, "warm").items():  # gathered from both ranks' shards
+    want = final_weights(warm_exp, warm_table)
+    for lr, got in final_weights(tmp_path / "fsdp", table).items():  # gathered from both ranks' shards
         assert_same_weights(got, want[lr])
     # rank 0 held about half of the parameters (FSDP2 shards dim 0; a DDP rank holds all 3 * 16 + 16 + 16 + 1)
     whole = sum(t.numel() for t in want[LRS[0]].values())
@@ -163,7 +154,7 @@ def test_fsdp_trials_on_a_warm_group_equal_the_ddp_ones(runs, tmp_path):
 
 def test_optuna_proposes_distributed_trials_on_one_warm_group(ray_address, tmp_path):
     table = run_sweep(sweep(tmp_path, name="tpe", task=TASK, search="optuna", num_samples=4, epochs=2,
-                            workers_per_trial=2, max_concurrent=1, trial_runner="warm",
+                            workers_per_trial=2, max_concurrent=1,
                             space={"lr": {"loguniform": [0.01, 0.3]}, **FIXED, "step_ms": 0.0}))
     assert len(table) == 4 and set(table["status"]) == {"finished"} and table["config.lr"].nunique() == 4
     rows = [group_rows(tmp_path / "tpe", tid) for tid in table["trial_id"]]

@@ -307,10 +307,10 @@ def test_sweep_trials_and_parameter_server_workers_checkpoint_the_tasks_blocks()
     from rayhpc.ps.config import PSConfig
     from rayhpc.ps.worker import PSWorker
     from rayhpc.tune.config import SweepConfig
-    from rayhpc.tune.distributed import trial_train_config
     from rayhpc.tune.packing import make_pack
     from rayhpc.tune.plan import can_pack, pack_size
     from rayhpc.tune.single import train_single
+    from rayhpc.tune.warm import trial_train_config
 
     task, hp, batch = small_gpt()
     sweep = validate(SweepConfig, {"activation_checkpointing": "full", "task": task.spec})
@@ -357,6 +357,7 @@ def test_every_job_takes_one_precision_vocabulary_and_bf16_computes_in_bf16():
     # a runner: the single-trial loop (array tasks) trains in what it is told
     from rayhpc.task import task_for
     from rayhpc.tune.single import train_single
+    from rayhpc.tune.warm import trial_train_config
 
     task = task_for("mlp", validate(TrainConfig, {}).data)
     hp = full_hparams(task.hp_model, {"hidden": 64})

@@ -75,8 +75,6 @@ CASES = {
                                    d / "s.yaml", f"space: {{batch_size: {{choice: [{16 * (WORKERS + 1)}]}}}}\n")],
                                f"error: workers_per_trial (--workers-per-trial) {WORKERS + 1}: the cluster can place "
                                f"{WORKERS} worker(s)"),
-    "unknown trial runner": (lambda d: ["--workers-per-trial", "2", "--trial-runner", "cold"],
-                             "error: trial_runner (--trial-runner): Input should be 'warm' or 'trainer' (got 'cold')"),
     "batch not divisible by workers": (lambda d: ["--workers-per-trial", "2", "--config",
                                                   write(d / "s.yaml", "space: {batch_size: {choice: [32, 33]}}\n")],
                                        "error: space.batch_size: 33 is not divisible by workers_per_trial"),

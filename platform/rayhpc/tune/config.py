@@ -124,9 +124,6 @@ class SweepConfig(ModelOptions, TaskJobConfig):
                              "unset: enough to fill the cluster once (optuna: 2 batches per slot)")
     workers_per_trial: int = Field(1, ge=1, description="training workers per trial; above 1 every trial is "
                                    "data-parallel (strategy) and cpus/gpus_per_trial are per worker")
-    trial_runner: Literal["warm", "trainer"] = Field("warm", description="with workers_per_trial > 1: warm "
-                                                     "worker groups kept for the whole sweep, one per trial slot, "
-                                                     "or a Ray Train TorchTrainer started per trial")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="with workers_per_trial > 1: DDP, or FSDP2 "
                                              "(parameters sharded over the trial's workers)")
     max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")

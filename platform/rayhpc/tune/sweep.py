@@ -51,7 +51,6 @@ from rayhpc.tune.space import conditional, log_quanta, searched, tune_domains
 from rayhpc.tune.trainable import TrialSettings, train_pack
 
 log = logging.getLogger(__name__)
-DRIVER_MEMORY = 256 * 2**20  # bytes reserved for a Tune-over-Train trial's driver process
 
 
 def run_sweep(cfg: SweepConfig, *, explicit: set[str] = frozenset(), callbacks: tuple = ()) -> pd.DataFrame:
@@ -418,20 +417,12 @@ def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None, study
         trainable = tune.with_parameters(train_pack, task=job.task, packs=packs, settings=_settings(job, study),
                                          keeper=keeper)
         return tune.with_resources(trainable, {"cpu": cfg.cpus_per_trial, "gpu": gpus}), cfg.max_concurrent
+    from rayhpc.tune.warm import resources, train_warm_trial  # only sweeps of distributed trials
+
     kwargs = dict(task=job.task, packs=packs, sweep=cfg, defaults=cfg.defaults(job.task.hp_model), gpu=gpus > 0)
-    if cfg.trial_runner == "warm":
-        from rayhpc.tune.warm import resources, train_warm_trial  # only sweeps of distributed trials
-
-        # no more trials at once than their worker groups fit: Tune holds each slot's workers
-        return tune.with_resources(tune.with_parameters(train_warm_trial, **kwargs),
-                                   resources(cfg, gpus > 0)), slots(cfg, res, gpus)
-    from rayhpc.tune.distributed import train_distributed_trial  # only sweeps of distributed trials
-
-    # The trial process only drives a TorchTrainer whose workers hold the CPUs and GPUs, so it
-    # reserves memory alone (Ray refuses an empty request). No more trials at once than their
-    # worker groups fit (`slots`), or the extra ones wait for workers until Ray Train gives up.
-    driver = {"cpu": 0, "memory": DRIVER_MEMORY}
-    return tune.with_resources(tune.with_parameters(train_distributed_trial, **kwargs), driver), slots(cfg, res, gpus)
+    # no more trials at once than their worker groups fit: Tune holds each slot's workers
+    return tune.with_resources(tune.with_parameters(train_warm_trial, **kwargs),
+                               resources(cfg, gpus > 0)), slots(cfg, res, gpus)
 
 
 def _scheduler(cfg: SweepConfig):

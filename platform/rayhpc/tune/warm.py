@@ -35,15 +35,16 @@ from pathlib import Path
 
 import torch
 
+from rayhpc.config import Compute, Optim, Schedule
 from rayhpc.engine import checkpoint
 from rayhpc.engine.metrics import MetricsRecorder
 from rayhpc.engine.parallelize import unwrap
 from rayhpc.task.failure import cause_of
+from rayhpc.task.hparams import PLATFORM_KEYS
 from rayhpc.task.load import LoadedTask
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.loop import Worker, make_worker, run_epoch
 from rayhpc.tune.config import SweepConfig
-from rayhpc.tune.distributed import trial_train_config
 from rayhpc.tune.trainable import members_of
 from rayhpc.workers import WorkerContext, WorkerGroup, WorkerGroupError
 
@@ -97,6 +98,21 @@ class Saved:
     state: bytes  # torch.save({"model", "optim"}): `checkpoint.DDP_FILE`'s layout
     progress: dict  # `checkpoint.Progress` as a dict
     rng: bytes  # torch.save of every rank's RNG states, by rank: dropout after a resume draws as before
+
+
+def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -> TrainConfig:
+    """The training run of one trial: its hyperparameters, the sweep's task, shape and data."""
+    return TrainConfig(
+        name=f"train-trial_id={trial_id}", storage_path=sweep.experiment_dir, task=sweep.task, strategy=sweep.strategy,
+        compute=Compute(num_workers=sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial, gpu=gpu),
+        epochs=sweep.epochs, steps=sweep.steps, global_batch_size=hp["batch_size"], seed=hp["seed"],
+        optim=Optim(**{k: hp[k] for k in Optim.model_fields}),
+        schedule=Schedule(**{k: hp[k] for k in Schedule.model_fields}),
+        accumulate=hp["accumulate"],
+        max_failures=sweep.max_failures, data=sweep.data, precision=sweep.precision, compile=sweep.compile,
+        activation_checkpointing=sweep.activation_checkpointing,
+        hparams={k: v for k, v in hp.items() if k not in PLATFORM_KEYS},
+    )
 
 
 def train_warm_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfig, defaults: dict,

@@ -55,7 +55,7 @@ export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="{log}.token"
 # the token and Ray's folders as the platform's startup makes them: created exclusively (0600, never
 # through a link), and on each node a new 0700 folder of a random name, Ray's temp dir inside it
 # (Ray makes its own 0777)
-python -c 'import os, secrets; from rayhpc.slurm.private import write_private
+python -c 'import os, secrets; from rayhpc.private import write_private
 write_private(os.environ["RAY_AUTH_TOKEN_PATH"], secrets.token_hex(32), replace=False)' || exit 1
 D=$(mktemp -d "/tmp/rh-bench-$SLURM_JOB_ID-XXXXXXXX") || exit 1
 # free ports on the head, as the platform takes them (no fixed port another job could hold)

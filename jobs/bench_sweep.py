@@ -73,9 +73,8 @@ def array_style(cfg_file: Path, n: int, cpus: int, out: Path) -> tuple[float, fl
 
 def plain_tune(cfg: SweepConfig, configs: list[dict], storage: Path) -> tuple[float, float]:
     """Ray Tune with its defaults: one actor per trial, report + checkpoint per epoch."""
-    from ray import tune
-
     from bench.plain_tuner import plain_trainable
+    from ray import tune
 
     trainable = plain_trainable(task_for(cfg.task, cfg.data), cfg)
     tuner = tune.Tuner(trainable, param_space={"hp": tune.grid_search(configs)},

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rayhpc import interrupt, processes, ray_start
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import OWN_TMPDIR_BASE, UnsafePath, check_trusted, private_tmpdir, write_private
+from rayhpc.private import OWN_TMPDIR_BASE, UnsafePath, check_trusted, private_tmpdir, write_private
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +111,13 @@ def resolve_address(address: str | None, same_environment: bool = True) -> str |
     workers would run the cluster's)."""
     if address or os.environ.get("RAY_ADDRESS"):
         return address or os.environ.get("RAY_ADDRESS")
-    from rayhpc.up import connection
+    from rayhpc import user_cluster
 
     try:
-        found = connection.find(same_environment)
+        found = user_cluster.find(same_environment)
     except UnsafePath as exc:
-        raise ConfigError(f"{connection.path()}: {exc}") from None
-    except connection.OtherEnvironment as exc:
+        raise ConfigError(f"{user_cluster.path()}: {exc}") from None
+    except user_cluster.OtherEnvironment as exc:
         raise ConfigError(str(exc)) from None
     if found is not None:
         address, token = found
@@ -268,14 +268,14 @@ def working_folder_of_workers():
 def joined_user_cluster() -> None:
     """This job runs on the user's cluster: `rayhpc down` stops it first (it is registered), and its stop
     line then says that the cluster went away rather than which signal came."""
-    from rayhpc.up import connection
+    from rayhpc import user_cluster
 
-    entry = connection.register_job()
+    entry = user_cluster.register_job()
     atexit.register(entry.unlink, missing_ok=True)
-    held_by = (connection.read() or {}).get("pid")
+    held_by = (user_cluster.read() or {}).get("pid")
 
     def went_away() -> str | None:
-        info = connection.read()
+        info = user_cluster.read()
         if info is None or info.get("stopping") or info.get("pid") != held_by:
             return "your cluster (rayhpc up) went away (rayhpc down)"
         return None

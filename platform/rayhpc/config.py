@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping, TypeVar
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rayhpc.slurm.private import UnsafePath, check_ancestors, check_trusted, owned_dir, private_dir
+from rayhpc.private import UnsafePath, check_ancestors, check_trusted, owned_dir, private_dir, replace_whole
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -75,9 +75,8 @@ class JobConfig(StrictModel):
 
     def save(self) -> None:
         self.make_dir()
-        tmp = self.saved_file.with_suffix(".tmp")
-        tmp.write_text(yaml.safe_dump(self.saved(), sort_keys=False))
-        os.replace(tmp, self.saved_file)
+        text = yaml.safe_dump(self.saved(), sort_keys=False)
+        replace_whole(self.saved_file, lambda tmp: tmp.write_text(text))
 
 
 # one vocabulary for every job's `precision:` (`rayhpc.precision` applies it)

@@ -16,7 +16,7 @@ from typing import Callable, NoReturn, Sequence
 from rayhpc import cluster, interrupt
 from rayhpc import log as rayhpc_log
 from rayhpc.config import ConfigError, JobFailed
-from rayhpc.slurm.private import UnsafePath, private_tmpdir
+from rayhpc.private import UnsafePath, private_tmpdir
 
 USAGE_ERROR = 2
 

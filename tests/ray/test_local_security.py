@@ -21,11 +21,20 @@ from pathlib import Path
 import pytest
 import ray
 
-from helpers import (ATTACKER, ROOT, as_attacker, job_env, planted_folder, planted_imports, python_as_attacker,
-                     run_job, run_job_warm)
+from helpers import (
+    ATTACKER,
+    ROOT,
+    as_attacker,
+    job_env,
+    planted_folder,
+    planted_imports,
+    python_as_attacker,
+    run_job,
+    run_job_warm,
+)
 from rayhpc import cluster
 from rayhpc.task.load import load_task
-from rayhpc.up.connection import listening_uids
+from rayhpc.user_cluster import listening_uids
 
 # the sweep compiled: inductor builds its precompiled headers in the trial's process (every CPU kernel includes
 # them; about 30 s of a core)

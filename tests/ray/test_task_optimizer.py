@@ -18,9 +18,9 @@ from helpers import ROOT, KillWorkerOnce, assert_same_weights, run_job_warm
 from rayhpc.config import validate
 from rayhpc.data import DataConfig
 from rayhpc.engine.checkpoint import load_full_state_dict
+from rayhpc.engine.step import batch_size_of
 from rayhpc.parallel import ParallelConfig, run_parallel
 from rayhpc.task import task_for
-from rayhpc.task.batches import batch_size_of
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.trainer import run_training
 from rayhpc.tune.packing import SinglePack, packing_problem

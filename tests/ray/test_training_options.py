@@ -357,7 +357,6 @@ def test_every_job_takes_one_precision_vocabulary_and_bf16_computes_in_bf16():
     # a runner: the single-trial loop (array tasks) trains in what it is told
     from rayhpc.task import task_for
     from rayhpc.tune.single import train_single
-    from rayhpc.tune.warm import trial_train_config
 
     task = task_for("mlp", validate(TrainConfig, {}).data)
     hp = full_hparams(task.hp_model, {"hidden": 64})

@@ -19,10 +19,21 @@ import pytest
 from ray.util.state.api import StateApiClient
 from ray.util.state.common import ListApiOptions, StateResource
 
-from helpers import (CATCH_IMPORTS, CATCH_TOKENS, RAYHPC, ROOT, caught, dashboard_accepts, job_env, planted_folder,
-                     planted_imports, run_job, start_as_attacker)
+from helpers import (
+    CATCH_IMPORTS,
+    CATCH_TOKENS,
+    RAYHPC,
+    ROOT,
+    caught,
+    dashboard_accepts,
+    job_env,
+    planted_folder,
+    planted_imports,
+    run_job,
+    start_as_attacker,
+)
+from rayhpc import user_cluster as connection  # the module; `user_cluster` is the fixture
 from rayhpc.tune.results import TRIAL_PHASES, read_results
-from rayhpc.up import connection
 
 # Ray Train's autoscaling coordinator: one detached actor per cluster, made by its first Train run
 CLUSTER_SERVICES = {"_AutoscalingCoordinatorActor"}

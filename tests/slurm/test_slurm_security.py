@@ -9,8 +9,8 @@ import glob
 import json
 import os
 import re
-import shutil
 import shlex
+import shutil
 import signal
 import socket
 import stat
@@ -46,9 +46,9 @@ from helpers import (
     wait_done,
     with_changes,
 )
+from rayhpc.private import UnsafePath, check_ancestors
 from rayhpc.processes import carrying, descendants
 from rayhpc.slurm.layout import OFFSETS
-from rayhpc.slurm.private import UnsafePath, check_ancestors
 from rayhpc.slurm.submit import log_dir, slurm_job
 
 

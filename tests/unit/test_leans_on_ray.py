@@ -125,9 +125,8 @@ def test_rays_token_cache_can_still_be_reset():
 
 def test_rays_log_dispatcher_still_has_the_printing_handler():
     """`interrupt.quiet_workers`: the driver's dispatcher of the workers' output, and the handler that prints."""
-    from ray._private.ray_logging import global_worker_stdstream_dispatcher
-
     import ray
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher
 
     assert callable(global_worker_stdstream_dispatcher.remove_handler)
     # the name under which a driver with log_to_driver adds its printing handler

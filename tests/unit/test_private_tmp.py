@@ -22,7 +22,7 @@ from helpers import ATTACKER
 # a worker does before it compiles; prints where torch will look and what happened
 CHECK = """
 import json, os, sys, tempfile
-from rayhpc.slurm.private import private_tmpdir, UnsafePath
+from rayhpc.private import private_tmpdir, UnsafePath
 if sys.argv[1] == "private":
     private_tmpdir()
 from rayhpc.engine.parallelize import private_compile_caches
@@ -113,7 +113,7 @@ def test_a_process_gets_its_own_temp_folder_flat_beside_its_parents_and_a_tmpdir
     """Each process's own, 0700, in the TMPDIR it was given; a child that inherits a parent's (a warm starter's
     job) makes its own beside it, not inside (Ray's socket paths must stay under 107 bytes); a TMPDIR in a
     folder others can write without the sticky bit is refused before anything is made."""
-    code = ("import os, sys; from rayhpc.slurm.private import private_tmpdir, UnsafePath\n"
+    code = ("import os, sys; from rayhpc.private import private_tmpdir, UnsafePath\n"
             "try: print(private_tmpdir())\nexcept UnsafePath as exc: print('refused:', exc)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAYHPC_OWN_TMPDIR")}
 
@@ -123,7 +123,7 @@ def test_a_process_gets_its_own_temp_folder_flat_beside_its_parents_and_a_tmpdir
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
-    parent = subprocess.run([sys.executable, "-c", "import os, sys; from rayhpc.slurm.private import private_tmpdir\n"
+    parent = subprocess.run([sys.executable, "-c", "import os, sys; from rayhpc.private import private_tmpdir\n"
                              "private_tmpdir(); import subprocess\n"
                              f"print(subprocess.run([sys.executable, '-c', {code!r}], capture_output=True, "
                              "text=True).stdout.strip(), os.environ['TMPDIR'])"],
@@ -174,7 +174,7 @@ def test_a_command_has_its_own_temp_folder_before_it_imports_the_users_task(shar
 def test_a_forked_child_leaves_its_parents_temp_folder_and_the_parent_removes_it_at_exit(shared):
     """A warm starter's child (a command, a Ray worker) exits through its parent's exit handlers: the folder
     stays the parent's, which still uses it, and goes when the parent ends."""
-    code = ("import os, sys, tempfile; from rayhpc.slurm.private import private_tmpdir\n"
+    code = ("import os, sys, tempfile; from rayhpc.private import private_tmpdir\n"
             "own = private_tmpdir()\n"
             "child = os.fork()\n"
             "if child == 0:\n"

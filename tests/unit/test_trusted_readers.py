@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from rayhpc import user_cluster
 from rayhpc.config import ConfigError, reconcile_resume, validate
-from rayhpc.slurm.private import UnsafePath
+from rayhpc.private import UnsafePath
 from rayhpc.study.slice import open_study
 from rayhpc.tracking.sync import sync
 from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.export import export_best
 from rayhpc.tune.warm_start import check_warm_start
 from rayhpc.tune.weights import trial_weights
-from rayhpc.up import connection
 
 BREACHES = {"file 0664": 0o664, "file 0606": 0o606, "folder 0770": 0o770}
 
@@ -75,6 +75,6 @@ def test_a_connection_file_others_may_write_or_swap_is_refused(breach, tmp_path)
     culprit = home if breach.startswith("folder") else file
     culprit.chmod(BREACHES[breach])
     with pytest.raises(UnsafePath) as refused:
-        connection.read(file)
+        user_cluster.read(file)
     message = str(refused.value)
     assert str(culprit) in message and f"{BREACHES[breach]:04o}" in message and "\n" not in message, message

@@ -11,14 +11,14 @@ import time
 
 import pytest
 
+from rayhpc import user_cluster
 from rayhpc.monitor.startup import start_ticks
-from rayhpc.slurm.private import UnsafePath
-from rayhpc.up import connection
+from rayhpc.private import UnsafePath
 
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    monkeypatch.setenv(connection.HOME_VARIABLE, str(tmp_path / "home"))
+    monkeypatch.setenv(user_cluster.HOME_VARIABLE, str(tmp_path / "home"))
     return tmp_path / "home"
 
 
@@ -33,13 +33,13 @@ def test_a_cluster_is_alive_while_its_process_runs_and_its_port_is_ours(home, tm
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        assert connection.problem(info(os.getpid(), port, tmp_path)) is None
+        assert user_cluster.problem(info(os.getpid(), port, tmp_path)) is None
         ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         dead = {**info(os.getpid(), port, tmp_path), "pid": int(ended.stdout)}
-        assert connection.problem(dead) == f"its process {dead['pid']} has ended"
+        assert user_cluster.problem(dead) == f"its process {dead['pid']} has ended"
         reused = {**info(os.getpid(), port, tmp_path), "pid_start": start_ticks() - 1}  # the pid, another process
-        assert connection.problem(reused) == f"its process {os.getpid()} has ended"
-    assert connection.problem(info(os.getpid(), port, tmp_path)) == f"nothing of yours listens on its port {port}"
+        assert user_cluster.problem(reused) == f"its process {os.getpid()} has ended"
+    assert user_cluster.problem(info(os.getpid(), port, tmp_path)) == f"nothing of yours listens on its port {port}"
 
 
 def test_a_gone_cluster_is_noticed_at_once_and_its_file_removed(home, tmp_path, caplog):
@@ -47,36 +47,36 @@ def test_a_gone_cluster_is_noticed_at_once_and_its_file_removed(home, tmp_path, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens on it
     (tmp_path / "t").mkdir()
-    connection.write(info(os.getpid(), port, tmp_path))
+    user_cluster.write(info(os.getpid(), port, tmp_path))
     started = time.monotonic()
     with caplog.at_level("INFO", logger="rayhpc"):
-        assert connection.find() is None
+        assert user_cluster.find() is None
     assert time.monotonic() - started < 1.0  # no connection attempt, no time-out
     assert [r.getMessage() for r in caplog.records] == [
-        f"ray: the cluster of `rayhpc up` in {connection.path()} is gone (nothing of yours listens on its port "
+        f"ray: the cluster of `rayhpc up` in {user_cluster.path()} is gone (nothing of yours listens on its port "
         f"{port}); this job starts a Ray of its own"]
-    assert not connection.path().exists() and not (tmp_path / "t").exists()
+    assert not user_cluster.path().exists() and not (tmp_path / "t").exists()
 
 
 def test_a_connection_file_others_can_write_is_not_used(home, tmp_path):
-    connection.write(info(os.getpid(), 1, tmp_path))
-    os.chmod(connection.path(), 0o644)
+    user_cluster.write(info(os.getpid(), 1, tmp_path))
+    os.chmod(user_cluster.path(), 0o644)
     with pytest.raises(UnsafePath, match="is not yours alone"):
-        connection.read()
-    os.chmod(connection.path(), 0o600)
-    os.chmod(connection.path().parent, 0o777)
+        user_cluster.read()
+    os.chmod(user_cluster.path(), 0o600)
+    os.chmod(user_cluster.path().parent, 0o777)
     with pytest.raises(UnsafePath, match="can be written by other users"):
-        connection.read()
+        user_cluster.read()
 
 
 def test_no_file_no_cluster(home):
-    assert connection.find() is None and not home.exists()  # looking creates nothing
+    assert user_cluster.find() is None and not home.exists()  # looking creates nothing
 
 
 def test_up_refuses_bad_input_before_starting_anything_and_down_without_a_cluster_says_so(home):
     def rayhpc(*args):
         return subprocess.run([sys.executable, "-m", "rayhpc", *args], capture_output=True, text=True,
-                              env={**os.environ, connection.HOME_VARIABLE: str(home)})
+                              env={**os.environ, user_cluster.HOME_VARIABLE: str(home)})
 
     bad = rayhpc("up", "--num-cpus", "-1")
     assert bad.returncode == 2 and bad.stderr == ("error: num_cpus (--num-cpus) -1: expected a number >= 0 "

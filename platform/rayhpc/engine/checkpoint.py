@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rayhpc.engine.parallelize import unwrap
+from rayhpc.private import replace_whole
 
 PROGRESS_FILE = "progress.json"
 DDP_FILE = "model.pt"
@@ -209,9 +209,7 @@ def write_progress(folder: str | Path, progress: Progress) -> None:
     """Where training stands, written last into a checkpoint folder: it marks the folder complete."""
     # whole or not at all: a process killed while it writes (the parameter server's driver marks folders
     # complete) must not leave an empty progress file, which would stop every resume
-    tmp = Path(folder) / f".{PROGRESS_FILE}.tmp"
-    tmp.write_text(json.dumps(dataclasses.asdict(progress)))
-    os.replace(tmp, Path(folder) / PROGRESS_FILE)
+    replace_whole(Path(folder) / PROGRESS_FILE, lambda tmp: tmp.write_text(json.dumps(dataclasses.asdict(progress))))
 
 
 def load_progress(folder: str | Path) -> Progress:

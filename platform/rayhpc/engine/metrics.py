@@ -22,6 +22,7 @@ from ray.train import UserCallback
 
 from rayhpc import log as rayhpc_log
 from rayhpc.engine.checkpoint import ROWS_FILE, complete_checkpoints, load_progress, report_rows
+from rayhpc.private import replace_whole
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,7 @@ class MetricsRecorder(UserCallback):
             self.rows = pd.read_parquet(self.path).to_dict("records") if self.path.exists() else []
             self._add(self._resumed_rows(rows[0]["global_step"]))
         self._add(rows)
-        tmp = self.path.with_suffix(".tmp")
-        pd.DataFrame(self.rows).to_parquet(tmp, index=False)
-        tmp.replace(self.path)
+        replace_whole(self.path, lambda tmp: pd.DataFrame(self.rows).to_parquet(tmp, index=False))
         if row["kind"] == "epoch":
             if self.log_level >= logging.INFO:
                 rayhpc_log.show()

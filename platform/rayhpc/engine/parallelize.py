@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from rayhpc.fsdp import apply_fsdp, default_units
-from rayhpc.slurm.private import OWN_TMPDIR_BASE, UnsafePath, own_dir
+from rayhpc.engine.fsdp import apply_fsdp, default_units
+from rayhpc.private import OWN_TMPDIR_BASE, UnsafePath, own_dir
 
 log = logging.getLogger(__name__)
 # selective checkpointing keeps the outputs of these (the costly matmuls and attention) and recomputes the rest
@@ -89,7 +89,7 @@ def private_compile_caches() -> None:
     there whatever that variable says, and it takes an existing folder as it finds it and an existing header
     as built: another user who makes the folder first plants headers that every compile includes.
 
-    Each process the platform starts has a private TMPDIR (`rayhpc.slurm.private.private_tmpdir`), where torch
+    Each process the platform starts has a private TMPDIR (`rayhpc.private.private_tmpdir`), where torch
     looks for the folder. A link there leads to the node's `<tmp>/torchinductor_<user>` (where torch keeps it:
     its headers, about 25 s of one core to build, then serve every job of the user on the node), made 0700
     here or used where it is this user's alone (`own_dir`). Where another user holds that one, the caches stay

@@ -17,7 +17,6 @@ from typing import Any, Callable, Protocol
 import torch
 
 from rayhpc.optim import set_lr
-from rayhpc.task.batches import batch_size_of
 
 
 class Trained(Protocol):
@@ -30,6 +29,17 @@ class Trained(Protocol):
 
     def finish(self) -> None:
         """Clip, step the optimizer(s) and the task's own scheduler(s)."""
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the leading size of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return batch_size_of(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        return batch_size_of(batch[0])
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")
 
 
 def train_step(trained: Trained, batch: Any, accumulate: int, step: int, total_steps: int,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from rayhpc.engine.fsdp import apply_fsdp
 from rayhpc.engine.parallelize import apply_options
-from rayhpc.fsdp import apply_fsdp
 from rayhpc.parallel.mesh import Degrees
 from rayhpc.parallel.plan import keep_stage, units
 from rayhpc.parallel.pp import SPLIT_BACKWARD

@@ -15,6 +15,7 @@ from rayhpc.engine import checkpoint
 from rayhpc.engine.loop import Best
 from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
 from rayhpc.optim import lr_factor
+from rayhpc.private import replace_whole
 
 log = logging.getLogger(__name__)
 STEPS_FILE = "steps.parquet"
@@ -156,9 +157,8 @@ class Progress:
             return
         # whole or not at all: a job stopped while it writes (Ctrl-C, a preemption) must leave a table its
         # resume can read
-        tmp = self.steps_path.with_suffix(".tmp")
-        pd.DataFrame(sorted(self.records.values(), key=lambda r: (r["step"], r["worker"]))).to_parquet(tmp, index=False)
-        tmp.replace(self.steps_path)
+        table = pd.DataFrame(sorted(self.records.values(), key=lambda r: (r["step"], r["worker"])))
+        replace_whole(self.steps_path, lambda tmp: table.to_parquet(tmp, index=False))
 
     def _loss(self, epoch: int, recs: list[dict]) -> float:
         """The epoch's mean loss per sample: the epoch a restart fell into counts what its checkpoint kept of

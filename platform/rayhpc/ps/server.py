@@ -27,6 +27,7 @@ import torch
 from rayhpc.engine import checkpoint
 from rayhpc.monitor.metrics import PSMetrics
 from rayhpc.optim import make_optimizer, set_lr
+from rayhpc.private import replace_whole
 
 
 def as_tensor(array: np.ndarray) -> torch.Tensor:
@@ -191,13 +192,12 @@ class ParameterServer:
         folder = self.run_dir / f"checkpoint_{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / checkpoint.SERVER_FILE.format(index=self.index)
-        tmp = path.with_suffix(".tmp")
         begins = (step - 1) // self.per_epoch * self.per_epoch if self.per_epoch else step  # the epoch of step - 1
         self.losses = {s: kept for s, kept in self.losses.items() if s >= begins}  # later checkpoints start there too
-        torch.save({"param": self.param.detach().clone(), **self.holds, "optimizer": self.optimizer.state_dict(),
-                    "pushed": [min(p, step) for p in self.pushed], "version": self.version, "step": step,
-                    "losses": [[s, *kept] for s, kept in sorted(self.losses.items()) if s < step]}, tmp)
-        os.replace(tmp, path)
+        state = {"param": self.param.detach().clone(), **self.holds, "optimizer": self.optimizer.state_dict(),
+                 "pushed": [min(p, step) for p in self.pushed], "version": self.version, "step": step,
+                 "losses": [[s, *kept] for s, kept in sorted(self.losses.items()) if s < step]}
+        replace_whole(path, lambda tmp: torch.save(state, tmp))
         self.saved_step = step
 
     def _load(self, folder: str) -> None:

@@ -16,18 +16,12 @@ from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, train_step
 from rayhpc.engine.loop import Plan, Runner, fit
 from rayhpc.engine.parallelize import apply_options
+from rayhpc.engine.step import batch_size_of
 from rayhpc.monitor.metrics import PSMetrics
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.ps.server import as_tensor
 from rayhpc.ps.shards import Layout
-from rayhpc.task.batches import (
-    Batches,
-    batch_size_of,
-    epoch_steps,
-    eval_batch,
-    evaluate,
-    loader_workers,
-)
+from rayhpc.task.batches import Batches, epoch_steps, eval_batch, evaluate, loader_workers
 
 
 class PSWorker(Runner):

@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+from rayhpc.private import UnsafePath, owned_dir, write_private
 from rayhpc.slurm.layout import OFFSETS
 from rayhpc.slurm.node import node_records
-from rayhpc.slurm.private import UnsafePath, owned_dir, write_private
 
 
 def connection(env: dict[str, str], published: dict) -> dict:

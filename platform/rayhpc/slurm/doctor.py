@@ -19,10 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rayhpc.private import UnsafePath, check_ancestors
 from rayhpc.slurm.config import ClusterConfig, time_seconds
 from rayhpc.slurm.layout import BLOCK, busy_ports, node_ip, nodes_of, ports
 from rayhpc.slurm.node import temp_base
-from rayhpc.slurm.private import UnsafePath, check_ancestors
 
 SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "fuse.glusterfs", "panfs", "wekafs",
              "fuse.sshfs", "smb2", "cifs"}

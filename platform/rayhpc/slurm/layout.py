@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rayhpc.slurm.private import UnsafePath, log_folder, private_dir, write_private
+from rayhpc.private import UnsafePath, log_folder, private_dir, write_private
 
 # offsets inside a job's block: the ports Ray cannot bind with 0 (why each is safe to fix: docs/security.md).
 # The two metrics ports are fixed in Ray (44217, 44227) unless set by environment variable: the startup sets them.

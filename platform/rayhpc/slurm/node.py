@@ -43,11 +43,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from rayhpc.private import OWN_TMPDIR_BASE, write_private
 from rayhpc.processes import marked
-from rayhpc.ray_start import RAY_DIR, Stop, collect_zombies, command, environment, ignore_signals, stop_on_signals, \
-    stop_tree, supervisor
+from rayhpc.ray_start import (
+    RAY_DIR,
+    Stop,
+    collect_zombies,
+    command,
+    environment,
+    ignore_signals,
+    stop_on_signals,
+    stop_tree,
+    supervisor,
+)
 from rayhpc.slurm.layout import node_ip
-from rayhpc.slurm.private import OWN_TMPDIR_BASE, write_private
 
 NODE_MARKER, COMMAND_MARKER = "RAYHPC_RAY_NODE", "RAYHPC_COMMAND"
 TEMP_PREFIX = "rh-{job}-"  # short: Ray's socket paths under it must stay below 107 bytes
@@ -226,7 +235,7 @@ def run(job_dir: Path, args: list[str]) -> int:
     argv = command(root, *args, f"--node-ip-address={ip}", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
                    *([f"--object-store-memory={store}"] if store else []), ray=ray)
     # TMPDIR and RAY_TMPDIR for Ray and every worker it starts: this node's private folder, not /tmp, where
-    # another user may make torch's compile caches or Ray's lock folder first (rayhpc.slurm.private.private_tmpdir);
+    # another user may make torch's compile caches or Ray's lock folder first (rayhpc.private.private_tmpdir);
     # the node's tmp for the compile caches every job of the user shares once checked (private_compile_caches)
     env = {**os.environ, **environment(root, NODE_MARKER, f"{job}:{node_name()}"), OWN_TMPDIR_BASE: temp_base()}
     report(job_dir, "ray", {"node": node_name(), "ip": ip, "temp_dir": f"{root}/{RAY_DIR}", "pid": os.getpid()})

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 from rayhpc.config import ConfigError
+from rayhpc.private import UnsafePath, check_trusted, log_folder
 from rayhpc.slurm.config import ClusterConfig
-from rayhpc.slurm.private import UnsafePath, check_trusted, log_folder
 from rayhpc.slurm.render import render_sbatch
 
 

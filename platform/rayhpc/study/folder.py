@@ -34,6 +34,8 @@ from typing import Callable, Iterator
 
 import pandas as pd
 
+from rayhpc.private import replace_whole
+
 LOCK_FILE = "study.lock"
 LEDGER_FILE = "ledger.jsonl"
 PLAN_FILE = "plan.json"
@@ -154,9 +156,7 @@ class Study:
         """The study's plan of packs (random and grid), made by the first slice that asks."""
         if self.plan is None:
             plan = make()
-            tmp = self.path / f"{PLAN_FILE}.tmp"
-            tmp.write_text(json.dumps(plan))
-            tmp.replace(self.path / PLAN_FILE)
+            replace_whole(self.path / PLAN_FILE, lambda tmp: tmp.write_text(json.dumps(plan)))
             self.plan = plan
         return self.plan
 
@@ -194,11 +194,7 @@ class Study:
         return pd.DataFrame([row for _, p in sorted(self.packs.items()) if p["rows"] for row in p["rows"]])
 
     def write_results(self) -> Path:
-        path = self.path / RESULTS_FILE
-        tmp = self.path / f"{RESULTS_FILE}.tmp"
-        self.results().to_parquet(tmp, index=False)
-        tmp.replace(path)  # atomic: a reader never sees half a file
-        return path
+        return replace_whole(self.path / RESULTS_FILE, lambda tmp: self.results().to_parquet(tmp, index=False))
 
     def pack_dir(self, pack_id: int) -> Path:
         return self.path / PACKS_DIR / str(pack_id)

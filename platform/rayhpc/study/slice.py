@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from rayhpc.config import ConfigError, check_agrees, load_yaml, validate
-from rayhpc.slurm.private import UnsafePath, check_trusted, private_dir, write_private
+from rayhpc.private import UnsafePath, check_trusted, private_dir, write_private
 from rayhpc.study.folder import LEDGER_FILE, SLICES_DIR, Study, slice_id
 
 SPEC_FILE = "sweep.yaml"

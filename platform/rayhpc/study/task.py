@@ -128,7 +128,7 @@ def submit_study_array(cluster, cfg: SweepConfig, explicit: set[str], tasks: int
 
 def prepare_tasks(study: Study, cfg: SweepConfig, task, info) -> None:
     """What the study's array tasks read: its plan of trials (random, grid), the rows' columns, a file task."""
-    from rayhpc.slurm.private import write_private
+    from rayhpc.private import write_private
     from rayhpc.tune.results import value_columns
     from rayhpc.tune.space import searched
 

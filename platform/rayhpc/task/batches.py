@@ -18,6 +18,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset, default_collate
 
+from rayhpc.engine.step import batch_size_of
+
 EVAL_BATCH = 256  # validation batches hold at least this many samples (no gradients are kept)
 
 
@@ -154,17 +156,6 @@ class Batches:
     def all(self, batch_size: int) -> Iterator[Any]:
         """Every item once, in dataset order (validation)."""
         return self(range(len(self.dataset)), batch_size)
-
-
-def batch_size_of(batch: Any) -> int:
-    """Samples in a batch: the leading size of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, dict):
-        return batch_size_of(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return batch_size_of(batch[0])
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import UnsafePath, check_code_folder, check_trusted
+from rayhpc.private import UnsafePath, check_code_folder, check_trusted
 from rayhpc.task.hparams import hparams_model
 
 BUILTIN = {"mlp": "rayhpc.task.mlp:MLPTask"}

@@ -407,6 +407,6 @@ def mlflow_uri(given: str, storage_path: Path) -> str:
     """`file`: a file store in `storage_path`/mlruns, made only this user's (0700); anything else as given."""
     if given != "file":
         return given
-    from rayhpc.slurm.private import private_dir
+    from rayhpc.private import private_dir
 
     return (private_dir(storage_path.resolve() / "mlruns")).as_uri()

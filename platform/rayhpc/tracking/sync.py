@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import UnsafePath, check_trusted
+from rayhpc.private import UnsafePath, check_trusted
 from rayhpc.tracking.config import INSTALL, installed
 
 

@@ -22,18 +22,12 @@ from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
 from rayhpc.engine.parallelize import parallelize
+from rayhpc.engine.step import batch_size_of
 from rayhpc.monitor.flops import StepFlops, mfu
 from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.monitor.startup import process_start
 from rayhpc.precision import autocast, set_matmul_precision
-from rayhpc.task.batches import (
-    Batches,
-    batch_size_of,
-    epoch_steps,
-    eval_batch,
-    evaluate,
-    loader_workers,
-)
+from rayhpc.task.batches import Batches, epoch_steps, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
 from rayhpc.train.config import TrainConfig
 

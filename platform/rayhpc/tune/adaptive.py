@@ -31,6 +31,7 @@ from ray import cloudpickle
 from ray.tune.schedulers import ASHAScheduler, MedianStoppingRule, TrialScheduler
 from ray.tune.search import Searcher
 
+from rayhpc.private import replace_whole
 from rayhpc.tune.trainable import flat_members, member_values
 
 STATE_FILE = "asha_members.pkl"
@@ -101,10 +102,9 @@ class RungKeeper:
                 action = self.scheduler.on_trial_result(_NoController, trial, {"epoch": epoch, metric: value})
                 self.decided[(member, epoch)] = action == TrialScheduler.STOP
             answers.append(self.decided[(member, epoch)])
-        tmp = self.path.with_suffix(".tmp")
         # cloudpickle: the median rule holds a lambda (its defaultdict of running means)
-        tmp.write_bytes(cloudpickle.dumps({"scheduler": self.scheduler, "decided": self.decided, "added": self.added}))
-        tmp.replace(self.path)  # atomic: a killed driver leaves the previous state whole
+        state = cloudpickle.dumps({"scheduler": self.scheduler, "decided": self.decided, "added": self.added})
+        replace_whole(self.path, lambda tmp: tmp.write_bytes(state))  # a killed driver leaves the previous one
         return answers
 
 
@@ -285,9 +285,7 @@ class PackedOptunaSearch(Searcher):
                  "values": t.values, "params": t.params,
                  # what the sampler recorded of the constraints (Optuna's own key), and so samples under
                  "sampler_constraints": t.system_attrs.get("constraints")} for t in self.study.trials]
-        path = Path(self.exp_dir) / OPTUNA_TRIALS_FILE
-        path.with_suffix(".tmp").write_text(json.dumps(rows, indent=1))
-        path.with_suffix(".tmp").replace(path)
+        replace_whole(Path(self.exp_dir) / OPTUNA_TRIALS_FILE, lambda tmp: tmp.write_text(json.dumps(rows, indent=1)))
 
     def save(self, checkpoint_path: str) -> None:
         Path(checkpoint_path).write_bytes(pickle.dumps(self.__dict__))

@@ -20,8 +20,8 @@ import pandas as pd
 
 from rayhpc.config import ConfigError, reconcile_resume
 from rayhpc.job import bind_task
+from rayhpc.private import write_private
 from rayhpc.slurm.config import ClusterConfig
-from rayhpc.slurm.private import write_private
 from rayhpc.slurm.render import render_array, render_collect
 from rayhpc.slurm.submit import log_dir, sbatch
 from rayhpc.tune.config import SweepConfig, bind_sweep

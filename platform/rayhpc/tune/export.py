@@ -17,7 +17,7 @@ import torch
 
 from rayhpc.config import ConfigError, load_yaml, validate
 from rayhpc.engine.checkpoint import complete_checkpoints
-from rayhpc.slurm.private import UnsafePath, check_trusted, private_dir
+from rayhpc.private import UnsafePath, check_trusted, private_dir
 from rayhpc.tune.trainable import PACK_FILE, member_values
 from rayhpc.tune.weights import checkpoint_weights, trial_weights
 

@@ -135,8 +135,9 @@ def measure_member(task, hp: dict, train, names: tuple[str, ...]) -> dict[str, f
     counter, times 3: the backward computes a gradient for each operand, twice the forward's work)."""
     import torch  # only in trial processes
 
+    from rayhpc.engine.step import batch_size_of
     from rayhpc.monitor.flops import StepFlops
-    from rayhpc.task.batches import batch_size_of, collate
+    from rayhpc.task.batches import collate
 
     wanted = [n for n in PER_MEMBER if n in names]
     if not wanted:

@@ -31,8 +31,9 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from rayhpc.config import ModelOptions
 from rayhpc.engine.parallelize import apply_options
+from rayhpc.engine.step import batch_size_of
 from rayhpc.models import MLP, PackedMLP
-from rayhpc.task.batches import batch_size_of, evaluate
+from rayhpc.task.batches import evaluate
 from rayhpc.task.check import TaskInfo
 from rayhpc.task.load import LoadedTask, one_line
 from rayhpc.task.mlp import MLPTask

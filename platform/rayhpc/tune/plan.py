@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from rayhpc.cluster import Resources
+from rayhpc.private import replace_whole
 from rayhpc.tune.config import SweepConfig
 
 MAX_PACK = 64
@@ -78,9 +79,7 @@ def seeded_runs(config: dict, repeats: int, seed: int) -> list[dict]:
 
 def save_plan(packs: list[list[dict]] | None, exp_dir: Path) -> None:
     exp_dir.mkdir(parents=True, exist_ok=True)
-    tmp = (exp_dir / PLAN_FILE).with_suffix(".tmp")  # whole or not at all: a resume reads it
-    tmp.write_text(json.dumps(packs, indent=1))
-    tmp.replace(exp_dir / PLAN_FILE)
+    replace_whole(exp_dir / PLAN_FILE, lambda tmp: tmp.write_text(json.dumps(packs, indent=1)))  # a resume reads it
 
 
 def load_plan(exp_dir: Path) -> list[list[dict]] | None:

@@ -15,6 +15,7 @@ from ray.tune import Callback
 
 from rayhpc import interrupt
 from rayhpc.monitor.startup import mark
+from rayhpc.private import replace_whole
 from rayhpc.tune.objectives import MEASURED, mark_front
 from rayhpc.tune.trainable import member_values, members_of
 
@@ -80,11 +81,7 @@ def results_table(trials, packs, epochs: int, searched: list[str], columns: list
 
 
 def write_results(table: pd.DataFrame, exp_dir: Path, name: str = RESULTS_FILE) -> Path:
-    path = exp_dir / name
-    tmp = path.with_suffix(".parquet.tmp")
-    table.to_parquet(tmp, index=False)
-    tmp.replace(path)  # atomic: a reader never sees half a file
-    return path
+    return replace_whole(exp_dir / name, lambda tmp: table.to_parquet(tmp, index=False))
 
 
 def read_results(exp_dir: Path) -> pd.DataFrame:

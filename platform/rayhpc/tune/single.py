@@ -25,9 +25,10 @@ from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Plan, Runner, fit
 from rayhpc.engine.parallelize import apply_options
+from rayhpc.engine.step import batch_size_of
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task import task_for
-from rayhpc.task.batches import Batches, batch_size_of, eval_batch, evaluate, loader_workers
+from rayhpc.task.batches import Batches, eval_batch, evaluate, loader_workers
 from rayhpc.task.load import LoadedTask
 from rayhpc.tracking.runs import job_run
 from rayhpc.tune.config import SweepConfig

@@ -27,7 +27,6 @@ from rayhpc.engine import checkpoint
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
 from rayhpc.task.failure import plain, rank_failure
-from rayhpc.tracking.sweep import sweep_tracking
 from rayhpc.tune.config import SweepConfig, bind_objectives, bind_sweep
 from rayhpc.tune.curves import MemberCurves
 from rayhpc.tune.objectives import measured_names
@@ -48,6 +47,7 @@ from rayhpc.tune.plan import (
 from rayhpc.tune.progress import ProgressPrinter
 from rayhpc.tune.results import ResultsRecorder, read_results
 from rayhpc.tune.space import conditional, log_quanta, searched, tune_domains
+from rayhpc.tune.tracking import sweep_tracking
 from rayhpc.tune.trainable import TrialSettings, train_pack
 
 log = logging.getLogger(__name__)

@@ -24,11 +24,12 @@ from rayhpc.data import DataConfig
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Plan, Runner, fit
+from rayhpc.engine.step import batch_size_of
 from rayhpc.monitor.startup import process_start
 from rayhpc.optim import lr_factor, step_plan
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.study.folder import PACKS_DIR, save_pack_checkpoint
-from rayhpc.task.batches import Batches, batch_size_of, eval_batch, to_device
+from rayhpc.task.batches import Batches, eval_batch, to_device
 from rayhpc.task.load import LoadedTask
 from rayhpc.tune.objectives import PER_MEMBER, measure_member, peak_memory_mb
 from rayhpc.tune.packing import SinglePack, make_pack, member_slice

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import UnsafePath, check_trusted
+from rayhpc.private import UnsafePath, check_trusted
 
 log = logging.getLogger(__name__)
 KEY = "warm_start (--warm-start)"

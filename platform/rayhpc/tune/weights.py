@@ -20,7 +20,7 @@ import torch
 
 from rayhpc.config import ConfigError
 from rayhpc.engine.checkpoint import latest_checkpoint, load_full_state_dict
-from rayhpc.slurm.private import UnsafePath, check_trusted
+from rayhpc.private import UnsafePath, check_trusted
 from rayhpc.task.hparams import PLATFORM_KEYS
 from rayhpc.tune.packing import member_state_dict
 from rayhpc.tune.plan import PLAN_FILE, load_plan

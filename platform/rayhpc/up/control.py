@@ -11,10 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from rayhpc import processes
+from rayhpc import processes, user_cluster
 from rayhpc.config import ConfigError
-from rayhpc.slurm.private import UnsafePath
-from rayhpc.up import connection
+from rayhpc.private import UnsafePath
 
 START_TIMEOUT_S = 120.0  # Ray's start on a loaded node: seconds, not minutes
 JOB_STOP_TIMEOUT_S = 60.0  # a job told to stop saves its state and ends (interrupt: within its grace period)
@@ -23,11 +22,11 @@ JOB_STOP_TIMEOUT_S = 60.0  # a job told to stop saves its state and ends (interr
 def current() -> dict | None:
     """The user's cluster on this machine where it is up (a stale connection file is removed)."""
     try:
-        info = connection.read()
+        info = user_cluster.read()
     except UnsafePath as exc:
         raise ConfigError(str(exc)) from None
-    if info is not None and connection.problem(info) is not None:
-        connection.remove_remains(info)
+    if info is not None and user_cluster.problem(info) is not None:
+        user_cluster.remove_remains(info)
         return None
     return info
 
@@ -36,7 +35,7 @@ def describe(info: dict) -> str:
     """The cluster of `info` in a few lines: address, process, since when, dashboard."""
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"]))
     lines = [(f"your cluster (rayhpc up) on {info['head']}: {info['address']}, held by process {info['pid']} "
-              f"since {since}; connection file {connection.path()}")]
+              f"since {since}; connection file {user_cluster.path()}")]
     if info.get("dashboard"):
         lines.append(f"dashboard {info['dashboard']} (token: {info['token_path']})")
     return "\n".join(lines)
@@ -48,8 +47,8 @@ def up(num_cpus: float | None = None, num_gpus: float | None = None, dashboard: 
     info = current()
     if info is not None:
         return "already up: " + describe(info)
-    folder = connection.folder()
-    log_file = connection.log_path()
+    folder = user_cluster.folder()
+    log_file = user_cluster.log_path()
     with contextlib.suppress(FileNotFoundError):
         log_file.unlink()
     command = [sys.executable, "-P", "-m", "rayhpc.up.daemon"]
@@ -65,7 +64,7 @@ def up(num_cpus: float | None = None, num_gpus: float | None = None, dashboard: 
                                 start_new_session=True, cwd=folder)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        info = connection.read()
+        info = user_cluster.read()
         if info is not None and info["pid"] == proc.pid:
             return "started " + describe(info) + "\ncommands on this machine join it; `rayhpc down` stops it"
         if proc.poll() is not None:
@@ -80,26 +79,26 @@ def down(timeout_s: float = JOB_STOP_TIMEOUT_S) -> tuple[str, bool]:
     """Stop the jobs on the cluster (each saves its state and says the cluster went away), then the
     cluster; kill what is left of it. The text to print, and whether nothing was left."""
     try:
-        info = connection.read()
+        info = user_cluster.read()
     except UnsafePath as exc:
         raise ConfigError(str(exc)) from None
     if info is None:
-        return f"no cluster of yours is up on {connection.host()} (no {connection.path()})", True
+        return f"no cluster of yours is up on {user_cluster.host()} (no {user_cluster.path()})", True
     lines = []
-    connection.write({**info, "stopping": True})  # the jobs' stop lines say the cluster went away
-    jobs = connection.jobs()
+    user_cluster.write({**info, "stopping": True})  # the jobs' stop lines say the cluster went away
+    jobs = user_cluster.jobs()
     if jobs:
         lines.append(f"stopping {len(jobs)} job(s) on it (SIGTERM: each saves its state): pids "
                      + " ".join(map(str, jobs)))
         _stop_and_wait(jobs, timeout_s)
-    if connection.process_alive(info["pid"], info["pid_start"]):
+    if user_cluster.process_alive(info["pid"], info["pid_start"]):
         _stop_and_wait([info["pid"]], timeout_s)
-    left = connection.remove_remains(info)
+    left = user_cluster.remove_remains(info)
     if left:
         lines.append(f"killed {len(left)} process(es) of the cluster that outlived it: {' '.join(map(str, left))}")
     with contextlib.suppress(OSError):
-        connection.jobs_dir().rmdir()  # empty: every job on it has ended
-    alive = connection.leftovers(info["marker"])
+        user_cluster.jobs_dir().rmdir()  # empty: every job on it has ended
+    alive = user_cluster.leftovers(info["marker"])
     gone = not alive and not any(Path(info[k]).exists() for k in ("temp_dir", "ray_tmpdir"))
     lines.append(f"stopped your cluster at {info['address']}" + ("" if gone else f"; still there: {alive}"))
     return "\n".join(lines), gone
@@ -110,9 +109,9 @@ def _stop_and_wait(pids: list[int], timeout_s: float) -> None:
     starts = {}
     for pid in pids:
         with contextlib.suppress(OSError):
-            starts[pid] = connection.start_ticks(pid)
+            starts[pid] = user_cluster.start_ticks(pid)
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(connection.process_alive(p, t) for p, t in starts.items()):
+    while time.monotonic() < deadline and any(user_cluster.process_alive(p, t) for p, t in starts.items()):
         time.sleep(0.1)
-    processes.kill([p for p, t in starts.items() if connection.process_alive(p, t)])
+    processes.kill([p for p, t in starts.items() if user_cluster.process_alive(p, t)])

@@ -21,9 +21,8 @@ import sys
 import threading
 import time
 
-from rayhpc import cluster, processes
+from rayhpc import cluster, processes, user_cluster
 from rayhpc.monitor.startup import start_ticks
-from rayhpc.up import connection
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +30,16 @@ log = logging.getLogger(__name__)
 def cluster_info(ctx, marker: str, holder: int) -> dict:
     """The connection file's fields (those of a Slurm job's cluster.json, and the holding process)."""
     address = ctx.address_info["gcs_address"]
-    info = {"job": None, "restart": 0, "head": connection.host(), "head_ip": address.rsplit(":", 1)[0],
+    info = {"job": None, "restart": 0, "head": user_cluster.host(), "head_ip": address.rsplit(":", 1)[0],
             "address": address, "ports": {"gcs": int(address.rsplit(":", 1)[1])},
-            "nodes": {connection.host(): address.rsplit(":", 1)[0]},
+            "nodes": {user_cluster.host(): address.rsplit(":", 1)[0]},
             "token_path": str(cluster.local_token()),
             "pid": holder, "pid_start": start_ticks(holder), "marker": marker, "started": time.time(),
             "temp_dir": str(cluster.local_temp()), "ray_tmpdir": os.environ["RAY_TMPDIR"],
-            "environment": connection.environment()}  # a job of another environment does not join (`find`)
+            "environment": user_cluster.environment()}  # a job of another environment does not join (`find`)
     if ctx.dashboard_url:
         info.update(dashboard=f"http://{ctx.dashboard_url}",
-                    tunnel=f"ssh -N -L {ctx.dashboard_url.rsplit(':', 1)[1]}:{ctx.dashboard_url} {connection.host()}")
+                    tunnel=f"ssh -N -L {ctx.dashboard_url.rsplit(':', 1)[1]}:{ctx.dashboard_url} {user_cluster.host()}")
         info["ports"]["dashboard"] = int(ctx.dashboard_url.rsplit(":", 1)[1])
     return info
 
@@ -59,21 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop.set())
     marker = secrets.token_hex(8)
-    os.environ[connection.MARKER] = marker  # every process Ray starts inherits it
+    os.environ[user_cluster.MARKER] = marker  # every process Ray starts inherits it
     ctx = cluster.start_local(num_cpus=args.num_cpus, num_gpus=args.num_gpus, logging_level=logging.WARNING,
                               log_to_driver=False,
                               include_dashboard=not args.no_dashboard and cluster.dashboard_installed())
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop.set())  # ray.init replaced SIGTERM's
-    connection.write(cluster_info(ctx, marker, os.getpid()))
+    user_cluster.write(cluster_info(ctx, marker, os.getpid()))
     print(f"rayhpc up: cluster at {ctx.address_info['gcs_address']} held by process {os.getpid()}", flush=True)
     while not stop.wait(1.0):
         pass
-    with_file = connection.read()
+    with_file = user_cluster.read()
     if with_file and with_file.get("pid") == os.getpid():
-        connection.path().unlink()
+        user_cluster.path().unlink()
     cluster.disconnect()
-    processes.kill_gcs_last(connection.leftovers(marker))
+    processes.kill_gcs_last(user_cluster.leftovers(marker))
     print("rayhpc down: cluster stopped", flush=True)
     return 0
 

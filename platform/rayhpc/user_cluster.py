@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rayhpc import processes
 from rayhpc.monitor.startup import start_ticks
-from rayhpc.slurm.private import UnsafePath, check_trusted, private_dir, write_private
+from rayhpc.private import UnsafePath, check_trusted, private_dir, write_private
 
 log = logging.getLogger(__name__)
 HOME_VARIABLE = "RAYHPC_HOME"

@@ -15,6 +15,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 class UnsafePath(Exception):
@@ -123,6 +124,16 @@ def own_dir(path: str | Path) -> Path:
                          f"used; set TMPDIR to a folder of your own")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
+    return path
+
+
+def replace_whole(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` to a file beside `path`, then renamed over `path`: whole or not at all, so a reader (a
+    resume after a kill, another slice) finds the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
     return path
 
 

@@ -4,6 +4,7 @@ again, every trial exactly once. (The study folder's bookkeeping alone: tests/un
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
 import os
 import subprocess
@@ -12,9 +13,10 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import psutil
 
 from helpers import ROOT, job_env, run_job
-from rayhpc.study.folder import LEDGER_FILE, PACKS_DIR, RESULTS_FILE, SLICES_DIR
+from rayhpc.study.folder import LEDGER_FILE, LOCK_FILE, PACKS_DIR, RESULTS_FILE, SLICES_DIR
 from rayhpc.study.search import _journal
 
 # a small discrete space (8 configurations): 64 trials find its best in any order of proposals, so that the
@@ -49,17 +51,38 @@ def wait_for_checkpoint(study: Path, slice_name: str, proc: subprocess.Popen) ->
     raise AssertionError(f"slice {slice_name} checkpointed no pack in 180 s")
 
 
+def frozen(proc: subprocess.Popen, study: Path) -> list[psutil.Process]:
+    """`proc` and every process it started (its own Ray: the slice's trial processes too) stopped (SIGSTOP) at a
+    moment none of them holds the study's lock, so that the other slices go on."""
+    while True:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for p in tree:
+            p.suspend()
+        fd = os.open(study / LOCK_FILE, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return tree
+        except BlockingIOError:
+            for p in tree:
+                p.resume()
+        finally:
+            os.close(fd)
+        time.sleep(0.01)
+
+
 def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_and_repeats_nothing(
         ray_address, tmp_path):
     study, config = tmp_path / "study", tmp_path / "sweep.yaml"
     config.write_text(f"study: {study}\n{SWEEP}")
-    # the slice on a cluster of its own starts first and claims a pack before the other starts: started the other
-    # way round, a cold cluster (seconds of `ray start`, more on a loaded machine) could find every pack finished
+    # the slice on a cluster of its own claims a pack, and is held (SIGSTOP) until the second slice has claimed one
+    # and checkpointed it: otherwise a loaded machine lets either finish every pack before the other claims any
     other = slice_proc(config, env={"RAY_OVERRIDE_RESOURCES": '{"CPU": 1}'})
     deadline = time.monotonic() + 180
     while not ((study / LEDGER_FILE).exists() and any(e["event"] == "claim" for e in events(study))):
         assert other.poll() is None and time.monotonic() < deadline, other.stdout.read()
         time.sleep(0.05)
+    held = frozen(other, study)
     first = slice_proc(config, "--address", ray_address)  # a slice on the suite's cluster, to be killed
     deadline = time.monotonic() + 120
     while len({e["slice"] for e in events(study) if e["event"] == "slice"}) < 2:
@@ -69,6 +92,8 @@ def test_two_slices_on_two_clusters_run_one_tpe_sweep_and_a_killed_slice_loses_a
     orphan = wait_for_checkpoint(study, doomed, first)
     first.kill()  # SIGKILL: no clean-up at all, its packs claimed and unfinished
     first.wait()
+    for p in held:
+        p.resume()
     again = run_job("tune_mlp.py", "--study", str(study), "--address", ray_address)  # the study's own definition
     assert again.returncode == 0, again.stdout + again.stderr
     out, _ = other.communicate(timeout=300)

@@ -405,7 +405,10 @@ def test_a_freed_gcs_port_receives_no_token_and_no_clusters_token_opens_another(
     sweep = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--num-samples", "2", "--epochs",
                               "20", "--storage-path", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=job_env({"RAYHPC_HOME": str(tmp_path / "s")}))
-    started = next(line for line in sweep.stdout if line.startswith("ray: started local Ray at "))
+    seen = []  # what it printed up to the line, all of it if the line never came
+    started = next((line for line in sweep.stdout
+                    if seen.append(line) or line.startswith("ray: started local Ray at ")), None)
+    assert started is not None, "".join(seen)
     port, folder = started.split()[5].rsplit(":", 1)[1], Path(started.split()[7])
     assert (folder / "auth_token").exists(), sweep.communicate()[0]
     tokens = {"sweep": (folder / "auth_token").read_text()}

@@ -77,7 +77,7 @@ def test_packs_group_trials_that_can_step_together():
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"num_sample": 3}, "num_sample: unknown key; allowed keys: activation_checkpointing, address, asha,"),
+    ({"num_sample": 3}, "num_sample: unknown key; allowed keys: accumulate, activation_checkpointing, address,"),
     ({"num_samples": 0}, "num_samples: Input should be greater than or equal to 1"),
     ({"num_samples": "many"}, "num_samples: Input should be a valid integer"),
     ({"search": "bayes"}, "search: Input should be 'random', 'grid' or 'optuna'"),
@@ -147,3 +147,15 @@ def test_the_optim_and_schedule_sections_fix_every_trials_values_and_leave_the_r
     configs = plain.configs(task.hp_model)
     assert {(c["optimizer"], c["warmup_steps"]) for c in configs} == {("adam", 0)}
     assert len({c["lr"] for c in configs}) == 6
+
+
+def test_the_batch_and_accumulation_are_constants_of_every_trial_unless_the_space_searches_them():
+    """`rayhpc tune --global-batch-size 64 --accumulate 2` (as `train`, `parallel` and `ps` take them): every
+    trial's batch and micro-batches; a space that searches one of them draws it instead."""
+    task = task_for("mlp", SweepConfig().data)
+    configs = sweep(global_batch_size=64, accumulate=2, num_samples=4).configs(task.hp_model)
+    assert {(c["batch_size"], c["accumulate"]) for c in configs} == {(64, 2)}
+    searched = sweep(accumulate=2, num_samples=4, search="grid",
+                     space={"batch_size": {"grid": [16, 32]}, "lr": 0.01}).configs(task.hp_model)
+    assert sorted((c["batch_size"], c["accumulate"]) for c in searched) == [(16, 2)] * 4 + [(32, 2)] * 4
+    assert {(c["batch_size"], c["accumulate"]) for c in sample_configs(sweep(num_samples=2))} == {(32, 1)}

@@ -23,7 +23,7 @@ def parquet(path: Path, **columns) -> str:
 
 CASES = {
     "unknown yaml key": (lambda d: ["--config", write(d / "s.yaml", "num_sample: 3\n")],
-                         "error: num_sample: unknown key; allowed keys: activation_checkpointing, address, asha, "
+                         "error: num_sample: unknown key; allowed keys: accumulate, activation_checkpointing, address, asha, "
                          "checkpoint"),
     "yaml wrong type": (lambda d: ["--config", write(d / "s.yaml", "epochs: [1, 2]\n")],
                         "error: epochs: Input should be a valid integer (got [1, 2])"),
@@ -81,6 +81,13 @@ CASES = {
     "micro-batches that do not divide": (lambda d: ["--config", write(d / "s.yaml", "space: {batch_size: 32, "
                                                                    "accumulate: {grid: [2, 3]}}\n")],
                                          "error: space.accumulate: 3 does not divide the batch per worker 32"),
+    "a constant batch not divisible by workers": (lambda d: ["--workers-per-trial", "3"],
+                                                  "error: global_batch_size (--global-batch-size): 32 is not "
+                                                  "divisible by workers_per_trial (--workers-per-trial) 3"),
+    "a constant the space searches too": (lambda d: ["--accumulate", "2", "--config", write(
+                                              d / "s.yaml", "space: {accumulate: {grid: [1, 2]}}\n")],
+                                          "error: accumulate (--accumulate) 2: space.accumulate sets it too; give "
+                                          "it in one place"),
     "a section key the space searches too": (lambda d: ["--lr", "0.1", "--config", write(
                                                  d / "s.yaml", "space: {lr: {loguniform: [0.001, 0.1]}}\n")],
                                              "error: optim.lr (--lr) 0.1: space.lr sets it too; give it in one place"),

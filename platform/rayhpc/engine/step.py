@@ -12,6 +12,7 @@ sink without one), a pack's members (`rayhpc.tune.trainable.Members`) and a mode
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Protocol
 
 import torch
@@ -57,7 +58,7 @@ def train_step(trained: Trained, batch: Any, accumulate: int, step: int, total_s
 
 class Module:
     """A module (plain, DDP or FSDP2) and its optimizer: the `hp` schedule's lr (or the task's own
-    `scheduler`, stepped after the optimizer), `clip_grad_norm` by torch's `clip_grad_norm_`. Without an
+    `scheduler`, stepped after the optimizer), `clip_grad_norm` by `clip_grad_norm_`. Without an
     optimizer, a gradient sink: the step only leaves the gradient in `.grad` (a parameter-server worker
     pushes it; the servers clip and step)."""
 
@@ -84,10 +85,34 @@ class Module:
         if self.optimizer is None:
             return
         if self.hp.get("clip_grad_norm"):
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp["clip_grad_norm"])
+            clip_grad_norm_(self.model.parameters(), self.hp["clip_grad_norm"])
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+
+
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+    """torch's `clip_grad_norm_` for every job, over a model no rank may hold whole: the gradients' total
+    norm by `torch.nn.utils.get_total_norm` for the plain ones and for each mesh's DTensors (TP and FSDP
+    shards: their norm is a collective over that mesh; torch stacks norms of one mesh only), added over the
+    pipeline ranks (`pp_group`), then torch's `clip_grads_with_norm_` on each group (the factor, a scalar,
+    multiplies DTensor and plain gradients alike). Returns the total norm."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # never imported: no gradient is a DTensor
+    sharded = dtensor.DTensor if dtensor is not None else ()
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, sharded) else None
+            groups.setdefault(key, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in params]) for params in groups.values()]
+    total = torch.nn.utils.get_total_norm([n.full_tensor() if isinstance(n, sharded) else n for n in norms])
+    if pp_group is not None:
+        squares = total ** 2
+        torch.distributed.all_reduce(squares, group=pp_group)
+        total = squares.sqrt()
+    for params in groups.values():  # one call per group: torch's foreach multiply takes one kind of tensor
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def split_batch(batch: Any, parts: int) -> list:

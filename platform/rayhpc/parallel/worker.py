@@ -26,6 +26,7 @@ from torch import nn
 from rayhpc import engine
 from rayhpc.config import ConfigError
 from rayhpc.engine import checkpoint
+from rayhpc.engine.step import clip_grad_norm_
 from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.optim import set_lr
 from rayhpc.parallel.config import ParallelConfig
@@ -286,31 +287,12 @@ class Stages:
     def finish(self) -> None:
         run = self.run
         if run.recipe.hp.get("clip_grad_norm"):
-            clip_grad_norm(run, run.recipe.hp["clip_grad_norm"])
+            params = [q for _, q in run.named_parameters()]
+            clip_grad_norm_(params, run.recipe.hp["clip_grad_norm"], run.pp_group)
         for optimizer, scheduler in zip(run.optimizers, run.schedulers):
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-
-
-def clip_grad_norm(run: RankRun, max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` over the whole model, which no rank holds: each sharded (DTensor)
-    gradient's norm is reduced over its mesh (TP and FSDP shards), a replicated one counts once, and
-    the pipeline ranks add their stages' squares. Returns the total norm."""
-    from torch.distributed.tensor import DTensor  # DTensor: about 0.7 s to import, only where a run shards
-
-    params = [q for _, q in run.named_parameters() if q.grad is not None]
-    squares = torch.zeros((), device=run.x.device)
-    for q in params:
-        norm = torch.linalg.vector_norm(q.grad)
-        squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-    if run.pp_group is not None:
-        dist.all_reduce(squares, group=run.pp_group)
-    total = squares.sqrt()
-    coef = min(1.0, max_norm / (total.item() + 1e-6))  # torch's clip_grad_norm_ formula; a float multiplies
-    for q in params:                                    # DTensor and plain gradients alike
-        q.grad.mul_(coef)
-    return total
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from rayhpc.config import (
     StrictModel,
 )
 from rayhpc.task.config import TaskJobConfig
-from rayhpc.task.hparams import PlatformHParams, check_value, full_hparams
+from rayhpc.task.hparams import check_value, full_hparams
 from rayhpc.tune.objectives import Constraint, check_names, parse_constraint, parse_objective
 from rayhpc.tune.pbt import MUTABLE, mutable
 from rayhpc.tune.space import (
@@ -93,6 +93,10 @@ class SweepConfig(ModelOptions, TaskJobConfig):
                                "(default 10)")
     steps: int | None = Field(None, ge=1, description="optimizer steps per trial, instead of epochs: the epochs "
                               "they take (by the trial's batch size), the last one cut short")
+    global_batch_size: int = Field(32, ge=1, description="samples per optimizer step of each trial, over its "
+                                   "workers (every trial's; space.batch_size searches it)")
+    accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (every trial's; "
+                            "space.accumulate searches it; the batch is unchanged)")
     search: Literal["random", "grid", "optuna"] = Field("random", description="how configs are drawn")
     objective: list[str] | None = Field(None, description="what the sweep optimises, NAME:MODE (MODE min or max): "
                                         "a reported value (val_loss, val_<metric>) or a measured one (params, flops, "
@@ -278,14 +282,20 @@ class SweepConfig(ModelOptions, TaskJobConfig):
 
     @property
     def fixed(self) -> dict[str, Any]:
-        """The `optim:` and `schedule:` keys set to other than their defaults: constants of every trial."""
-        return {k: v for section in (self.optim, self.schedule) for k, v in section.model_dump().items()
-                if v != type(section).model_fields[k].default}
+        """The constants of every trial set to other than their defaults, by hyperparameter: the `optim:` and
+        `schedule:` keys, `global_batch_size` (`batch_size`) and `accumulate`."""
+        given = {k: v for section in (self.optim, self.schedule) for k, v in section.model_dump().items()
+                 if v != type(section).model_fields[k].default}
+        for key, field in (("batch_size", "global_batch_size"), ("accumulate", "accumulate")):
+            if getattr(self, field) != type(self).model_fields[field].default:
+                given[key] = getattr(self, field)
+        return given
 
     def defaults(self, hp_model) -> dict:
-        """Every hyperparameter's value where the space sets none: the `optim:` and `schedule:` sections' and
-        the sweep's seed for `seed`."""
-        return full_hparams(hp_model, {**self.optim.model_dump(), **self.schedule.model_dump(), "seed": self.seed})
+        """Every hyperparameter's value where the space sets none: the `optim:` and `schedule:` sections', the
+        batch and accumulation, and the sweep's seed for `seed`."""
+        return full_hparams(hp_model, {**self.optim.model_dump(), **self.schedule.model_dump(), "seed": self.seed,
+                                       "batch_size": self.global_batch_size, "accumulate": self.accumulate})
 
     def configs(self, hp_model) -> list[dict]:
         """Every trial's hyperparameters, for a random or grid search: the points to evaluate first."""
@@ -304,8 +314,10 @@ def bind_sweep(cfg: SweepConfig, task) -> tuple[SweepConfig, dict]:
     else:
         space = cfg.space
         if both := sorted(set(fixed) & set(space)):
-            section = "optim" if both[0] in Optim.model_fields else "schedule"
-            raise ConfigError(f"{section}.{both[0]} (--{both[0].replace('_', '-')}) {fixed[both[0]]}: space.{both[0]} "
+            key = both[0]
+            name = ("optim." if key in Optim.model_fields else "schedule." if key in Schedule.model_fields else "") \
+                + ("global_batch_size" if key == "batch_size" else key)
+            raise ConfigError(f"{name} (--{name.rpartition('.')[2].replace('_', '-')}) {fixed[key]}: space.{key} "
                               "sets it too; give it in one place")
     check_space_form(space, cfg.search)
     check_space_values(space, task.hp_model)
@@ -353,19 +365,22 @@ def check_batches(cfg: SweepConfig) -> None:
     if (sizes is None and cfg.workers_per_trial > 1) or (sizes is None and micro != [1]) or micro is None:
         raise ConfigError("space.batch_size, space.accumulate: with several workers per trial or micro-batches, "
                           "give them as choice or grid")
+    # the key the value came from: the space's, or the sweep's constant
+    size_key = "space.batch_size" if "batch_size" in cfg.space else "global_batch_size (--global-batch-size)"
+    micro_key = "space.accumulate" if "accumulate" in cfg.space else "accumulate (--accumulate)"
     for size in sizes or []:
         if int(size) % cfg.workers_per_trial:
-            raise ConfigError(f"space.batch_size: {size} is not divisible by workers_per_trial "
+            raise ConfigError(f"{size_key}: {size} is not divisible by workers_per_trial "
                               f"(--workers-per-trial) {cfg.workers_per_trial}")
         share = int(size) // cfg.workers_per_trial
         if bad := [a for a in micro if share % int(a)]:
-            raise ConfigError(f"space.accumulate: {bad[0]} does not divide the batch per worker {share} "
-                              f"(space.batch_size {size} over {cfg.workers_per_trial} worker(s))")
+            raise ConfigError(f"{micro_key}: {bad[0]} does not divide the batch per worker {share} "
+                              f"({size_key} {size} over {cfg.workers_per_trial} worker(s))")
 
 
 def _values(cfg: SweepConfig, key: str) -> list | None:
     """Every value the space may give `key` (its default where it gives none); None for a randint."""
-    spec = cfg.space.get(key, PlatformHParams.model_fields[key].default)
+    spec = cfg.space.get(key, {"batch_size": cfg.global_batch_size, "accumulate": cfg.accumulate}[key])
     if isinstance(spec, ParamSpec):
         return None if spec.kind in ("randint", "lograndint") else list(spec.args)
     return [spec]

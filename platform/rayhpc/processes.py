@@ -1,5 +1,5 @@
 """The processes the platform started, found by what it put in their environment, and stopped with a Ray
-cluster's GCS last. Standard library only.
+cluster's GCS last (psutil, Ray's own dependency, reads /proc).
 
 Ray's processes rewrite their titles (`ray::IDLE`, setproctitle), which may clobber the start of the
 environment block /proc shows, so a marked process's descendants count as marked too. Ray's own shutdown
@@ -12,61 +12,44 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
-from pathlib import Path
+
+import psutil
 
 GCS_EXECUTABLE = "gcs_server"
 
 
 def descendants(*pids: int) -> list[int]:
-    """Every process below `pids`, read from /proc in one pass (empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # ended meanwhile
-            continue
-        ppid = int(text[text.rindex(")") + 2:].split()[1])  # the name in (...) may hold spaces
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], list(pids)
-    while todo:
-        below = [c for c in children.get(todo.pop(), []) if c not in found]
-        found += below
-        todo += below
+    """Every process below `pids` (empty where there is none)."""
+    found: list[int] = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):  # ended meanwhile
+            found += [c.pid for c in psutil.Process(pid).children(recursive=True) if c.pid not in found]
     return found
 
 
 def ancestors() -> set[int]:
     """This process and every process above it."""
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    return pids
+    return {os.getpid(), *(p.pid for p in psutil.Process().parents())}
 
 
 def carrying(*entries: str, job: str | None = None) -> list[int]:
     """This user's processes whose environment holds one of `entries` (`NAME=value`) and, with `job`, that
     Slurm job's SLURM_JOB_ID; never this process or its ancestors (which may carry them too: a job's clean-up
     step)."""
-    wanted = [entry.encode() for entry in entries]
-    of_job = f"SLURM_JOB_ID={job}".encode() if job is not None else None
+    wanted = [tuple(entry.split("=", 1)) for entry in entries]
     skip, uid, found = ancestors(), os.getuid(), []
-    for proc in os.scandir("/proc"):
-        if not proc.name.isdigit() or int(proc.name) in skip:
+    for proc in psutil.process_iter():
+        if proc.pid in skip:
             continue
         try:
-            if proc.stat().st_uid != uid:
+            if proc.uids().real != uid:
                 continue
-            environ = Path(proc.path, "environ").read_bytes().split(b"\0")
-        except OSError:  # gone, or not ours to read
+            environ = proc.environ()
+        except psutil.Error:  # gone, or not ours to read
             continue
-        if (of_job is None or of_job in environ) and any(w in environ for w in wanted):
-            found.append(int(proc.name))
+        if (job is None or environ.get("SLURM_JOB_ID") == job) and any(environ.get(k) == v for k, v in wanted):
+            found.append(proc.pid)
     return found
 
 
@@ -81,16 +64,16 @@ def marked(*entries: str, job: str | None = None, below: tuple[int, ...] = ()) -
 def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, dead but not yet waited for, does not)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
 def kill(pids: list[int], timeout_s: float = 10.0) -> list[int]:
     """SIGKILL `pids` and wait until they are gone (or `timeout_s`); those still there."""
     for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
     deadline = time.monotonic() + timeout_s
     while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -99,8 +82,8 @@ def kill(pids: list[int], timeout_s: float = 10.0) -> list[int]:
 
 def is_gcs(pid: int) -> bool:
     try:
-        return os.path.basename(os.readlink(f"/proc/{pid}/exe")) == GCS_EXECUTABLE
-    except OSError:
+        return os.path.basename(psutil.Process(pid).exe()) == GCS_EXECUTABLE
+    except psutil.Error:
         return False
 
 

@@ -2,7 +2,7 @@
 job run Ray's public `ray start --block` with the same flags and environment (`command`, `environment`), under
 a supervisor of the platform's that stops it (`python -m rayhpc.ray_start`; on Slurm, `rayhpc.slurm.node run`).
 Later processes connect with `ray.init(address=...)`, the address read from the file `ray start` writes into
-the node's private folder once the node is up (`address`). Standard library only.
+the node's private folder once the node is up (`address`). Standard library and psutil (`rayhpc.processes`).
 
 - Every port of Ray's that its processes call with the cluster's token is 0: bound by its owner, then
   published by Ray (a number given here would be visible in `ps` before Ray binds it, for another user to

@@ -6,7 +6,7 @@ every command sends its token to. A cluster is alive while the process that hold
 *and* start time: a pid alone may be another process's later) and a socket of this user's listens on its
 GCS port (/proc/net/tcp: another user cannot take over a port that went free). Both are read from /proc,
 so a cluster that is gone is noticed at once, without a connection attempt and its time-out.
-Standard library only.
+Standard library and psutil (`rayhpc.processes`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ RAY_TMPDIR is that folder (all of this node's Ray): its state API in a worker fi
 (`ray_current_cluster`, written by `ray start` once the node is up), never another user's. Ray's
 processes import nothing from their working folder (PYTHONSAFEPATH: `python -m` and `-c`, which Ray and
 its workers use, would put it first on `sys.path`, and the submit folder may be anyone's to write).
-Standard library only.
+Standard library and psutil (`rayhpc.processes`).
 """
 
 from __future__ import annotations

@@ -22,3 +22,8 @@ def test_a_sweep_trials_default_hyperparameters_are_the_training_jobs():
     trial, run = PlatformHParams(), TrainConfig()
     assert {k: getattr(trial, k) for k in run.optim.model_dump()} == run.optim.model_dump()
     assert (trial.batch_size, trial.seed, trial.accumulate) == (32, run.seed, run.accumulate)
+
+
+@pytest.mark.parametrize("job", [TrainConfig, PSConfig, SweepConfig])
+def test_every_job_that_recovers_retries_twice(job):
+    assert job().max_failures == 2

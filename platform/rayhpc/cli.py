@@ -298,7 +298,7 @@ def _slice_command(parser: ArgParser, command: list[str], study: str | None, sli
 
 def _submit_array(cluster_cfg, command: list[str], dry_run: bool, study: str | None = None, slices: int = 1) -> int:
     """`rayhpc submit --array`: the sweep flags (after an optional `python [-u] jobs/tune_mlp.py`); with `study`,
-    array tasks that are slices of it (`rayhpc.study.task`: Optuna and ASHA too)."""
+    array tasks that are slices of it (`rayhpc.tune.study_array`: Optuna and ASHA too)."""
     # imported here, not at the top: only this command's modules (see the module docstring)
     from rayhpc.tune.array import prepare_array, submit_array
     from rayhpc.tune.config import SweepConfig
@@ -307,7 +307,7 @@ def _submit_array(cluster_cfg, command: list[str], dry_run: bool, study: str | N
         command = command[1:]
     parser = ArgParser(prog="rayhpc submit --array -- ", description="The sweep to run as an array job.")
     if study is not None:
-        from rayhpc.study.task import submit_study_array  # only arrays of slices
+        from rayhpc.tune.study_array import submit_study_array  # only arrays of slices
 
         if slices < 1:
             parser.error(f"slices (--slices) {slices}: must be at least 1")

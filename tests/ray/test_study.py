@@ -17,7 +17,7 @@ import psutil
 
 from helpers import ROOT, job_env, run_job
 from rayhpc.study.folder import LEDGER_FILE, LOCK_FILE, PACKS_DIR, RESULTS_FILE, SLICES_DIR
-from rayhpc.study.search import _journal
+from rayhpc.tune.slice_search import _journal
 
 # a small discrete space (8 configurations): 64 trials find its best in any order of proposals, so that the
 # best of two slices is comparable with one slice's (a trial's result depends on its configuration alone);

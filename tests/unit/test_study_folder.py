@@ -105,16 +105,16 @@ def test_array_tasks_are_slices_without_ray_that_run_optuna_and_asha(tmp_path):
 
     from helpers import ROOT, job_env
     from rayhpc.job import bind_task
-    from rayhpc.study.search import _journal
-    from rayhpc.study.task import prepare_tasks
     from rayhpc.tune.config import bind_sweep
+    from rayhpc.tune.slice_search import _journal
+    from rayhpc.tune.study_array import prepare_tasks
 
     cfg = SweepConfig(study=tmp_path / "s", search="optuna", scheduler="asha", num_samples=12, epochs=4,
                       data={"synthetic": {"num_samples": 2000}})
     cfg, study, _ = as_slice(cfg, {"search", "scheduler", "num_samples", "epochs", "data"})
     cfg, task, info, _ = bind_task(cfg, bind_sweep)
     prepare_tasks(study, cfg, task, info)
-    tasks = [subprocess.Popen([sys.executable, "-m", "rayhpc.study.task", "--study", str(study.path)], cwd=ROOT,
+    tasks = [subprocess.Popen([sys.executable, "-m", "rayhpc.tune.study_array", "--study", str(study.path)], cwd=ROOT,
                               env=job_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outs = [t.communicate(timeout=300)[0] for t in tasks]

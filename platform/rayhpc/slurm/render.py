@@ -119,11 +119,11 @@ def render_array(cfg: ClusterConfig, sweep, n_trials: int, out_dir: Path, task_s
 
 
 def render_study_array(cfg: ClusterConfig, sweep, n_tasks: int, study: Path, task_spec: str | None = None) -> str:
-    """An array job of `n_tasks` slices of a study without Ray (`rayhpc.study.task`): each trains the study's
+    """An array job of `n_tasks` slices of a study without Ray (`rayhpc.tune.study_array`): each trains the study's
     trials one at a time until none is left; no collecting job (each task writes the study's table)."""
     q = shlex.quote
     task = f" --task {q(task_spec)}" if task_spec else ""
-    command = f"exec python -P -m rayhpc.study.task --study {q(str(study))}{task}"
+    command = f"exec python -P -m rayhpc.tune.study_array --study {q(str(study))}{task}"
     return script(cfg, array_flags(cfg, sweep, n_tasks), [command], by="rayhpc submit --array --study")
 
 

@@ -145,7 +145,7 @@ def _plan(job: Started[SweepConfig], study=None) -> list[list[dict]] | None:
             return None
         with study.locked():
             study.ensure_plan(lambda: _new_plan(job, STUDY_ROUNDS))
-        return None  # the slice's Tune trials are the packs it claims (`rayhpc.study.search`)
+        return None  # the slice's Tune trials are the packs it claims (`rayhpc.tune.slice_search`)
     packs = None if cfg.search == "optuna" else _new_plan(job)  # searchers propose
     save_plan(packs, cfg.experiment_dir)
     return packs
@@ -347,9 +347,9 @@ def _keeper(job: Started[SweepConfig], packed: bool, study=None):
 
 
 def _study_searcher(job: Started[SweepConfig], study, size: int):
-    """The slice's searcher (`rayhpc.study.search`): packs from the study's plan, or Optuna's from its journal."""
-    from rayhpc.study.search import OptunaProposer, SliceRecorder, StudySearcher  # only a study's slices
+    """The slice's searcher (`rayhpc.tune.slice_search`): packs from the study's plan, or Optuna's from its journal."""
     from rayhpc.tune.results import value_columns
+    from rayhpc.tune.slice_search import OptunaProposer, SliceRecorder, StudySearcher  # only a study's slices
 
     cfg, (metric, mode) = job.cfg, job.info.objective
     propose = None

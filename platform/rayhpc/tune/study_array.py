@@ -1,6 +1,6 @@
 """A slice without Ray: one process (a Slurm array task) training the study's trials one at a time.
 
-    python -m rayhpc.study.task --study DIR [--task SPEC]
+    python -m rayhpc.tune.study_array --study DIR [--task SPEC]
 
 Array mode is this: `rayhpc submit --array --study DIR` runs one per array task. Each claims a trial
 (a pack of one) from the study, trains it the plain PyTorch way (`rayhpc.tune.single`), records its row
@@ -43,7 +43,7 @@ def run_task(study: Study, task_spec: str | None = None) -> int:
     study.join(me, objective)
     propose = keeper = None
     if cfg.search == "optuna":
-        from rayhpc.study.search import OptunaProposer  # only Optuna studies
+        from rayhpc.tune.slice_search import OptunaProposer  # only Optuna studies
         from rayhpc.tune.space import tune_domains
 
         propose = OptunaProposer(study.path, tune_domains(cfg.space), [], objective[1], cfg.seed, me)

@@ -21,7 +21,7 @@ from rayhpc.engine.checkpoint import (
     prune,
     write_progress,
 )
-from rayhpc.engine.loop import Due, Plan, Runner, Window, fit
+from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
 from rayhpc.engine.metrics import MetricsRecorder
 from rayhpc.job import start_job
 from rayhpc.optim import lr_factor
@@ -160,6 +160,12 @@ class _Driver(Runner):
     def __post_init__(self):
         cfg = self.cfg
         self.recorder = MetricsRecorder(cfg.experiment_dir, self.plan.epochs if cfg.epochs else None, self.log_level)
+        # the best so far of the task's objective and of val_loss, as every job's rows hold it (a resumed run's
+        # from its checkpoint)
+        kept = load_progress(self.checkpoint) if self.checkpoint is not None else Progress()
+        restored = {"val_loss": kept.best_val_loss, self.recipe.task.objective[0]: kept.best_objective}
+        self.best = Best(self.recipe.task.objective, {k: v for k, v in restored.items()
+                                                      if v is not None and math.isfinite(v)})
 
     def batches(self, epoch: int, steps: range):
         return steps  # each rank draws its own
@@ -190,13 +196,17 @@ class _Driver(Runner):
         this_session = step + 1 - max(self.start, step - step % self.plan.per_epoch)  # the epoch's steps run here
         row = epoch_row(self.cfg, self.recipe, self.n_train, step, self.losses, self.step_seconds[-this_session:],
                         self.validation)
+        row.update(self.best.update(self.validation or {}))
         if self.validation:
             self.tracked.log(step + 1, self.validation)
         self.recorder.after_report(None, [row], None)
         return False
 
     def save(self, step: int) -> None:
-        self.checkpoint = save(self.group, self.cfg, step + 1, self.losses)
+        best = self.best.so_far
+        progress = Progress(global_step=step + 1, best_val_loss=best.get("val_loss", math.inf),
+                            best_objective=best.get(self.recipe.task.objective[0]))
+        self.checkpoint = save(self.group, self.cfg, progress, self.losses)
         prune(self.cfg.experiment_dir, self.cfg.checkpoint.keep)
 
 
@@ -256,13 +266,13 @@ def describe_layout(cfg: ParallelConfig, params: list[tuple[int, int]], start_se
             f"batch {cfg.global_batch}{accumulate}{pipeline}; group ready in {start_seconds:.1f} s")
 
 
-def save(group: WorkerGroup, cfg: ParallelConfig, step: int, losses: list[float]) -> Path:
-    """A sharded checkpoint of the weights after `step` steps; the progress file (written once every rank
-    has saved) marks it complete."""
-    path = cfg.experiment_dir / f"checkpoint_{step:06d}"
+def save(group: WorkerGroup, cfg: ParallelConfig, progress: Progress, losses: list[float]) -> Path:
+    """A sharded checkpoint of the weights after `progress.global_step` steps; the progress file (written once
+    every rank has saved) marks it complete."""
+    path = cfg.experiment_dir / f"checkpoint_{progress.global_step:06d}"
     group.run(worker.save_checkpoint, str(path))
     (path / LOSSES_FILE).write_text(json.dumps(losses))
-    write_progress(path, Progress(global_step=step))
+    write_progress(path, progress)
     return path
 
 

@@ -85,7 +85,7 @@ def run_ps(cfg: PSConfig, *, explicit: set[str] = frozenset(),
     cfg, task = job.cfg, job.task
     made["resources"] = fleet_resources(cfg, job.resources)
     say = functools.partial(log.log, log_level)
-    run = Progress(cfg, made, started=time.time())
+    run = Progress(cfg, made, started=time.time(), objective=task.objective)
     failures: list[str] = []
     checkpoint = latest_checkpoint(cfg) if cfg.resume else None
     if checkpoint is not None:

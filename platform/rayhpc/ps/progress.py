@@ -60,8 +60,9 @@ def epoch_loss(folder: Path | None) -> tuple[float, int]:
 
 
 class Progress:
-    def __init__(self, cfg, made: dict, started: float):
-        """`made`: the run's plan (`rayhpc.ps.driver.plan_run`)."""
+    def __init__(self, cfg, made: dict, started: float, objective: tuple[str, str] = ("val_loss", "min")):
+        """`made`: the run's plan (`rayhpc.ps.driver.plan_run`); `objective`: the task's (name, mode), whose
+        best so far every epoch's row holds, as every job's does."""
         self.cfg, self.per_epoch, self.validates, self.started = cfg, made["steps_per_epoch"], made["validates"], started
         self.hp, self.total, self.epochs = made["hp"], made["total_steps"], made["epochs"]
         self.records: dict[tuple[int, int], dict] = {}  # (worker, step) -> record
@@ -69,7 +70,8 @@ class Progress:
         self.recorder = MetricsRecorder(cfg.experiment_dir, self.epochs)
         self.steps_path = cfg.experiment_dir / STEPS_FILE
         self.next_epoch = 0  # the first epoch without a metrics row
-        self.best = Best(("val_loss", "min"))
+        self.objective = objective
+        self.best = Best(objective)
         self.restored, self.before = 0, (0.0, 0)
         self.epoch_ended: float | None = None  # unix time; None: from the first step of this session
         self.track: Callable[[int, dict], None] | None = None  # the job's tracked run's log (`tracking:`)
@@ -89,8 +91,11 @@ class Progress:
         self.next_epoch = min(step // self.per_epoch, int(rows["epoch"].max()) if len(rows) else 0)
         self.val = {e: v for e, v in self.val.items() if e < self.next_epoch}
         self.val.update({e: {} for e in range(self.next_epoch, step // self.per_epoch) if self.end_of(e) < step})
-        if "best_val_loss" in rows and len(rows):
-            self.best = Best(("val_loss", "min"), {"val_loss": float(rows["best_val_loss"].min())})
+        if len(rows):  # the best so far of the rows kept (the ones after `step` are computed again)
+            pick = {"min": min, "max": max}
+            modes = {"val_loss": "min", self.objective[0]: self.objective[1]}
+            self.best = Best(self.objective, {name: float(pick[mode](rows[f"best_{name}"]))
+                                              for name, mode in modes.items() if f"best_{name}" in rows})
         if self.steps_path.exists() and not self.records:  # a resumed job: the records of earlier sessions
             done = pd.read_parquet(self.steps_path)
             self.records = {(r["worker"], r["step"]): r for r in done[done["step"] < step].to_dict("records")}

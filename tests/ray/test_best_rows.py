@@ -7,6 +7,8 @@ import pytest
 
 from helpers import run_job
 
+pytestmark = pytest.mark.newest  # CI: beside the Slurm tests (pyproject's markers)
+
 SCORED = '''
 import torch.nn.functional as F
 

@@ -563,13 +563,12 @@ class PlainRun:
     epochs: list  # (validation loss, the training loss as the mean over the epoch's samples) after each epoch
 
 
-def plain_ranks(world: int, lr: float, seed: int = 0, step_seed=None, epochs: int = EPOCHS) -> PlainRun:
+def plain_ranks(world: int, lr: float, seed: int = 0, epochs: int = EPOCHS) -> PlainRun:
     """The trial as `world` plain DDP ranks train it, in one process: rank r's DistributedSampler batches of
     32 / world (32 global), each as 2 micro-batches whose gradients add up (weighted by their share), and its
     own RNG stream (every rank seeds alike, then draws its own dropout masks and DataLoader seeds); the
     gradients averaged over the ranks, clipped by their total norm, torch's AdamW under LinearLR then
-    CosineAnnealingLR; a validation pass per epoch on every rank. `step_seed(seed, rank, step)`: each rank's
-    step draws from torch's RNG seeded with it instead (the parameter server's rule). Checked: Adam in place
+    CosineAnnealingLR; a validation pass per epoch on every rank. Checked: Adam in place
     of AdamW, clipping off, or a constant lr in the platform fail; one micro-batch in place of 2 changes no
     value here (the masks are drawn in the same order), so the accumulation tests count the micro-batches."""
     from dropout import Dropout  # the test task file (tests/tasks/), as jobs load it
@@ -601,8 +600,6 @@ def plain_ranks(world: int, lr: float, seed: int = 0, step_seed=None, epochs: in
                    for r in range(world)]
         trained = []
         for step, batches in enumerate(zip(*loaders), epoch * len(loaders[0])):
-            if step_seed is not None:
-                rng = [torch.Generator().manual_seed(step_seed(seed, r, step)).get_state() for r in range(world)]
             grads, losses = [], []
             for r, (bx, by) in enumerate(batches):
                 model.zero_grad()

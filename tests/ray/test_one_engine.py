@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -41,15 +40,9 @@ HPARAMS = {"width": 16, "p": 0.25, "step_ms": 0.0}
 
 
 @pytest.fixture(scope="module")
-def references():
-    """(ranks, the parameter server's seeding) -> the plain run."""
-    return {(1, ps): plain_ranks(1, LR, SEED, ps_seed if ps else None) for ps in (0, 1)}
-
-
-def ps_seed(seed: int, rank: int, step: int) -> int:
-    """The parameter server's workers hold no RNG state (a worker replaced mid-epoch must draw what it would
-    have): each step's dropout draws from torch's RNG seeded by (seed, worker, step), NumPy's SeedSequence."""
-    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+def reference():
+    """The plain run of one rank, which every runner of one rank must equal (the parameter server's too)."""
+    return plain_ranks(1, LR, SEED)
 
 
 def hparams(task, hp: dict = HPARAMS) -> dict:
@@ -114,9 +107,9 @@ RUNNERS = {  # name: (ranks, runner); the others in test_resume
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_one_configuration_trains_the_same_on_every_runner(runner, references, ray_address, tmp_path):
+def test_one_configuration_trains_the_same_on_every_runner(runner, reference, ray_address, tmp_path):
     world, run = RUNNERS[runner]
-    got, want = run(tmp_path), references[world, runner.startswith("ps")]
+    got, want = run(tmp_path), reference
     close(runner, "val_loss", got.val, [v for v, _ in want.epochs])
     close(runner, "training loss", got.train, [t for _, t in want.epochs])
     same_weights(runner, got.weights, want.weights)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from test_one_engine import BATCH, HPARAMS, LR, OPTIM, SCHEDULE, SEED, TASK, close, ps_seed, same_weights
+from test_one_engine import BATCH, HPARAMS, LR, OPTIM, SCHEDULE, SEED, TASK, close, same_weights
 
 from helpers import EPOCHS, FIXED, ROOT, job_env, plain_ranks
 from rayhpc.config import validate
@@ -94,7 +94,7 @@ def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_s
         assert subprocess.run(resume, env=job_env(None), cwd=ROOT, timeout=300).returncode == 0
         assert result.read_text() == before
 
-    want = plain_ranks(world, LR, SEED, ps_seed if runner.startswith("ps") else None, epochs)
+    want = plain_ranks(world, LR, SEED, epochs=epochs)
     weights, val, train, steps = trained(runner, exp, epochs)
     want_val = [v for v, _ in want.epochs]
     close(runner, "val_loss", val, [min(want_val), want_val[-1]] if runner in (*SWEEPS, ARRAY) else want_val)

@@ -64,6 +64,9 @@ class ParameterServer:
         self.peers: list = []  # every server of the run (sync clipping); `set_peers` after they all exist
         self.norm_parts: dict[int, dict[int, float]] = {}  # step -> server -> its shard's squared gradient norm
         self.per_epoch, self.losses = steps_per_epoch, {}  # step -> [loss x samples, samples] over the workers
+        # server 0: each worker's torch RNG state to begin a step with (worker -> step -> state), as it pushed it
+        # with the step before; the ones a checkpoint or a replaced worker may still need
+        self.rng: dict[int, dict[int, torch.Tensor]] = {}
         if restore is not None:
             self._load(restore)
         self._reached()
@@ -111,8 +114,9 @@ class ParameterServer:
             self.snapshot = (key, ray.put(self.param.detach().numpy().copy()))
         return self.snapshot[1]
 
-    async def push(self, worker: int, step: int, grad: np.ndarray, loss: tuple[float, int] | None = None) -> None:
-        """`loss`: the worker's (mean loss, samples) of the step, to server 0."""
+    async def push(self, worker: int, step: int, grad: np.ndarray, loss: tuple[float, int] | None = None,
+                   rng: torch.Tensor | None = None) -> None:
+        """`loss`: the worker's (mean loss, samples) of the step, and `rng`, its RNG state after it, to server 0."""
         if step < self.pushed[worker]:
             return  # a redone step this server already has
         if step != self.pushed[worker]:
@@ -134,12 +138,21 @@ class ParameterServer:
         if loss is not None:
             kept = self.losses.setdefault(step, [0.0, 0])
             kept[0], kept[1] = kept[0] + loss[0] * loss[1], kept[1] + loss[1]
+        if rng is not None:
+            self.rng.setdefault(worker, {})[step + 1] = rng
         self.pushed[worker] = step + 1
         self.apply_seconds = time.perf_counter() - started
         if self.global_step() > before:
             self._reached()
+            for states in self.rng.values():  # no checkpoint (nor worker: none is behind) begins before it
+                for old in [s for s in states if s < self.global_step()]:
+                    del states[old]
         async with self.changed:
             self.changed.notify_all()
+
+    def rng_of(self, worker: int, step: int) -> torch.Tensor | None:
+        """Worker `worker`'s RNG state to begin step `step` with (None: a fresh start, its own)."""
+        return self.rng.get(worker, {}).get(step)
 
     def set_peers(self, servers: list) -> None:
         self.peers = servers
@@ -196,7 +209,8 @@ class ParameterServer:
         self.losses = {s: kept for s, kept in self.losses.items() if s >= begins}  # later checkpoints start there too
         state = {"param": self.param.detach().clone(), **self.holds, "optimizer": self.optimizer.state_dict(),
                  "pushed": [min(p, step) for p in self.pushed], "version": self.version, "step": step,
-                 "losses": [[s, *kept] for s, kept in sorted(self.losses.items()) if s < step]}
+                 "losses": [[s, *kept] for s, kept in sorted(self.losses.items()) if s < step],
+                 "rng": {w: states[step] for w, states in self.rng.items() if step in states}}
         replace_whole(path, lambda tmp: torch.save(state, tmp))
         self.saved_step = step
 
@@ -207,6 +221,7 @@ class ParameterServer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.pushed, self.version, self.saved_step = state["pushed"], state["version"], state["step"]
         self.losses = {int(s): [total, int(n)] for s, total, n in state.get("losses", [])}
+        self.rng = {int(w): {self.saved_step: rng} for w, rng in state.get("rng", {}).items()}
 
     def weights(self) -> np.ndarray:
         return self.param.detach().numpy()

@@ -1,6 +1,10 @@
 """One parameter-server worker: an actor that pulls the shards, computes its gradient on its
 `DistributedSampler` share of each step's batch (DDP's order; over `accumulate` micro-batches, as every
-training job does), and pushes one flat gradient per server."""
+training job does), and pushes one flat gradient per server.
+
+Its random draws (dropout) are a DDP rank's: seeded alike, one stream through the run, a DataLoader's seed
+drawn where a rank's validation pass draws it. Server 0 keeps the state each step leaves, so a worker that
+replaces a dead one, and a run resumed from a checkpoint, draw what the uninterrupted run did."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from rayhpc.monitor.metrics import PSMetrics
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.ps.server import as_tensor
 from rayhpc.ps.shards import Layout
-from rayhpc.task.batches import Batches, epoch_steps, eval_batch, evaluate, loader_workers
+from rayhpc.task.batches import Batches, draw_as_a_loader, epoch_steps, eval_batch, evaluate, loader_workers
 
 
 class PSWorker(Runner):
@@ -33,7 +37,8 @@ class PSWorker(Runner):
         self.index, self.n, self.cfg, self.task, self.hp = index, num_workers, cfg, task, hp
         self.layout, self.servers = layout, servers
         self.device = cuda_device(f"parameter-server worker {index}") if device == "cuda" else torch.device(device)
-        train, _ = task.split_data(hp, cfg.data)
+        train, val = task.split_data(hp, cfg.data)
+        self.validates = val is not None  # every rank's validation pass draws a DataLoader's seed
         self.model = task.initial_model(hp).to(self.device)  # its values come from the servers at each pull
         apply_options(self.model, task.obj, cfg)
         set_matmul_precision(cfg.precision)
@@ -52,6 +57,10 @@ class PSWorker(Runner):
         """Steps `first_step` .. `end_step` - 1 (global step numbers, within `epoch`: a run of `steps`
         cuts its last epoch short), by `rayhpc.engine.fit`; one record per step."""
         self.records = []
+        self.end_step = end_step
+        rng = ray.get(self.servers[0].rng_of.remote(self.index, first_step))
+        if rng is not None:  # a replaced worker, or a resumed run: the stream where the step before left it
+            torch.set_rng_state(rng)
         fit(Plan(self.steps_per_epoch(), end_step), self, first_step)
         return {"worker": self.index, "epoch": epoch, "records": self.records}
 
@@ -80,10 +89,6 @@ class PSWorker(Runner):
 
     def _step(self, step: int, batch) -> dict:
         started = time.perf_counter()
-        # the step's random draws (dropout) are a function of (seed, worker, step): a replaced worker and a
-        # resumed run draw what the uninterrupted run did, with no RNG state to keep (workers hold none)
-        seed = np.random.SeedSequence([self.hp["seed"] % 2**32, self.index, step]).generate_state(1)[0]
-        torch.manual_seed(int(seed))
         shards, infos = self._pull(step)
         with torch.no_grad():
             self.layout.scatter([s.to(self.device, non_blocking=True) for s in shards], self.params)
@@ -92,7 +97,10 @@ class PSWorker(Runner):
         grads = [g.cpu().numpy() for g in self.layout.flatten(
             {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.params.items()})]
         computed, loss, samples = time.perf_counter(), float(loss.detach()), batch_size_of(batch)
-        ray.get([s.push.remote(self.index, step, g, None if j else (loss, samples))
+        if step + 1 == self.end_step and self.validates:
+            draw_as_a_loader()  # where a DDP rank's validation pass, after the epoch's last step, draws
+        rng = torch.get_rng_state()
+        ray.get([s.push.remote(self.index, step, g, *(() if j else ((loss, samples), rng)))
                  for j, (s, g) in enumerate(zip(self.servers, grads))])
         done = time.perf_counter()
         staleness = max(info["staleness"] for info in infos)

@@ -74,6 +74,10 @@ class PbtConfig(StrictModel):
     resample_probability: float = Field(0.25, ge=0, le=1, description="a fresh draw instead of x0.8 / x1.2")
 
 
+# the hyperparameters every trial takes from a field of the sweep where the space does not search them
+CONSTANTS = {"batch_size": "global_batch_size", "accumulate": "accumulate"}
+
+
 class SweepConfig(ModelOptions, TaskJobConfig):
     """A hyperparameter sweep of a task (the built-in MLP by default)."""
 
@@ -286,16 +290,20 @@ class SweepConfig(ModelOptions, TaskJobConfig):
         `schedule:` keys, `global_batch_size` (`batch_size`) and `accumulate`."""
         given = {k: v for section in (self.optim, self.schedule) for k, v in section.model_dump().items()
                  if v != type(section).model_fields[k].default}
-        for key, field in (("batch_size", "global_batch_size"), ("accumulate", "accumulate")):
-            if getattr(self, field) != type(self).model_fields[field].default:
-                given[key] = getattr(self, field)
+        given.update({key: getattr(self, field) for key, field in CONSTANTS.items()
+                      if getattr(self, field) != type(self).model_fields[field].default})
         return given
+
+    @property
+    def constants(self) -> dict[str, Any]:
+        """The batch and accumulation of every trial the space does not search, by hyperparameter."""
+        return {key: getattr(self, field) for key, field in CONSTANTS.items()}
 
     def defaults(self, hp_model) -> dict:
         """Every hyperparameter's value where the space sets none: the `optim:` and `schedule:` sections', the
         batch and accumulation, and the sweep's seed for `seed`."""
         return full_hparams(hp_model, {**self.optim.model_dump(), **self.schedule.model_dump(), "seed": self.seed,
-                                       "batch_size": self.global_batch_size, "accumulate": self.accumulate})
+                                       **self.constants})
 
     def configs(self, hp_model) -> list[dict]:
         """Every trial's hyperparameters, for a random or grid search: the points to evaluate first."""
@@ -316,7 +324,7 @@ def bind_sweep(cfg: SweepConfig, task) -> tuple[SweepConfig, dict]:
         if both := sorted(set(fixed) & set(space)):
             key = both[0]
             name = ("optim." if key in Optim.model_fields else "schedule." if key in Schedule.model_fields else "") \
-                + ("global_batch_size" if key == "batch_size" else key)
+                + CONSTANTS.get(key, key)
             raise ConfigError(f"{name} (--{name.rpartition('.')[2].replace('_', '-')}) {fixed[key]}: space.{key} "
                               "sets it too; give it in one place")
     check_space_form(space, cfg.search)
@@ -380,7 +388,7 @@ def check_batches(cfg: SweepConfig) -> None:
 
 def _values(cfg: SweepConfig, key: str) -> list | None:
     """Every value the space may give `key` (its default where it gives none); None for a randint."""
-    spec = cfg.space.get(key, {"batch_size": cfg.global_batch_size, "accumulate": cfg.accumulate}[key])
+    spec = cfg.space.get(key, cfg.constants[key])
     if isinstance(spec, ParamSpec):
         return None if spec.kind in ("randint", "lograndint") else list(spec.args)
     return [spec]

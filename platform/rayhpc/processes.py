@@ -20,11 +20,15 @@ GCS_EXECUTABLE = "gcs_server"
 
 
 def descendants(*pids: int) -> list[int]:
-    """Every process below `pids` (empty where there is none)."""
-    found: list[int] = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):  # ended meanwhile
-            found += [c.pid for c in psutil.Process(pid).children(recursive=True) if c.pid not in found]
+    """Every process below `pids`, from one pass over the processes (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        children.setdefault(proc.info["ppid"], []).append(proc.pid)
+    found, todo = [], list(pids)
+    while todo:
+        below = [c for c in children.get(todo.pop(), []) if c not in found]
+        found += below
+        todo += below
     return found
 
 

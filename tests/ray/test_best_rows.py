@@ -24,7 +24,8 @@ class Scored(MLPTask):
 '''
 
 
-@pytest.mark.parametrize("script, args", [("train_ps.py", ["--num-workers", "1"]), ("train_parallel.py", ["--dp", "1"])])
+@pytest.mark.parametrize("script, args", [("train_ps.py", ["--num-workers", "1"]),
+                                          ("train_parallel.py", ["--dp", "1"])])
 def test_epoch_rows_hold_the_best_so_far_of_the_objective_and_of_val_loss(script, args, ray_address, tmp_path):
     task = tmp_path / "scored.py"
     task.write_text(SCORED)

@@ -23,8 +23,8 @@ def parquet(path: Path, **columns) -> str:
 
 CASES = {
     "unknown yaml key": (lambda d: ["--config", write(d / "s.yaml", "num_sample: 3\n")],
-                         "error: num_sample: unknown key; allowed keys: accumulate, activation_checkpointing, address, asha, "
-                         "checkpoint"),
+                         "error: num_sample: unknown key; allowed keys: accumulate, activation_checkpointing, address, "
+                         "asha, checkpoint"),
     "yaml wrong type": (lambda d: ["--config", write(d / "s.yaml", "epochs: [1, 2]\n")],
                         "error: epochs: Input should be a valid integer (got [1, 2])"),
     "flag wrong type": (lambda d: ["--num-samples", "lots"],

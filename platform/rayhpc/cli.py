@@ -177,7 +177,14 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
     parser = ArgParser(prog="train_mlp.py", description="Data-parallel (DDP or FSDP2) training of a task (the "
                        "built-in MLP by default) on Ray Train.")
-    return _run_job(parser, argv, TrainConfig, run_training, format_summary)
+
+    def run(cfg: TrainConfig, explicit: set[str]):
+        from rayhpc.tune.weights import trial_weights  # a sweep's checkpoints (torch): only with --init-from
+
+        weights = trial_weights(cfg.init_from) if cfg.init_from is not None else None
+        return run_training(cfg, explicit=explicit, weights=weights)
+
+    return _run_job(parser, argv, TrainConfig, run, format_summary)
 
 
 def parallel_main(argv: Sequence[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from test_one_engine import BATCH, HPARAMS, LR, OPTIM, SCHEDULE, SEED, TASK, clo
 
 from helpers import EPOCHS, FIXED, ROOT, job_env, plain_ranks
 from rayhpc.config import validate
-from rayhpc.engine.checkpoint import ROWS_FILE, latest_checkpoint, load_full_state_dict, load_progress
+from rayhpc.engine.checkpoint import latest_checkpoint, load_extra, load_full_state_dict, load_progress
 from rayhpc.train.trainer import STARTUP_PHASES
 from rayhpc.tune.config import SweepConfig
 
@@ -222,13 +222,13 @@ def trained(runner: str, exp: Path, epochs: int) -> tuple[dict, list, list | Non
     assert ends["epoch"].tolist() == list(range(1, epochs + 1)), rows
     steps = None
     if runner.startswith("parallel"):
-        steps = dict(enumerate(json.loads((final / "losses.json").read_text()), 1))
+        steps = dict(enumerate(load_extra(final)["losses"], 1))
     elif "--metrics-every-steps" in JOBS[runner][2]:  # a row a step; an epoch's row stands for its last step
         every = rows.drop_duplicates("global_step", keep="last").sort_values("global_step")
         assert every["global_step"].tolist() == list(range(1, epochs * PER_EPOCH + 1)), every
         # the final checkpoint keeps its report's rows (steps after the checkpoint before it), for a resume that
         # a kill between Ray Train's registration of it and the table's rows would otherwise leave without them
-        kept = json.loads((final / ROWS_FILE).read_text())
+        kept = load_extra(final)["rows"]
         since = (epochs * PER_EPOCH - 1) // 3 * 3  # checkpoints every 3 steps and at each epoch's end
         assert [(r["global_step"], r["kind"]) for r in kept] == [
             *((s, "step") for s in range(since + 1, epochs * PER_EPOCH)), (epochs * PER_EPOCH, "epoch")], kept

@@ -145,6 +145,11 @@ def test_fsdp_trials_on_a_warm_group_equal_the_ddp_ones(runs, tmp_path):
     want = final_weights(warm_exp, warm_table)
     for lr, got in final_weights(tmp_path / "fsdp", table).items():  # gathered from both ranks' shards
         assert_same_weights(got, want[lr])
+    # saved as under Ray Train: each rank's DCP shard file and the metadata, no rank's whole model.pt
+    for tid in table["trial_id"]:
+        files = {p.name for p in latest_checkpoint(trial_folder(tmp_path / "fsdp", tid)).iterdir()}
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rng.pt", "progress.json"} <= files, files
+        assert "model.pt" not in files, files
     # rank 0 held about half of the parameters (FSDP2 shards dim 0; a DDP rank holds all 3 * 16 + 16 + 16 + 1)
     whole = sum(t.numel() for t in want[LRS[0]].values())
     for tid in table["trial_id"]:

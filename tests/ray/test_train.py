@@ -133,6 +133,6 @@ def test_a_run_started_from_a_sweep_trial_begins_with_its_weights(ray_address, t
     row = table[(table["config.depth"] == 3) & (table["pack_size"] > 1)].iloc[-1]
     cfg = validate(TrainConfig, {"storage_path": str(tmp_path), "name": "t", "epochs": 1, "compute": {"num_workers": 1},
                                  "init_from": f"{tmp_path / 's'}:{row['trial_id']}", "optim": {"lr": 1e-12}})
-    result = run_training(cfg)
+    result = run_training(cfg, weights=trial_weights(cfg.init_from))
     assert result.cfg.hparams == {"depth": 3, "hidden": row["config.hidden"]}
     torch.testing.assert_close(float(result.metrics["val_loss"].iloc[0]), float(row["val_loss"]), rtol=1e-5, atol=0)

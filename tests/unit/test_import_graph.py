@@ -64,7 +64,44 @@ def test_no_module_imports_one_that_imports_it_back():
     assert cycles(graph) == []
 
 
+def folders(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph over the package's rooms: each folder (`rayhpc.tune`) and each module at its top
+    (`rayhpc.cli`), with an edge where some module of one imports one of another."""
+    def room(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    rooms: dict[str, set[str]] = {room(m): set() for m in graph}
+    for module, targets in graph.items():
+        rooms[room(module)] |= {room(t) for t in targets} - {room(module)}
+    return rooms
+
+
+def test_no_folder_imports_one_that_imports_it_back():
+    """The rooms stack: no import runs from a lower one to a higher one, so a reader finds a feature's
+    dependencies below it (`rayhpc.train` under `rayhpc.tune`, `rayhpc.engine` under both)."""
+    rooms = folders(module_imports())
+    assert {"rayhpc.tune", "rayhpc.train", "rayhpc.engine"} <= rooms["rayhpc.tune"] | {"rayhpc.tune"}
+    assert cycles(rooms) == []
+
+
+def test_the_folder_graph_joins_a_folders_modules():
+    assert folders({"rayhpc.a.x": {"rayhpc.b.y"}, "rayhpc.b.y": {"rayhpc.a.z"}, "rayhpc.a.z": set()}) == {
+        "rayhpc.a": {"rayhpc.b"}, "rayhpc.b": {"rayhpc.a"}}
+
+
 @pytest.mark.parametrize("edges, expected", [({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
                                              ({"a": {"b"}, "b": {"c"}, "c": set()}, [])])
 def test_the_cycle_finder_finds_a_cycle_and_only_a_cycle(edges, expected):
     assert cycles(edges) == expected
+
+
+def test_the_engine_imports_no_ray():
+    """The engine is plain PyTorch: the adapters that hand its checkpoints and reports to Ray Train and Tune
+    live in `rayhpc.train` and `rayhpc.tune`."""
+    found = {}
+    for path in (ROOT / "rayhpc" / "engine").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found.update({f"{path.name}: {n}": 1 for n in names if n.split(".")[0] == "ray"})
+    assert list(found) == []

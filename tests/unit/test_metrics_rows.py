@@ -4,12 +4,11 @@ checkpoint manager first). (The real runs: tests/ray/test_resume.py.)"""
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
+import torch
 
-from rayhpc.engine.checkpoint import EARLIER_ROWS, ROWS_FILE, Progress, write_progress
-from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
+from rayhpc.engine.checkpoint import EXTRA_FILE, Progress, write_progress
+from rayhpc.engine.metrics import EARLIER_ROWS, METRICS_FILE, MetricsRecorder
 
 
 def step_row(step: int) -> dict:
@@ -20,7 +19,7 @@ def checkpoint(run, name: str, step: int, rows: list[dict]) -> None:
     """A complete checkpoint folder as a training run's report leaves it: its rows, then its progress."""
     folder = run / name
     folder.mkdir()
-    (folder / ROWS_FILE).write_text(json.dumps(rows))
+    torch.save({"rows": rows}, folder / EXTRA_FILE)
     write_progress(folder, Progress(global_step=step))
 
 
@@ -28,7 +27,7 @@ def report(run, first: int, last: int) -> None:
     """A resumed run's first report (a new recorder, as in a new controller): steps `first`..`last`, the
     earlier ones held back."""
     rows = [step_row(s) for s in range(first, last + 1)]
-    MetricsRecorder(run, epochs=None).after_report(None, [{**rows[-1], EARLIER_ROWS: rows[:-1]}], None)
+    MetricsRecorder(run, epochs=None).record({**rows[-1], EARLIER_ROWS: rows[:-1]})
 
 
 def table(run) -> list[tuple[int, float]]:

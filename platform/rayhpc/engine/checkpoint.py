@@ -1,16 +1,17 @@
-"""Checkpoints, one layout for every job: rank 0 saves DDP state with torch.save; FSDP ranks their shards
-with DCP.
+"""Checkpoints, one manager for every job: `save`, `load`, `latest_checkpoint`, `prune`.
 
-A checkpoint folder holds `progress.json` (where training stands; written last, it marks the folder
-complete) and either `model.pt` (the model's and the optimizer's state: DDP's, a warm trial's, a pack's
-stacked members') or the files of `torch.distributed.checkpoint` (FSDP and the model-parallel job: one
-shard file per rank plus metadata; Ray Train merges the ranks' folders into one), and `rng.pt`: every
-rank's RNG states (CPU, and CUDA on a GPU), a list by rank, so that dropout after a resume draws the masks
-the uninterrupted run draws. A training run's adds `rows.json`, the metrics rows its report carried (a
-process killed after Ray Train registered the checkpoint but before the run's table had those rows loses
-none: `rayhpc.engine.metrics`). A pack adds `pack.pt`, what its
-members did (`rayhpc.tune.trainable`); the parameter server's servers each their own shard file, which
-`load_full_state_dict` reads as the whole model too.
+A checkpoint folder (`checkpoint_<global step, zero-padded>`) holds `progress.json` (where training
+stands; written last, it marks the folder complete), the model and optimizer state either whole in
+`model.pt` (where some rank holds the whole model: DDP, one process, a pack's stacked members) or as the
+files of `torch.distributed.checkpoint` (where none does: FSDP, a model-parallel mesh; one shard file per
+rank plus metadata), `rng.pt` (every rank's RNG states, CPU and CUDA on a GPU, a list by rank, so that
+dropout after a resume draws the masks the uninterrupted run draws) and `extra.pt`, the runner's own state
+beside the model's: a pack's members (`rayhpc.tune.trainable`), an array task's values, the model-parallel
+job's losses, the metrics rows a training run's report carried (a process killed after Ray Train
+registered the checkpoint but before the run's table had those rows loses none: `rayhpc.engine.metrics`).
+The parameter server's servers write their own shard files, which `load_full_state_dict` reads as the
+whole model too. The engine imports no Ray: `rayhpc.train.loop` hands a checkpoint to Ray Train, the
+sweep's runners to Tune.
 """
 
 from __future__ import annotations
@@ -26,20 +27,15 @@ import torch
 import torch.distributed as dist
 
 from rayhpc.engine.parallelize import unwrap
-from rayhpc.private import replace_whole
+from rayhpc.private import private_dir, replace_whole
 
 PROGRESS_FILE = "progress.json"
 DDP_FILE = "model.pt"
 RNG_FILE = "rng.pt"
 SERVER_FILE = "server_{index}.pt"  # the parameter server's: one flat shard (and its optimizer) per server
-ROWS_FILE = "rows.json"
-EARLIER_ROWS = "earlier_rows"  # a report's key: the step rows held back since the last report, in order
-
-
-def report_rows(metrics: dict) -> list[dict]:
-    """A report's metrics rows in order: the step rows held back since the last report, then its own."""
-    row = dict(metrics)
-    return [*row.pop(EARLIER_ROWS, []), row]
+EXTRA_FILE = "extra.pt"  # the runner's own state beside the model's (`save`'s `extra`)
+# an exported model's folder (`rayhpc export`, a run's tracked artifact): its state dict, hyperparameters, metrics
+EXPORT_FILES = ("model.pt", "hp.json", "metrics.json")
 
 
 @dataclasses.dataclass
@@ -58,44 +54,49 @@ class Progress:
     epoch_samples: int = 0
 
 
-def report(metrics: dict, *, strategy: str, model, optimizer, progress: Progress, rank: int, world: int,
-           device: torch.device) -> None:
-    """`ray.train.report` with a checkpoint of the current state (every rank must call it)."""
-    import ray.train  # Ray Train: only where a training run is
-
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        save_rng(folder, device, rank, world)
-        if rank == 0:
-            (folder / ROWS_FILE).write_text(json.dumps(report_rows(metrics)))
-            write_progress(folder, progress)
-        if strategy == "fsdp":
-            save_sharded([(model, optimizer)], folder)
-        elif rank == 0:
-            save_whole(folder, model, optimizer)
-        has_files = strategy == "fsdp" or rank == 0
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_files else None)
-
-
-def restore(checkpoint, *, strategy: str, model, optimizer, device: torch.device, rank: int) -> Progress | None:
-    """Load model and optimizer state, and this rank's RNG states, from `checkpoint` (None: nothing to
-    restore); call it after the model's seeded initialisation."""
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as d:
-        return load(Path(d), strategy=strategy, model=model, optimizer=optimizer, device=device, rank=rank)
+def save(folder: str | Path, parts: list[tuple], progress: Progress, *, sharded: bool, device: torch.device,
+         rank: int = 0, world: int = 1, extra=None) -> Path:
+    """One checkpoint of every job into `folder`, every rank calling it: the model and optimizer states of
+    `parts` ((module, optimizer) pairs), whole from rank 0 into `model.pt` or, `sharded` (the rule: no rank
+    holds the whole model, as under FSDP or a model-parallel mesh), each rank's shards by DCP; every rank's
+    RNG states; rank 0's `extra` (what the runner keeps beside the model: a pack's members, the rows of a
+    report) into `extra.pt`; and the progress file last, which marks the folder complete."""
+    folder = Path(folder)
+    if rank == 0:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a killed run's half-written one is rewritten
+    save_rng(folder, device, rank, world)
+    if sharded:
+        save_sharded(parts, folder)
+    elif rank == 0:
+        (model, optimizer), = parts
+        save_whole(folder, model, optimizer)
+    if rank == 0:
+        if extra is not None:
+            torch.save(extra, folder / EXTRA_FILE)
+        write_progress(folder, progress)
+    return folder
 
 
-def load(folder: Path, *, strategy: str, model, optimizer, device: torch.device, rank: int = 0) -> Progress:
-    """`restore` from a checkpoint folder on this machine."""
-    if strategy == "fsdp":
-        load_sharded([(model, optimizer)], folder)
+def load(folder: str | Path, parts: list[tuple], *, sharded: bool, device: torch.device,
+         rank: int = 0) -> tuple[Progress, object]:
+    """`save`'s checkpoint in `folder` back into `parts` and this rank's RNG (call it after the model's seeded
+    initialisation): (the progress, the extra state or None)."""
+    folder = Path(folder)
+    if sharded:
+        load_sharded(parts, folder)
     else:
+        (model, optimizer), = parts
         state = torch.load(folder / DDP_FILE, map_location=device, weights_only=True)
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
     load_rng(folder, device, rank)
-    return load_progress(folder)
+    return load_progress(folder), load_extra(folder)
+
+
+def load_extra(folder: str | Path):
+    """What the runner saved beside the model (`save`'s `extra`), on CPU; None where it saved none."""
+    path = Path(folder) / EXTRA_FILE
+    return torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
 
 
 def save_whole(folder: str | Path, model, optimizer) -> None:
@@ -203,6 +204,26 @@ def _gather_servers(paths: list[Path]) -> dict[str, torch.Tensor]:
             whole[start:stop] = state["param"][offset:offset + stop - start]
             offset += stop - start
     return {name: tensor.reshape(shapes[name]) for name, tensor in flat.items()}
+
+
+def write_export(folder: Path, hp: dict, state: dict, metrics: dict) -> Path:
+    """`folder` (made 0700) with a model's `model.pt` (its whole state dict), `hp.json` and `metrics.json`:
+    `model = task.model(hp); model.load_state_dict(torch.load("model.pt"))`."""
+    private_dir(folder)
+    model_file, hp_file, metrics_file = (folder / name for name in EXPORT_FILES)
+    torch.save(state, model_file)
+    hp_file.write_text(json.dumps(_plain(hp), indent=1, sort_keys=True))
+    metrics_file.write_text(json.dumps(_plain(metrics), indent=1, sort_keys=True))
+    return folder
+
+
+def _plain(values: dict) -> dict:
+    """JSON-safe: numpy scalars as Python numbers, NaN as null."""
+    out = {}
+    for k, v in values.items():
+        v = v.item() if hasattr(v, "item") else v
+        out[k] = None if isinstance(v, float) and math.isnan(v) else v
+    return out
 
 
 def write_progress(folder: str | Path, progress: Progress) -> None:

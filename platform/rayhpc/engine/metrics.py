@@ -7,34 +7,39 @@ outlives worker-group restarts; a restarted group repeats the steps after its
 checkpoint, and their new rows replace the old ones. Ray Train registers a
 checkpoint before it calls the recorder, so a controller killed in between
 leaves a checkpoint whose rows the table lacks: a resumed run's recorder takes
-them from the checkpoint it resumed from (its `rows.json`).
+them from the checkpoint it resumed from (its extra state's `rows`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
 import pandas as pd
-from ray.train import UserCallback
 
 from rayhpc import log as rayhpc_log
-from rayhpc.engine.checkpoint import ROWS_FILE, complete_checkpoints, load_progress, report_rows
+from rayhpc.engine.checkpoint import complete_checkpoints, load_extra, load_progress
 from rayhpc.private import replace_whole
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.parquet"
 TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir <run_dir>/tensorboard`
+EARLIER_ROWS = "earlier_rows"  # a report's key: the step rows held back since the last report, in order
 EVENT_SCALARS = ("loss", "best_val_loss", "samples_per_s", "step_ms", "lr")  # and every val_* value
 
 
-class MetricsRecorder(UserCallback):
+def report_rows(metrics: dict) -> list[dict]:
+    """A report's metrics rows in order: the step rows held back since the last report, then its own."""
+    row = dict(metrics)
+    return [*row.pop(EARLIER_ROWS, []), row]
+
+
+class MetricsRecorder:
     """Appends rank 0's metrics of every report to `metrics.parquet` and TensorBoard events, and
-    logs one line per epoch at `log_level` (it runs in Ray Train's controller process, whose output shows the
-    platform's INFO lines)."""
+    logs one line per epoch at `log_level` (under Ray Train in its controller process, whose output shows the
+    platform's INFO lines: `rayhpc.train.trainer.RecordReports`)."""
 
     def __init__(self, run_dir: Path, epochs: int | None, log_level: int = logging.INFO):
         self.path = Path(run_dir) / METRICS_FILE
@@ -42,9 +47,9 @@ class MetricsRecorder(UserCallback):
         self.rows: list[dict] | None = None  # loaded lazily: a resumed run keeps its earlier rows
         self.tensorboard = Path(run_dir) / TENSORBOARD_DIR
 
-    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+    def record(self, metrics: dict) -> None:
         """Rank 0's report, and the step rows it carries (held back: `rayhpc.train.loop.Worker.report`)."""
-        rows = report_rows(metrics[0])
+        rows = report_rows(metrics)
         row = rows[-1]
         if self.rows is None:
             self.rows = pd.read_parquet(self.path).to_dict("records") if self.path.exists() else []
@@ -75,9 +80,9 @@ class MetricsRecorder(UserCallback):
         """The rows of the checkpoint a run resumed from (the one furthest into training before the step of
         its first report), where the table lacks them; [] where it has them or nothing was resumed."""
         earlier = [p for p in complete_checkpoints(self.path.parent) if load_progress(p).global_step < first_step]
-        if not earlier or not (earlier[-1] / ROWS_FILE).exists():
+        saved = (load_extra(earlier[-1]) or {}).get("rows") if earlier else None
+        if not saved:
             return []
-        saved = json.loads((earlier[-1] / ROWS_FILE).read_text())
         recorded = {(r["global_step"], r["kind"]) for r in self.rows}
         return [] if all((r["global_step"], r["kind"]) in recorded for r in saved) else saved
 

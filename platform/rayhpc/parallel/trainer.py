@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
 import time
@@ -17,9 +16,9 @@ from rayhpc.engine.checkpoint import (
     Progress,
     forget_if_unstarted,
     latest_checkpoint,
+    load_extra,
     load_progress,
     prune,
-    write_progress,
 )
 from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
 from rayhpc.engine.metrics import MetricsRecorder
@@ -38,7 +37,6 @@ from rayhpc.workers.group import WorkerGroup, WorkerGroupError
 
 log = logging.getLogger(__name__)
 
-LOSSES_FILE = "losses.json"  # the loss of every step so far, beside the training job's progress file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +197,7 @@ class _Driver(Runner):
         row.update(self.best.update(self.validation or {}))
         if self.validation:
             self.tracked.log(step + 1, self.validation)
-        self.recorder.after_report(None, [row], None)
+        self.recorder.record(row)
         return False
 
     def save(self, step: int) -> None:
@@ -267,12 +265,10 @@ def describe_layout(cfg: ParallelConfig, params: list[tuple[int, int]], start_se
 
 
 def save(group: WorkerGroup, cfg: ParallelConfig, progress: Progress, losses: list[float]) -> Path:
-    """A sharded checkpoint of the weights after `progress.global_step` steps; the progress file (written once
-    every rank has saved) marks it complete."""
+    """A sharded checkpoint of the weights after `progress.global_step` steps, the losses so far its extra
+    state (`rayhpc.engine.checkpoint.save`, every rank)."""
     path = cfg.experiment_dir / f"checkpoint_{progress.global_step:06d}"
-    group.run(worker.save_checkpoint, str(path))
-    (path / LOSSES_FILE).write_text(json.dumps(losses))
-    write_progress(path, progress)
+    group.run(worker.save_checkpoint, str(path), progress, {"losses": losses})
     return path
 
 
@@ -281,7 +277,7 @@ def resume_point(cfg: ParallelConfig) -> tuple[int, list[float], Path | None]:
     latest = latest_checkpoint(cfg.experiment_dir) if cfg.resume else None
     if latest is None:
         return 0, [], None
-    return load_progress(latest).global_step, json.loads((latest / LOSSES_FILE).read_text()), latest
+    return load_progress(latest).global_step, load_extra(latest)["losses"], latest
 
 
 def format_summary(result: ParallelResult) -> str:

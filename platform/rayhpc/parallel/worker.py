@@ -16,7 +16,6 @@ import functools
 import logging
 import time
 import warnings
-from pathlib import Path
 
 import ray
 import torch
@@ -328,19 +327,18 @@ def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:
     return weights if run.coords["tp"] == run.coords["dp"] == run.coords["fsdp"] == 0 else {}
 
 
-def save_checkpoint(ctx: WorkerContext, path: str) -> None:
-    """Each rank writes its own shards of its stages' weights and optimizer states, and every rank's RNG
-    states go to `rng.pt` (`rayhpc.engine.checkpoint`, the format of every sharded checkpoint)."""
+def save_checkpoint(ctx: WorkerContext, path: str, progress: checkpoint.Progress, extra: dict) -> None:
+    """Each rank writes its own shards of its stages' weights and optimizer states, its RNG states (dropout
+    goes on as it would have), and rank 0 the run's `extra` and `progress`: `rayhpc.engine.checkpoint.save`."""
     run = ctx.state["run"]
-    checkpoint.save_sharded(list(zip(run.parts, run.optimizers)), path)
-    checkpoint.save_rng(Path(path), ctx.device, ctx.rank, ctx.world_size)  # dropout goes on as it would have
+    checkpoint.save(path, list(zip(run.parts, run.optimizers)), progress, sharded=True, device=ctx.device,
+                    rank=ctx.rank, world=ctx.world_size, extra=extra)
 
 
 def load_checkpoint(ctx: WorkerContext, path: str, step: int) -> None:
     """Read this rank's shards back in place (the layout may differ from the one that saved them), and its
     RNG states; the task's own schedulers (if any) continue from optimizer step `step`."""
     run = ctx.state["run"]
-    checkpoint.load_sharded(list(zip(run.parts, run.optimizers)), path)
+    checkpoint.load(path, list(zip(run.parts, run.optimizers)), sharded=True, device=ctx.device, rank=ctx.rank)
     run.schedulers = [run.recipe.task.scheduler(optimizer, run.recipe.hp, step) if scheduler is not None else None
                       for optimizer, scheduler in zip(run.optimizers, run.schedulers)]
-    checkpoint.load_rng(Path(path), ctx.device, ctx.rank)

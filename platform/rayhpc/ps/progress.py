@@ -155,7 +155,7 @@ class Progress:
                "world_size": cfg.compute.num_workers, "num_servers": cfg.compute.num_servers, "mode": cfg.mode,
                "global_batch_size": cfg.global_batch, "batch_size_per_worker": cfg.per_worker_batch,
                "lr": self.hp["lr"] * lr_factor(self.hp, self.end_of(epoch) - 1, self.total)}
-        self.recorder.after_report(None, [row], None)
+        self.recorder.record(row)
         if self.track is not None:
             self.track(row["global_step"], row)
         if not self.records:  # every step so far ran in a session killed before it recorded them

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import math
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -89,7 +90,7 @@ class TrainConfig(DataParallelJob):
                                   "least this often (each send waits for every rank; Prometheus and the trackers "
                                   "get each row at once)")
     init_from: str | None = Field(None, description="start from a sweep trial's weights: SWEEP_DIR (its best "
-                                  "trial by the task's objective) or SWEEP_DIR:TRIAL_ID; the trial's own task "
+                                  "trial by the sweep's objective) or SWEEP_DIR:TRIAL_ID; the trial's own task "
                                   "hyperparameters are the defaults of --hp")
 
     @property
@@ -116,16 +117,31 @@ def bind_train(cfg: DataParallelJob, task) -> tuple[DataParallelJob, dict]:
     return cfg, train_hparams(cfg, task.hp_model)
 
 
-def bind_training(cfg: TrainConfig, task) -> tuple[TrainConfig, dict, Any]:
-    """`bind_train`, and with `init_from` the trial's weights (`rayhpc.tune.weights.TrialWeights`; None
-    without), checked against this run's model before anything starts; the trial's own task
-    hyperparameters fill the ones the run leaves unset."""
-    if cfg.init_from is None:
-        return *bind_train(cfg, task), None
-    from rayhpc.tune.weights import check_fits, trial_weights  # a sweep's checkpoints (torch): only with --init-from
-
-    weights = trial_weights(cfg.init_from, task.objective)
+def bind_training(cfg: TrainConfig, task, weights=None) -> tuple[TrainConfig, dict]:
+    """`bind_train`; with `weights` (a sweep trial's, `rayhpc.tune.weights.trial_weights` of `init_from`),
+    the trial's own task hyperparameters fill the ones the run leaves unset, and the weights are checked
+    against this run's model before anything starts."""
+    if weights is None:
+        return bind_train(cfg, task)
     own = {k: v for k, v in weights.hp.items() if k in task_keys(task.hp_model)}
     cfg, hp = bind_train(cfg.model_copy(update={"hparams": {**own, **cfg.hparams}}), task)
     check_fits(weights, task.initial_model(hp))
-    return cfg, hp, weights
+    return cfg, hp
+
+
+def check_fits(weights, model) -> None:
+    """Refuse (one line) weights that do not fit `model`: a name missing on either side, or a shape."""
+    own, state = model.state_dict(), weights.state
+    problems = [f"{k} missing there" for k in own if k not in state]
+    problems += [f"{k} is not in this run's model" for k in state if k not in own]
+    problems += [f"{k} is {list(state[k].shape)} there, {list(v.shape)} here" for k, v in own.items()
+                 if k in state and state[k].shape != v.shape]
+    if problems:
+        raise ConfigError(f"init_from (--init-from): trial {weights.trial_id}'s weights do not fit this run's "
+                          f"model: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                          + f"; was it another task, or other --hp? it had {_task_hp(weights.hp)}")
+
+
+def _task_hp(hp: dict) -> str:
+    own = {k: v for k, v in hp.items() if k not in PLATFORM_KEYS and not (isinstance(v, float) and math.isnan(v))}
+    return ", ".join(f"{k}={v}" for k, v in own.items()) or "no hyperparameters of its own"

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import socket
+import tempfile
 import time
 from typing import Callable
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
+from rayhpc.engine.metrics import EARLIER_ROWS, report_rows
 from rayhpc.engine.parallelize import parallelize
 from rayhpc.engine.step import batch_size_of
 from rayhpc.monitor.flops import StepFlops, mfu
@@ -105,7 +107,7 @@ class Worker(Runner):
         if hold:
             self.held.append(metrics)
         else:
-            metrics, self.held = ({**metrics, checkpoint.EARLIER_ROWS: self.held} if self.held else metrics), []
+            metrics, self.held = ({**metrics, EARLIER_ROWS: self.held} if self.held else metrics), []
             (self.sink or _ray_train_report)(self, metrics, with_checkpoint)
             self.sent = time.perf_counter()
         self.reported = time.perf_counter()
@@ -148,13 +150,27 @@ class Worker(Runner):
 
 
 def _ray_train_report(w: Worker, metrics: dict, with_checkpoint: bool) -> None:
-    if with_checkpoint:
-        checkpoint.report(metrics, strategy=w.cfg.strategy, model=w.model, optimizer=w.optimizer,
-                          progress=w.progress, rank=w.rank, world=w.world, device=w.device)
-    else:
-        import ray.train
+    """`ray.train.report`, with a checkpoint of every rank's state (each writes its own folder, which Ray
+    Train merges; rank 0's holds the rows the report carries)."""
+    import ray.train  # Ray Train: only where a training run is
 
-        ray.train.report(metrics)
+    if not with_checkpoint:
+        return ray.train.report(metrics)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint.save(tmp, [(w.model, w.optimizer)], w.progress, sharded=w.cfg.strategy == "fsdp",
+                        device=w.device, rank=w.rank, world=w.world, extra={"rows": report_rows(metrics)})
+        has_files = w.cfg.strategy == "fsdp" or w.rank == 0
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp) if has_files else None)
+
+
+def _restore(ckpt, cfg: TrainConfig, model, optimizer, device: torch.device, rank: int):
+    """The Progress of Ray Train's checkpoint `ckpt`, its state loaded into `model`, `optimizer` and this
+    rank's RNG (None: nothing to restore)."""
+    if ckpt is None:
+        return None
+    with ckpt.as_directory() as d:
+        return checkpoint.load(d, [(model, optimizer)], sharded=cfg.strategy == "fsdp", device=device,
+                               rank=rank)[0]
 
 
 def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.device, rank: int, world: int,
@@ -193,9 +209,8 @@ def train_loop_per_worker(config: dict) -> None:
     device = cuda_device(f"rank {ctx.get_world_rank()}") if ray.get_gpu_ids() else get_device()
     device_ready, first_collective = _open_device_and_world(device)
     worker = make_worker(cfg, task, hp, device, ctx.get_world_rank(), ctx.get_world_size(),
-                         lambda model, optimizer: checkpoint.restore(
-                             ray.train.get_checkpoint(), strategy=cfg.strategy, model=model, optimizer=optimizer,
-                             device=device, rank=ctx.get_world_rank()), config.get("init"))
+                         lambda model, optimizer: _restore(ray.train.get_checkpoint(), cfg, model, optimizer,
+                                                           device, ctx.get_world_rank()), config.get("init"))
     began, ended = joined() or (entered, entered)  # the world as the rank joined it (`PrivateRendezvous`)
     worker.startup = {"worker_start_time": process_start(), "process_group_start_time": began,
                       "process_group_time": ended, "train_fn_time": entered, "device_time": device_ready,

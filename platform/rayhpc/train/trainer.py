@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from ray.train import UserCallback
 
 from rayhpc import interrupt
+from rayhpc.config import ConfigError
 from rayhpc.engine.checkpoint import checkpoint_config, forget_if_unstarted
 from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
 from rayhpc.job import start_job
@@ -66,19 +68,20 @@ class TrainResult:
         return phases
 
 
-def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callbacks: tuple = ()) -> TrainResult:
+def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callbacks: tuple = (),
+                 weights=None) -> TrainResult:
     """Train (or resume) the run `cfg` describes; every input error is raised before Ray starts.
 
-    `callbacks` are extra `ray.train.UserCallback`s (tests use one to kill a worker).
+    `callbacks` are extra `ray.train.UserCallback`s (tests use one to kill a worker); `weights`, with
+    `init_from`, the sweep trial's it names (`rayhpc.tune.weights.trial_weights`: the command reads them,
+    the sweep's folder being the layer above this one).
     """
-    init = {}
-
-    def bind(c: TrainConfig, task):
-        c, hp, init["weights"] = bind_training(c, task)
-        return c, hp
-
-    job = start_job(cfg, explicit, bind=bind, workers=lambda c: c.compute.num_workers)
-    cfg, weights = job.cfg, init["weights"]
+    if (cfg.init_from is None) != (weights is None):
+        raise ConfigError(f"init_from {cfg.init_from!r} with weights {'given' if weights else 'None'}: "
+                          "run_training takes a trial's weights with init_from, and only with it")
+    job = start_job(cfg, explicit, bind=lambda c, task: bind_training(c, task, weights),
+                    workers=lambda c: c.compute.num_workers)
+    cfg = job.cfg
     if weights is not None:
         log.info("init: the weights of trial %s (%s)", weights.trial_id, weights.checkpoint)
     hp = train_hparams(cfg, job.task.hp_model)
@@ -115,6 +118,17 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     return done
 
 
+class RecordReports(UserCallback):
+    """Ray Train's reports into the run's metrics record, in Ray Train's controller process (it outlives
+    worker-group restarts): rank 0's metrics."""
+
+    def __init__(self, recorder: MetricsRecorder):
+        self.recorder = recorder
+
+    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        self.recorder.record(metrics[0])
+
+
 def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), log_level: int = logging.INFO,
                  init: dict | None = None):
     """The TorchTrainer for `cfg` on `task` with hyperparameters `hp` (and initial weights `init`): NCCL on
@@ -139,7 +153,7 @@ def make_trainer(cfg: TrainConfig, task, hp: dict, callbacks: tuple = (), log_le
             name=cfg.name, storage_path=str(cfg.storage_path.resolve()),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=checkpoint_config(cfg.checkpoint, task.objective, ray.train.CheckpointConfig),
-            callbacks=[MetricsRecorder(cfg.experiment_dir, cfg.epochs, log_level), *callbacks],
+            callbacks=[RecordReports(MetricsRecorder(cfg.experiment_dir, cfg.epochs, log_level)), *callbacks],
             # Ray Train logs every report at INFO; the recorder logs one line per epoch instead
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
@@ -190,9 +204,8 @@ def upload_weights(cfg: TrainConfig, result, task, hp: dict) -> None:
     import functools
     import tempfile
 
-    from rayhpc.engine.checkpoint import load_full_state_dict
+    from rayhpc.engine.checkpoint import load_full_state_dict, write_export
     from rayhpc.tracking.runs import job_run
-    from rayhpc.tune.export import write_trial
 
     pick, metrics = result.checkpoint, result.metrics or {}
     name, mode = task.objective
@@ -200,7 +213,7 @@ def upload_weights(cfg: TrainConfig, result, task, hp: dict) -> None:
     if cfg.tracking.log_checkpoint == "best" and scored:
         pick, metrics = (min if mode == "min" else max)(scored, key=lambda cm: cm[1][name])
     folder = Path(tempfile.mkdtemp(prefix="rayhpc-artifact-"))  # 0700, an unpredictable name
-    write_trial(folder, hp, load_full_state_dict(pick.path), {k: v for k, v in metrics.items()
-                                                              if isinstance(v, (int, float, str))})
+    write_export(folder, hp, load_full_state_dict(pick.path),
+                 {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))})
     with job_run(cfg, hp, "train") as run:  # the run rank 0 wrote, continued for its weights
         run.artifact = functools.partial(Path, folder)

@@ -8,20 +8,15 @@ model.load_state_dict(torch.load("model.pt"))`), `hp.json` (every hyperparameter
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from pathlib import Path
 
-import torch
-
-from rayhpc.config import ConfigError, load_yaml, validate
-from rayhpc.engine.checkpoint import complete_checkpoints
+from rayhpc.config import ConfigError
+from rayhpc.engine.checkpoint import complete_checkpoints, load_extra, write_export
 from rayhpc.private import UnsafePath, check_trusted, private_dir
-from rayhpc.tune.trainable import PACK_FILE, member_values
-from rayhpc.tune.weights import checkpoint_weights, trial_weights
-
-MODEL_FILE, HP_FILE, METRICS_FILE = "model.pt", "hp.json", "metrics.json"
+from rayhpc.tune.trainable import member_values
+from rayhpc.tune.weights import checkpoint_weights, sweep_objective, trial_weights
 
 
 def export_best(sweep: Path, k: int, dest: Path) -> list[Path]:
@@ -48,28 +43,9 @@ def export_best(sweep: Path, k: int, dest: Path) -> list[Path]:
     out = []
     for _, row in best.iterrows():
         weights = trial_weights(f"{sweep}:{row['trial_id']}", objective)
-        out.append(write_trial(dest.expanduser().resolve() / str(row["trial_id"]), weights.hp, weights.state,
-                               _plain(row.to_dict())))
+        out.append(write_export(dest.expanduser().resolve() / str(row["trial_id"]), weights.hp, weights.state,
+                               row.to_dict()))
     return out
-
-
-def sweep_objective(sweep: Path) -> tuple[str, str]:
-    """The objective the sweep optimised: its first `objective`, else its task's (the task its `sweep.yaml`
-    names)."""
-    from rayhpc.task import task_for
-    from rayhpc.tune.config import SweepConfig
-
-    cfg = validate(SweepConfig, load_yaml(sweep / "sweep.yaml"))
-    return cfg.objectives[0] if cfg.objectives else task_for(cfg.task, cfg.data).objective
-
-
-def write_trial(folder: Path, hp: dict, state: dict, metrics: dict) -> Path:
-    """`folder` (made 0700) with the trial's `model.pt`, `hp.json` and `metrics.json`."""
-    private_dir(folder)
-    torch.save(state, folder / MODEL_FILE)
-    (folder / HP_FILE).write_text(json.dumps(_plain(hp), indent=1, sort_keys=True))
-    (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
-    return folder
 
 
 def write_checkpoint_artifact(trial_dir: Path, member: int, hp: dict, which: str,
@@ -89,20 +65,11 @@ def write_checkpoint_artifact(trial_dir: Path, member: int, hp: dict, which: str
             chosen, metrics = pick(scored, key=lambda cm: cm[1][objective[0]])
     hp, state = checkpoint_weights(chosen, member, hp)
     folder = Path(tempfile.mkdtemp(prefix="rayhpc-artifact-"))  # 0700, an unpredictable name
-    return write_trial(folder, hp, state, {**metrics, "checkpoint": chosen.name})
+    return write_export(folder, hp, state, {**metrics, "checkpoint": chosen.name})
 
 
 def _member_metrics(folder: Path, member: int) -> dict:
-    if not (folder / PACK_FILE).exists():
+    state = (load_extra(folder) or {}).get("pack")
+    if state is None:
         return {}
-    state = torch.load(folder / PACK_FILE, map_location="cpu", weights_only=True)
     return member_values((state.get("metrics") or {}).get("members") or {}, member)
-
-
-def _plain(values: dict) -> dict:
-    """JSON-safe: numpy scalars as Python numbers, NaN as null."""
-    out = {}
-    for k, v in values.items():
-        v = v.item() if hasattr(v, "item") else v
-        out[k] = None if isinstance(v, float) and math.isnan(v) else v
-    return out

@@ -110,25 +110,18 @@ class _Single(Runner):
         return self.on_epoch is not None and bool(self.on_epoch(epoch + 1, self.values, self.trained.model))
 
     def save(self, epoch: int, step: int) -> None:
-        """The state after epoch `epoch` (global step `step`), its values and best so far with it; the
-        progress file last (it marks the folder complete), then the older checkpoints go."""
-        folder = self.checkpoints / f"checkpoint_{step:06d}"
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a killed run's half-written one is rewritten
-        checkpoint.save_whole(folder, self.trained.model, self.trained.optimizer)
-        checkpoint.save_rng(folder, self.device)
-        (folder / VALUES_FILE).write_text(json.dumps({"values": self.values, "best": self.tracker.so_far}))
-        checkpoint.write_progress(folder, checkpoint.Progress(epoch=epoch + 1, global_step=step))
+        """The state after epoch `epoch` (global step `step`), its values and best so far as the extra state;
+        then the older checkpoints go."""
+        checkpoint.save(self.checkpoints / f"checkpoint_{step:06d}", [(self.trained.model, self.trained.optimizer)],
+                        checkpoint.Progress(epoch=epoch + 1, global_step=step), sharded=False, device=self.device,
+                        extra={"values": self.values, "best": self.tracker.so_far})
         checkpoint.prune(self.checkpoints, 1)
 
     def restore(self, folder: Path) -> None:
-        checkpoint.load(folder, strategy="ddp", model=self.trained.model, optimizer=self.trained.optimizer,
-                        device=self.device)
-        saved = json.loads((folder / VALUES_FILE).read_text())
+        _, saved = checkpoint.load(folder, [(self.trained.model, self.trained.optimizer)], sharded=False,
+                                   device=self.device)
         self.values, self.tracker.so_far = saved["values"], saved["best"]
         self.best = self.tracker.update({})
-
-
-VALUES_FILE = "values.json"  # an array task's checkpoint: the last epoch's values and the best so far
 
 
 def _loss(task: LoadedTask, model, batch, precision: str, device: torch.device) -> torch.Tensor:

@@ -35,8 +35,6 @@ from rayhpc.tune.objectives import PER_MEMBER, measure_member, peak_memory_mb
 from rayhpc.tune.packing import SinglePack, make_pack, member_slice
 from rayhpc.tune.pbt import MUTABLE, PbtRules, exploit_explore
 
-PACK_FILE = "pack.pt"  # what the members did (values, best, who stopped, PBT's rounds), beside model.pt
-
 
 @dataclass(frozen=True)
 class TrialSettings:
@@ -388,18 +386,19 @@ def flat_members(result: dict) -> dict:
 
 
 def _save(folder: Path, state: dict, pack, opt, step: int, device: torch.device) -> None:
-    """The pack's checkpoint after optimizer step `step`, in the layout of every job's
-    (`rayhpc.engine.checkpoint`), `pack.pt` beside."""
-    checkpoint.save_whole(folder, pack, opt)
-    checkpoint.save_rng(folder, device)
-    torch.save(state, folder / PACK_FILE)
-    checkpoint.write_progress(folder, checkpoint.Progress(epoch=state["epoch"], global_step=step,
-                                                          train_seconds=state["seconds"]))
+    """The pack's checkpoint after optimizer step `step`: every job's (`rayhpc.engine.checkpoint`), what the
+    members did as its extra state."""
+    checkpoint.save(folder, [(pack, opt)], checkpoint.Progress(epoch=state["epoch"], global_step=step,
+                                                               train_seconds=state["seconds"]),
+                    sharded=False, device=device, extra={"pack": state})
 
 
-def load_pack_state(folder: Path) -> dict:
-    """A pack checkpoint's state as `train_pack` keeps it: `pack.pt` with the model, optimizer and RNG."""
-    state = torch.load(folder / PACK_FILE, map_location="cpu", weights_only=True)
+def load_pack_state(folder: Path) -> dict | None:
+    """A pack checkpoint's state as `train_pack` keeps it, with the model, optimizer and RNG; None where the
+    checkpoint is not a pack's."""
+    state = (checkpoint.load_extra(folder) or {}).get("pack")
+    if state is None:
+        return None
     weights = torch.load(folder / checkpoint.DDP_FILE, map_location="cpu", weights_only=True)
     return {**state, **weights, "rng": torch.load(folder / checkpoint.RNG_FILE, weights_only=True)}
 

@@ -11,10 +11,10 @@ keeps a `WorkerGroup` of N ranks (one gloo or NCCL process group, GPUs pinned fo
 - each trial builds its model, optimizer and data shard on the warm ranks with the training
   job's code (`make_worker`: DDP or FSDP2, `DistributedSampler` order, seeded initialisation),
   after dropping the previous trial's state, and runs the training job's epoch (`run_epoch`);
-- rank 0's rows come back with the state as bytes (DDP's `model.pt` layout, FSDP gathered to
-  full tensors) and every rank's RNG states (so that dropout after a resume draws what it would
-  have), and the trial process writes the checkpoint and calls `tune.report`: ASHA,
-  Optuna, `--resume` and requeue see an ordinary function trial;
+- rank 0's rows come back with the files of each rank's checkpoint folder (`checkpoint.save`, as
+  under Ray Train: DDP's `model.pt`, FSDP's DCP shards, every rank's RNG states so that dropout
+  after a resume draws what it would have), which the trial process merges into one checkpoint for
+  `tune.report`: ASHA, Optuna, `--resume` and requeue see an ordinary function trial;
 - Tune's function trials report synchronously: a trial ASHA stops ends inside `tune.report`,
   between two epochs, with the group idle; the next trial on this process takes it as it is;
 - a rank that dies fails the group's call (`WorkerGroupError`): the group is started again in
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import io
 import json
 import logging
 import tempfile
@@ -38,7 +37,6 @@ import torch
 from rayhpc.config import Compute, Optim, Schedule
 from rayhpc.engine import checkpoint
 from rayhpc.engine.metrics import MetricsRecorder
-from rayhpc.engine.parallelize import unwrap
 from rayhpc.task.failure import cause_of
 from rayhpc.task.hparams import PLATFORM_KEYS
 from rayhpc.task.load import LoadedTask
@@ -91,13 +89,13 @@ def _drop_group() -> None:
         _WARM = None
 
 
-@dataclasses.dataclass
-class Saved:
-    """A trial's latest checkpoint as the trial process holds it."""
+# A trial's latest checkpoint as the trial process holds it: the files of the folder every rank's
+# `checkpoint.save` wrote (each its own, merged as Ray Train merges its ranks'), by name
+Saved = dict[str, bytes]
 
-    state: bytes  # torch.save({"model", "optim"}): `checkpoint.DDP_FILE`'s layout
-    progress: dict  # `checkpoint.Progress` as a dict
-    rng: bytes  # torch.save of every rank's RNG states, by rank: dropout after a resume draws as before
+
+def _progress(saved: Saved | None) -> checkpoint.Progress:
+    return checkpoint.Progress(**json.loads(saved[checkpoint.PROGRESS_FILE])) if saved else checkpoint.Progress()
 
 
 def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -> TrainConfig:
@@ -138,7 +136,7 @@ def train_warm_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfi
             _drop_group()
             if failures > sweep.max_failures:
                 raise
-            epoch = trial.saved.progress["epoch"] if trial.saved else 0
+            epoch = _progress(trial.saved).epoch
             cause = f" ({cause_of(exc.failed[min(exc.failed)])})" if exc.failed else ""
             log.warning(f"{cfg.name}: {str(exc).splitlines()[0]}{cause}; starting the worker group again, the trial "
                         f"goes on after epoch {epoch} (failure {failures} of at most {sweep.max_failures})")
@@ -165,25 +163,23 @@ class Trial:
         local = warm.group.run(_setup, self.cfg, self.task, self.hp, [saved])
         (elements, epochs), *_ = local
         extra |= {"setup_s": time.perf_counter() - started, "rank0_param_elements": elements}
-        for epoch in range(self.saved.progress["epoch"] if self.saved else 0, epochs):
+        for epoch in range(_progress(self.saved).epoch, epochs):
             by_rank = warm.group.run(_epoch, epoch)
             for reports in zip(*by_rank):  # one report, as every rank saw it
-                metrics, blob, progress, _ = reports[0]
-                rng = _to_bytes([r[3] for r in reports]) if blob is not None else None
-                self._report({**metrics, **extra}, Saved(blob, progress, rng) if blob is not None else None)
+                metrics, files = reports[0]
+                merged = {k: v for _, rank_files in reports for k, v in (rank_files or {}).items()}
+                self._report({**metrics, **extra}, merged if files is not None else None)
 
     def _report(self, metrics: dict, saved: Saved | None) -> None:
         from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
-        self.recorder.after_report(None, [metrics], None)
+        self.recorder.record(metrics)
         if saved is None:
             tune.report(metrics)
             return
         self.saved = saved
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / checkpoint.DDP_FILE).write_bytes(saved.state)
-            (Path(tmp) / checkpoint.RNG_FILE).write_bytes(saved.rng)
-            (Path(tmp) / checkpoint.PROGRESS_FILE).write_text(json.dumps(saved.progress))
+            _write(tmp, saved)
             # a trial that ASHA stopped ends in here (SystemExit from Tune), its group idle
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
 
@@ -193,32 +189,37 @@ def _load(ckpt) -> Saved | None:
     if ckpt is None:
         return None
     with ckpt.as_directory() as d:
-        return Saved((Path(d) / checkpoint.DDP_FILE).read_bytes(),
-                     json.loads((Path(d) / checkpoint.PROGRESS_FILE).read_text()),
-                     (Path(d) / checkpoint.RNG_FILE).read_bytes())
+        return _read(d)
 
 
-def _to_bytes(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+def _read(folder: str) -> Saved:
+    return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
+
+
+def _write(folder: str, saved: Saved) -> None:
+    for name, data in saved.items():
+        (Path(folder) / name).write_bytes(data)
 
 
 # --- on every rank of the group
 
 
 class Collected:
-    """A rank's reports of one epoch call: (metrics, state bytes, progress, its RNG states); the first
-    three on rank 0 only, the state and the rest only for a report with a checkpoint."""
+    """A rank's reports of one epoch call: (metrics, the files of its checkpoint folder): the metrics on
+    rank 0 only, the files only for a report with a checkpoint (`checkpoint.save`, the layout of every job's:
+    FSDP's DCP shards, as under Ray Train)."""
 
     def __init__(self):
         self.reports: list[tuple] = []
 
     def __call__(self, w: Worker, metrics: dict, with_checkpoint: bool) -> None:
-        blob = _state_bytes(w) if with_checkpoint else None  # a collective under FSDP: every rank
-        rng = checkpoint.rng_state(w.device) if with_checkpoint else None
-        progress = dataclasses.asdict(w.progress) if with_checkpoint else None
-        self.reports.append((metrics, blob, progress, rng) if w.rank == 0 else (None, None, None, rng))
+        files = None
+        if with_checkpoint:  # a collective where the ranks share the state (RNG, FSDP's shards): every rank
+            with tempfile.TemporaryDirectory() as tmp:
+                checkpoint.save(tmp, [(w.model, w.optimizer)], w.progress, sharded=w.cfg.strategy == "fsdp",
+                                device=w.device, rank=w.rank, world=w.world)
+                files = _read(tmp)
+        self.reports.append((metrics if w.rank == 0 else None, files))
 
 
 def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, saved: list) -> tuple[int, int]:
@@ -236,15 +237,15 @@ def _setup(ctx: WorkerContext, cfg: TrainConfig, task: LoadedTask, hp: dict, sav
     (ref,) = saved  # in a list, so that Ray hands the reference over instead of resolving it per call
     saved = ray.get(ref) if ref is not None else None
 
-    def restore(model, optimizer):
+    def restore(model, optimizer):  # after the model's seeded initialisation: the RNG goes on where it stopped
         if saved is None:
             return None
-        _load_state(model, optimizer, saved.state, cfg.strategy, ctx.device)
-        return checkpoint.Progress(**saved.progress)
+        with tempfile.TemporaryDirectory() as tmp:
+            _write(tmp, saved)
+            return checkpoint.load(tmp, [(model, optimizer)], sharded=cfg.strategy == "fsdp", device=ctx.device,
+                                   rank=ctx.rank)[0]
 
     worker = make_worker(cfg, task, hp, ctx.device, ctx.rank, ctx.world_size, restore)
-    if saved is not None:  # after the model's seeded initialisation: the stream goes on where it stopped
-        checkpoint.set_rng_state(torch.load(io.BytesIO(saved.rng), weights_only=True)[ctx.rank], ctx.device)
     worker.sink = ctx.state["sink"] = Collected()
     ctx.state["trial"] = worker
     return _local_elements(worker.model), worker.epochs
@@ -262,32 +263,3 @@ def _epoch(ctx: WorkerContext, epoch: int) -> list[tuple]:
     sink.reports = []
     run_epoch(ctx.state["trial"], epoch)
     return sink.reports
-
-
-def _state_bytes(w: Worker) -> bytes | None:
-    """Model and optimizer state, whole, as `torch.save` bytes on rank 0 (None elsewhere)."""
-    if w.cfg.strategy == "fsdp":
-        # DCP: about 1 s to import, only for sharded checkpoints
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        # every rank takes part in the gather; rank 0 ends with the full tensors on the CPU
-        model, optim = get_state_dict(w.model, w.optimizer,
-                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    elif w.rank == 0:
-        model, optim = unwrap(w.model).state_dict(), w.optimizer.state_dict()
-    if w.rank != 0:
-        return None
-    return _to_bytes({"model": model, "optim": optim})  # a copy: training goes on after this report
-
-
-def _load_state(model, optimizer, blob: bytes, strategy: str, device: torch.device) -> None:
-    state = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
-    if strategy == "fsdp":
-        # DCP: about 1 s to import, only for sharded checkpoints
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(full_state_dict=True))
-    else:
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])

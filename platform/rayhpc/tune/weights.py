@@ -2,7 +2,7 @@
 SWEEP_DIR[:TRIAL_ID]` starts from.
 
 A trial's weights are in its Tune trial's last checkpoint, in the format of the runner that
-trained it: a pack's stacked state (`model.pt` with `pack.pt`: the member is sliced out and, for the
+trained it: a pack's stacked state (`model.pt` with its members in `extra.pt`: the member is sliced out and, for the
 built-in MLP's padded pack, cut back to its own width), a warm trial's `model.pt`, or a
 TorchTrainer trial's checkpoint (`model.pt` or FSDP's DCP shards, gathered). Everything read
 is checked first to be this user's alone (`check_trusted`): a checkpoint is never loaded
@@ -12,20 +12,18 @@ from where another user could have written it.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rayhpc.config import ConfigError
+from rayhpc.config import ConfigError, load_yaml, validate
 from rayhpc.engine.checkpoint import latest_checkpoint, load_full_state_dict
 from rayhpc.private import UnsafePath, check_trusted
-from rayhpc.task.hparams import PLATFORM_KEYS
 from rayhpc.tune.packing import member_state_dict
 from rayhpc.tune.plan import PLAN_FILE, load_plan
 from rayhpc.tune.results import read_results
-from rayhpc.tune.trainable import PACK_FILE, load_pack_state, members_of
+from rayhpc.tune.trainable import load_pack_state, members_of
 
 KEY = "init_from (--init-from)"
 
@@ -38,16 +36,17 @@ class TrialWeights:
     checkpoint: Path
 
 
-def trial_weights(spec: str, objective: tuple[str, str]) -> TrialWeights:
+def trial_weights(spec: str, objective: tuple[str, str] | None = None) -> TrialWeights:
     """The weights of the trial `spec` names: `SWEEP_DIR:TRIAL_ID`, or `SWEEP_DIR` for its best trial by
-    `objective` (name, "min" or "max"). Any problem is one `ConfigError` line naming --init-from."""
+    `objective` (name, "min" or "max"; by default the sweep's own, `sweep_objective`). Any problem is one
+    `ConfigError` line naming --init-from."""
     folder, _, trial_id = spec.partition(":") if not Path(spec).is_dir() else (spec, "", "")
     sweep = Path(folder).expanduser().resolve()
     if not (sweep / "sweep.yaml").is_file():
         raise ConfigError(f"{KEY} {spec}: {sweep} is not a sweep's folder (it has no sweep.yaml)")
     _trusted(sweep, below=True)  # its table, plan, trials and checkpoints: everything read below
     table = read_results(sweep)
-    row = _pick(table, trial_id, objective, spec)
+    row = _pick(table, trial_id, objective or (None if trial_id else sweep_objective(sweep)), spec)
     tune_id, member = (row["trial_id"].rsplit("-", 1)[0], int(row["trial_id"].rsplit("-", 1)[1])) \
         if row["pack_size"] > 1 else (row["trial_id"], 0)
     trial_dir, last = _checkpoint(sweep, tune_id, row["trial_id"], spec)
@@ -56,11 +55,20 @@ def trial_weights(spec: str, objective: tuple[str, str]) -> TrialWeights:
     return TrialWeights(row["trial_id"], hp, state, last)
 
 
+def sweep_objective(sweep: Path) -> tuple[str, str]:
+    """The objective the sweep optimised: its first `objective`, else its task's (the task its `sweep.yaml`
+    names)."""
+    from rayhpc.task import task_for
+    from rayhpc.tune.config import SweepConfig
+
+    cfg = validate(SweepConfig, load_yaml(sweep / "sweep.yaml"))
+    return cfg.objectives[0] if cfg.objectives else task_for(cfg.task, cfg.data).objective
+
+
 def checkpoint_weights(folder: Path, member: int, hp: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """(hyperparameters, state dict) of member `member` (0 unless packed) in one checkpoint of a trial;
     `hp`: as planned (PBT's changes, kept in a pack's checkpoint, are applied)."""
-    if (folder / PACK_FILE).exists():
-        state = load_pack_state(folder)
+    if (state := load_pack_state(folder)) is not None:
         return {**hp, **(state["hp"][member] if state["hp"] else {})}, member_state_dict(state, member)
     return hp, load_full_state_dict(folder)
 
@@ -108,21 +116,3 @@ def _checkpoint(sweep: Path, tune_id: str, trial_id: str, spec: str) -> tuple[Pa
 def _members(sweep: Path, config: dict) -> list[dict]:
     packs = load_plan(sweep) if (sweep / PLAN_FILE).exists() else None
     return members_of(config, packs)
-
-
-def check_fits(weights: TrialWeights, model: torch.nn.Module) -> None:
-    """Refuse (one line) weights that do not fit `model`: a name missing on either side, or a shape."""
-    own, state = model.state_dict(), weights.state
-    problems = [f"{k} missing there" for k in own if k not in state]
-    problems += [f"{k} is not in this run's model" for k in state if k not in own]
-    problems += [f"{k} is {list(state[k].shape)} there, {list(v.shape)} here" for k, v in own.items()
-                 if k in state and state[k].shape != v.shape]
-    if problems:
-        raise ConfigError(f"{KEY}: trial {weights.trial_id}'s weights do not fit this run's model: {problems[0]}"
-                          + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-                          + f"; was it another task, or other --hp? it had {_task_hp(weights.hp)}")
-
-
-def _task_hp(hp: dict) -> str:
-    own = {k: v for k, v in hp.items() if k not in PLATFORM_KEYS and not (isinstance(v, float) and math.isnan(v))}
-    return ", ".join(f"{k}={v}" for k, v in own.items()) or "no hyperparameters of its own"

@@ -153,10 +153,10 @@ class Schedule(StrictModel):
 
 
 class Checkpoints(StrictModel):
-    """How many checkpoints are kept (a sweep's `checkpoint:` section; its trials checkpoint every epoch)."""
+    """How many checkpoints are kept, in every job (a sweep's `checkpoint:` section: its trials checkpoint every epoch)."""
 
-    keep: int = Field(1, ge=1, description="checkpoints kept per trial (the latest is what resume needs; at "
-                      "10,000 trials each more is 10,000 more folders)",
+    keep: int = Field(1, ge=1, description="checkpoints kept, the latest ones, per run or trial (the latest is what "
+                      "resume needs; at 10,000 trials each more is 10,000 more folders)",
                       json_schema_extra={"flag": "--keep-checkpoints"})
 
 
@@ -173,8 +173,6 @@ class StepCheckpoints(Checkpoints):
 
     every: int | None = Field(None, ge=1, description="checkpoint every K optimizer steps (training runs also at "
                               "each epoch's end)", json_schema_extra={"flag": "--checkpoint-every"})
-    keep: int = Field(2, ge=1, description="checkpoints kept, the latest ones (the latest is what resume needs)",
-                      json_schema_extra={"flag": "--keep-checkpoints"})
 
 
 J = TypeVar("J", bound=JobConfig)

@@ -15,7 +15,7 @@ from bench.parallel_layouts import GPT_LAYOUTS as GPT_BENCH
 
 from helpers import CPUS, ROOT, run_job, run_job_warm, too_many_gpu_workers
 from parallel_reference import reference_run
-from rayhpc.config import ConfigError, validate
+from rayhpc.config import ConfigError, JobFailed, validate
 from rayhpc.parallel import ParallelConfig, run_parallel, worker
 from rayhpc.parallel.trainer import make_recipe
 from rayhpc.workers import WorkerGroup, WorkerGroupError
@@ -81,6 +81,47 @@ def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
     assert_equal_to_reference(resumed, cfg)
 
 
+FAILS_ONCE = '''
+import torch.distributed as dist
+
+from rayhpc.task.mlp import MLPTask
+
+MARKER = {marker!r}
+
+
+class FailsOnce(MLPTask):
+    calls = 0
+
+    def loss(self, model, batch):  # rank 1's third step fails, the first time only (the marker says it did)
+        if dist.is_initialized() and dist.get_rank() == 1:
+            self.calls += 1
+            if self.calls == 3 and not __import__("os").path.exists(MARKER):
+                open(MARKER, "w").close()
+                raise RuntimeError("rank 1 fails once")
+        return super().loss(model, batch)
+'''
+
+
+@pytest.mark.parametrize("max_failures", [1, 0])
+def test_a_failed_rank_restarts_the_group_from_the_latest_checkpoint_up_to_max_failures(max_failures, ray_address,
+                                                                                       tmp_path):
+    """As Ray Train restarts a failed worker group: rank 1 fails at step 3, the group starts again from step 2's
+    checkpoint and ends equal to an uninterrupted run; with max_failures 0 the failure ends the run."""
+    marker = tmp_path / "failed-once"
+    (tmp_path / "fails.py").write_text(FAILS_ONCE.format(marker=str(marker)))
+    cfg = parallel_cfg(task=f"{tmp_path / 'fails.py'}:FailsOnce", hparams=MLP_HP, dp=2, steps=4,
+                       checkpoint={"every": 2}, max_failures=max_failures, storage_path=tmp_path)
+    if not max_failures:
+        with pytest.raises(JobFailed, match="RuntimeError: rank 1 fails once"):
+            run_parallel(cfg, log_level=logging.DEBUG)
+        return
+    result = run_parallel(cfg, log_level=logging.DEBUG)
+    assert marker.exists(), "rank 1 never failed"
+    assert len(result.step_seconds) == 2, "the restarted group did not start from step 2's checkpoint"
+    assert len(result.losses) == 4
+    assert_equal_to_reference(result, cfg)
+
+
 def test_the_job_script_trains_and_prints_an_epoch_line_and_a_metrics_row_each(ray_address, tmp_path):
     """Two epochs of 52 steps (the last batch of each 6 samples, which 2 microbatches split): a line and a
     `metrics.parquet` row per epoch (as the training job's), the loss of each the epoch's mean; no line per step."""
@@ -97,9 +138,8 @@ def test_the_job_script_trains_and_prints_an_epoch_line_and_a_metrics_row_each(r
     assert rows["loss"].iloc[1] < 0.5 * rows["loss"].iloc[0] and (rows["val_loss"] > 0).all(), rows
     for line, (_, row) in zip(epochs, rows.iterrows()):
         assert f"loss {row['loss']:.4g}, val_loss {row['val_loss']:.4g}" in line, (line, row)
-    # every job's cadence without --checkpoint-every: a checkpoint at each epoch's end
-    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint_*")) == ["checkpoint_000052",
-                                                                            "checkpoint_000104"]
+    # every job's cadence without --checkpoint-every: a checkpoint at each epoch's end, the latest kept
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint_*")) == ["checkpoint_000104"]
     assert f"checkpoint: {tmp_path / 'run' / 'checkpoint_000104'}" in proc.stdout, proc.stdout
 
 

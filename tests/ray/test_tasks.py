@@ -459,7 +459,7 @@ class FailsOnTheRanks:
 
 @pytest.mark.parametrize("script, args, ranks", [
     # our worker group waits for every rank: both are named
-    ("train_parallel.py", ["--dp", "2", "--steps", "2"],
+    ("train_parallel.py", ["--dp", "2", "--steps", "2", "--max-failures", "0"],
      [["rank 0 (pp=0, dp=0, fsdp=0, tp=0)", "rank 1 (pp=0, dp=1, fsdp=0, tp=0)"]]),
     # Ray Train's controller ends the run at the first poll that sees a failed rank: the other may not have
     # failed by then, so either rank alone, or both, is what it reports

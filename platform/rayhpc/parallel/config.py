@@ -57,7 +57,6 @@ class ParallelConfig(TrainingJob):
     uploads_weights: ClassVar[bool] = False  # sharded: tracking.log_checkpoint is refused
     parallelism: Parallelism = Parallelism()
     compute: ParallelCompute = ParallelCompute()
-    global_batch_size: int = Field(32, ge=1, description="samples per optimizer step over all replicas")
     eval_every: int | None = Field(None, ge=1, description="validation loss every K steps (always after the last "
                                    "step, when the task has validation data)")
     timeout_s: float = Field(120.0, gt=0, description="longest wait for any rank before the run fails")
@@ -89,10 +88,10 @@ class ParallelConfig(TrainingJob):
         return epoch_steps(n_train, self.replica_batch, self.parallelism.replicas)
 
     def with_steps(self, n_train: int) -> "ParallelConfig":
-        """This config with `steps` set: as given, else from `epochs` over `n_train` samples, else 20; a
+        """This config with `steps` set: as given, else from `epochs` over `n_train` samples; a
         pipeline's last batch of an epoch checked to split into its equal microbatches."""
         p, per_epoch = self.parallelism, self.steps_per_epoch(n_train)
-        steps = self.steps or (self.epochs * per_epoch if self.epochs else 20)
+        steps = self.steps or self.epochs * per_epoch
         tail = math.ceil(n_train / p.replicas) - (per_epoch - 1) * self.replica_batch
         parts = self.accumulate * p.n_microbatches
         if p.pp > 1 and tail % parts and steps >= per_epoch:

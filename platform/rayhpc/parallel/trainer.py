@@ -30,7 +30,7 @@ from rayhpc.parallel.recipe import Recipe
 from rayhpc.task import task_for
 from rayhpc.task.batches import collate
 from rayhpc.task.check import CHECK_BATCH
-from rayhpc.task.failure import rank_failure
+from rayhpc.task.failure import cause_of, rank_failure
 from rayhpc.tracking.runs import job_run
 from rayhpc.train.config import train_hparams
 from rayhpc.workers.group import WorkerGroup, WorkerGroupError
@@ -84,13 +84,22 @@ def run_parallel(cfg: ParallelConfig, *, explicit: set[str] = frozenset(), log_l
     recipe = made["recipe"]
     cfg = recipe.cfg  # the resolved config (resume, CPUs per rank), its steps counted from `epochs` if given
     recipe.task.ship()
-    try:
-        return _run(cfg, recipe, made, log_level)
-    except WorkerGroupError as exc:
-        forget_if_unstarted(cfg)
-        if not exc.failed:  # ranks that did not answer in time: the summary is one line
-            raise JobFailed(str(exc).splitlines()[0]) from None
-        raise rank_failure(exc.failed, cfg.experiment_dir, recipe.task.spec, exc.what, exc.describe) from None
+    for failures in range(cfg.max_failures + 1):
+        try:
+            return _run(cfg, recipe, made, log_level)
+        except WorkerGroupError as exc:
+            if failures == cfg.max_failures:
+                forget_if_unstarted(cfg)
+                if not exc.failed:  # ranks that did not answer in time: the summary is one line
+                    raise JobFailed(str(exc).splitlines()[0]) from None
+                raise rank_failure(exc.failed, cfg.experiment_dir, recipe.task.spec, exc.what, exc.describe) from None
+            # as Ray Train restarts a failed group (max_failures): a new group, from the latest checkpoint
+            cfg = cfg.model_copy(update={"resume": True})
+            cause = f" ({cause_of(exc.failed[min(exc.failed)])})" if exc.failed else ""
+            latest = latest_checkpoint(cfg.experiment_dir)
+            log.warning(f"{cfg.name}: {str(exc).splitlines()[0]}{cause}; starting the worker group again from "
+                        f"{latest.name if latest else 'the start'} (failure {failures + 1} of at most "
+                        f"{cfg.max_failures})")
 
 
 def _run(cfg: ParallelConfig, recipe: Recipe, made: dict, log_level: int) -> ParallelResult:

@@ -30,8 +30,6 @@ class PSConfig(DataParallelJob):
     staleness: int | None = Field(None, ge=0, description="async: a worker runs at most K steps ahead of the "
                                   "slowest (unset: unbounded)")
     compute: PSCompute = PSCompute()
-    max_failures: int = Field(2, ge=0, description="worker replacements and server restarts before the run fails "
-                              "(2, as in train and sweeps)")
     timeout_s: float = Field(120.0, gt=0, description="longest wait for a pull, a push or a worker's start")
 
     @model_validator(mode="after")

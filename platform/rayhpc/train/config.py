@@ -20,26 +20,24 @@ PLATFORM_FLAGS = {"batch_size": "--global-batch-size", "seed": "--seed",
 
 
 class DataParallelJob(TrainingJob):
-    """What every job whose workers each train on their own share of the data has: workers, epochs,
-    the batch (global, or per worker), the optimiser, compile and activation checkpointing, checkpoints and
-    failures."""
+    """What every job whose workers each train on their own share of the data has: workers, and the batch as
+    the global batch (the training section's) or per worker."""
 
-    default_epochs: ClassVar[int | None] = 5
     compute: Compute = Compute()
-    global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step over all workers")
-    batch_size_per_worker: int | None = Field(None, ge=1, description="samples per step on each worker "
-                                              "(default 32, the seed documents' batch per GPU)")
-    max_failures: int = Field(2, ge=0, description="restarts after a failed worker (or server), from the latest "
-                              "checkpoint")
+    batch_size_per_worker: int | None = Field(None, ge=1, description="samples per step on each worker, instead "
+                                              "of global_batch_size (which it then is, times num_workers)")
 
     @model_validator(mode="after")
     def _batch(self) -> "DataParallelJob":
-        if self.global_batch_size is not None and self.batch_size_per_worker is not None:
+        given = "global_batch_size" in self.model_fields_set
+        if given and self.batch_size_per_worker is not None:
             raise ConfigError("global_batch_size (--global-batch-size) and batch_size_per_worker "
                               "(--batch-size-per-worker): give one, not both")
-        if self.global_batch_size is not None and self.global_batch_size % self.compute.num_workers:
-            raise ConfigError(f"global_batch_size (--global-batch-size) {self.global_batch_size}: not divisible "
-                              f"by compute.num_workers (--num-workers) {self.compute.num_workers}")
+        if self.batch_size_per_worker is None and self.global_batch_size % self.compute.num_workers:
+            raise ConfigError(f"global_batch_size (--global-batch-size) {self.global_batch_size}"
+                              f"{'' if given else ' (the default)'}: not divisible by compute.num_workers "
+                              f"(--num-workers) {self.compute.num_workers}; give a multiple, or "
+                              "--batch-size-per-worker")
         if self.per_worker_batch % self.accumulate:
             raise ConfigError(f"accumulate (--accumulate) {self.accumulate}: does not divide the batch per worker "
                               f"{self.per_worker_batch} (global {self.global_batch} over {self.compute.num_workers} "
@@ -48,9 +46,7 @@ class DataParallelJob(TrainingJob):
 
     @property
     def per_worker_batch(self) -> int:
-        if self.global_batch_size is not None:
-            return self.global_batch_size // self.compute.num_workers
-        return self.batch_size_per_worker or 32
+        return self.batch_size_per_worker or self.global_batch_size // self.compute.num_workers
 
     @property
     def global_batch(self) -> int:

@@ -10,17 +10,8 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from rayhpc.config import (
-    PRECISION_HELP,
-    ConfigError,
-    ModelOptions,
-    Optim,
-    Precision,
-    RankedCheckpoints,
-    Schedule,
-    StrictModel,
-)
-from rayhpc.task.config import TaskJobConfig
+from rayhpc.config import ConfigError, ModelOptions, Optim, RankedCheckpoints, Schedule, StrictModel
+from rayhpc.task.config import TaskJobConfig, Training
 from rayhpc.task.hparams import check_value, full_hparams
 from rayhpc.tune.objectives import Constraint, check_names, parse_constraint, parse_objective
 from rayhpc.tune.pbt import MUTABLE, mutable
@@ -78,11 +69,11 @@ class PbtConfig(StrictModel):
 CONSTANTS = {"batch_size": "global_batch_size", "accumulate": "accumulate"}
 
 
-class SweepConfig(ModelOptions, TaskJobConfig):
-    """A hyperparameter sweep of a task (the built-in MLP by default)."""
+class SweepConfig(Training, TaskJobConfig):
+    """A hyperparameter sweep of a task (the built-in MLP by default): each trial trains by the training section
+    (`rayhpc.task.config.Training`), its values the constants of the hyperparameters the space leaves out."""
 
     kind: ClassVar[str] = "sweep"
-    default_epochs: ClassVar[int | None] = 10
     run_keys: ClassVar[frozenset[str]] = frozenset({"time_budget"})
     num_samples: int = Field(16, ge=1, description="trials (per grid point when the space has grid values); "
                              "unset: 16, or 1 with search=grid")
@@ -91,16 +82,6 @@ class SweepConfig(ModelOptions, TaskJobConfig):
     gpus_per_trial: float | None = Field(None, ge=0, le=1, description="GPUs per trial process (per worker with "
                                          "workers_per_trial > 1): 1, or 1/k to put k packs on each GPU (k <= 8); "
                                          "unset: 0 without GPUs, else 1")
-    precision: Precision = Field("tf32", description=PRECISION_HELP + "; every trial, packed or distributed "
-                                 "(bf16 needs GPUs)")
-    epochs: int | None = Field(None, ge=1, description="training epochs per trial, one report and checkpoint each "
-                               "(default 10)")
-    steps: int | None = Field(None, ge=1, description="optimizer steps per trial, instead of epochs: the epochs "
-                              "they take (by the trial's batch size), the last one cut short")
-    global_batch_size: int = Field(32, ge=1, description="samples per optimizer step of each trial, over its "
-                                   "workers (every trial's; space.batch_size searches it)")
-    accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step (every trial's; "
-                            "space.accumulate searches it; the batch is unchanged)")
     search: Literal["random", "grid", "optuna"] = Field("random", description="how configs are drawn")
     objective: list[str] | None = Field(None, description="what the sweep optimises, NAME:MODE (MODE min or max): "
                                         "a reported value (val_loss, val_<metric>) or a measured one (params, flops, "
@@ -134,14 +115,11 @@ class SweepConfig(ModelOptions, TaskJobConfig):
                                    "data-parallel (strategy) and cpus/gpus_per_trial are per worker")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="with workers_per_trial > 1: DDP, or FSDP2 "
                                              "(parameters sharded over the trial's workers)")
-    max_failures: int = Field(2, ge=0, description="retries of a trial whose process dies, from its checkpoint")
     checkpoint: RankedCheckpoints = RankedCheckpoints()
     asha: AshaConfig = AshaConfig()
     median: MedianConfig = MedianConfig()
     hyperband: HyperbandConfig = HyperbandConfig()
     pbt: PbtConfig = PbtConfig()
-    optim: Optim = Optim()
-    schedule: Schedule = Schedule()
     space: dict[str, Any] | None = Field(None, description="search space; unset: the task's own, else lr (less "
                                          "the optim: and schedule: keys set to other than their defaults)")
     study: Path | None = Field(None, description="a study folder (on a filesystem every slice sees): this run "

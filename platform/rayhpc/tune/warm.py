@@ -37,6 +37,7 @@ import torch
 from rayhpc.config import Compute, Optim, Schedule
 from rayhpc.engine import checkpoint
 from rayhpc.engine.metrics import MetricsRecorder
+from rayhpc.task.config import Training
 from rayhpc.task.failure import cause_of
 from rayhpc.task.hparams import PLATFORM_KEYS
 from rayhpc.task.load import LoadedTask
@@ -99,18 +100,16 @@ def _progress(saved: Saved | None) -> checkpoint.Progress:
 
 
 def trial_train_config(sweep: SweepConfig, hp: dict, trial_id: str, gpu: bool) -> TrainConfig:
-    """The training run of one trial: its hyperparameters, the sweep's task, shape and data."""
-    return TrainConfig(
-        name=f"train-trial_id={trial_id}", storage_path=sweep.experiment_dir, task=sweep.task, strategy=sweep.strategy,
-        compute=Compute(num_workers=sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial, gpu=gpu),
-        epochs=sweep.epochs, steps=sweep.steps, global_batch_size=hp["batch_size"], seed=hp["seed"],
-        optim=Optim(**{k: hp[k] for k in Optim.model_fields}),
-        schedule=Schedule(**{k: hp[k] for k in Schedule.model_fields}),
-        accumulate=hp["accumulate"],
-        max_failures=sweep.max_failures, data=sweep.data, precision=sweep.precision, compile=sweep.compile,
-        activation_checkpointing=sweep.activation_checkpointing,
-        hparams={k: v for k, v in hp.items() if k not in PLATFORM_KEYS},
-    )
+    """The training run of one trial: the sweep's task, data and training section, with the trial's values of
+    the hyperparameters that section's fields carry (optimizer, schedule, batch, accumulation, seed) and of
+    the task's own."""
+    trained = sweep.model_dump(include={"task", "data", *Training.model_fields})
+    return TrainConfig(**{
+        **trained, "optim": {k: hp[k] for k in Optim.model_fields}, "schedule": {k: hp[k] for k in Schedule.model_fields},
+        "global_batch_size": hp["batch_size"], "accumulate": hp["accumulate"], "seed": hp["seed"],
+        "hparams": {k: v for k, v in hp.items() if k not in PLATFORM_KEYS},
+        "name": f"train-trial_id={trial_id}", "storage_path": sweep.experiment_dir, "strategy": sweep.strategy,
+        "compute": Compute(num_workers=sweep.workers_per_trial, cpus_per_worker=sweep.cpus_per_trial, gpu=gpu)})
 
 
 def train_warm_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfig, defaults: dict,

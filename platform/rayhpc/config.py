@@ -38,6 +38,12 @@ class StrictModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @classmethod
+    def of(cls, values: dict):
+        """This section from a flat dict of a trial's or a run's hyperparameters (`hp`), which hold its fields
+        under their own names (what a sweep searches); a field `values` lacks takes the section's default."""
+        return cls(**{k: values[k] for k in cls.model_fields if k in values})
+
 
 class JobConfig(StrictModel):
     """What every job has: a name and folder, resumability, and the Ray cluster to use."""
@@ -109,9 +115,20 @@ class Compute(PerWorker):
     num_workers: int = Field(2, ge=1, description="training processes (ranks)")
 
 
-def _optimizer_name(name: str) -> str:
-    from rayhpc.optim import optimizer_class  # torch: imported only when a config names an optimizer
+def optimizer_class(name: str):
+    """`sgd`, `adam`, `adamw`, or any other `torch.optim` optimizer by its class name, in any case (`rmsprop`)."""
+    import torch  # torch: imported only when a config names an optimizer
 
+    known = {n: c for n, c in vars(torch.optim).items()
+             if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    by_lower = {n.lower(): c for n, c in known.items()}
+    if name.lower() not in by_lower:
+        raise ValueError(f"unknown optimizer {name!r}: expected sgd, adam, adamw or a torch.optim class "
+                         f"({', '.join(sorted(known))})")
+    return by_lower[name.lower()]
+
+
+def _optimizer_name(name: str) -> str:
     optimizer_class(name)
     return name
 

@@ -22,7 +22,7 @@ from helpers import (
     reference_schedule,
     run_job_warm,
 )
-from rayhpc.config import validate
+from rayhpc.config import Schedule, validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.engine import Module, train_step
 from rayhpc.engine.checkpoint import load_full_state_dict, load_progress
@@ -79,8 +79,8 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "step", "constant"])
 def test_the_schedule_is_a_warm_up_then_the_decay_down_to_the_floor(decay):
-    hp, total = {"lr": 1.0, "warmup_steps": 4, "decay": decay, "min_lr_ratio": 0.1}, 24
-    factors = [lr_factor(hp, s, total) for s in range(total)]
+    ours, total = Schedule(warmup_steps=4, decay=decay, min_lr_ratio=0.1), 24
+    factors = [lr_factor(ours, s, total) for s in range(total)]
     torch.testing.assert_close(factors[:5], [0.2, 0.4, 0.6, 0.8, 1.0])  # warm-up, then the peak
     if decay == "cosine":  # torch's own schedulers, independently
         opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
@@ -99,9 +99,9 @@ def test_the_schedule_is_a_warm_up_then_the_decay_down_to_the_floor(decay):
 
 
 def test_a_warm_up_given_as_a_fraction_is_that_share_of_the_steps():
-    hp, total = {"lr": 1.0, "decay": "cosine", "min_lr_ratio": 0.1}, 24
-    by_fraction = [lr_factor({**hp, "warmup_fraction": 0.25}, s, total) for s in range(total)]
-    assert by_fraction == [lr_factor({**hp, "warmup_steps": 6}, s, total) for s in range(total)]
+    hp, total = {"decay": "cosine", "min_lr_ratio": 0.1}, 24
+    by_fraction = [lr_factor(Schedule(**hp, warmup_fraction=0.25), s, total) for s in range(total)]
+    assert by_fraction == [lr_factor(Schedule(**hp, warmup_steps=6), s, total) for s in range(total)]
     assert by_fraction[5] < 1.0 == by_fraction[6], by_fraction  # the peak after 6 = 0.25 x 24 steps
 
 

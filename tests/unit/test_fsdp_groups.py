@@ -28,6 +28,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _rank(rank: int, world: int, folder: str) -> None:
     from torch.distributed.fsdp import FSDPModule
 
+    from rayhpc.config import Optim
     from rayhpc.engine.fsdp import apply_fsdp, default_units
     from rayhpc.optim import make_optimizer
 
@@ -35,7 +36,7 @@ def _rank(rank: int, world: int, folder: str) -> None:
     try:
         model = mlp()
         apply_fsdp(model, default_units(model))
-        opt = make_optimizer({"optimizer": "adamw", "lr": 0.05, "weight_decay": 0.1}, model.parameters())
+        opt = make_optimizer(Optim(optimizer="adamw", lr=0.05, weight_decay=0.1), model.parameters())
         for x, y in batches():  # each rank the same batch: the step is the plain model's
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()

@@ -21,7 +21,7 @@ def test_sessions_whose_steps_were_never_recorded_leave_a_record_the_next_resume
     before epoch 2's row. A third session resumes at step 16 from that record; then epoch 3's steps are
     recorded and kept."""
     cfg = validate(PSConfig, {"storage_path": str(tmp_path), "name": "ps", "epochs": 3, "compute": {"num_workers": 2}})
-    hp = {"lr": 0.01, "warmup_steps": 0, "decay": "none", "min_lr_ratio": 0.0}
+    hp = {"lr": 0.01, "warmup_steps": 0, "decay": "constant", "min_lr_ratio": 0.0}
     made = {"steps_per_epoch": 8, "validates": True, "hp": hp, "total_steps": 24, "epochs": 3}
     cfg.experiment_dir.mkdir(parents=True)
     second = Progress(cfg, made, time.time())

@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from rayhpc.config import Optim, Schedule
 from rayhpc.optim import set_lr
 
 
@@ -57,21 +58,22 @@ def train_step(trained: Trained, batch: Any, accumulate: int, step: int, total_s
 
 
 class Module:
-    """A module (plain, DDP or FSDP2) and its optimizer: the `hp` schedule's lr (or the task's own
-    `scheduler`, stepped after the optimizer), `clip_grad_norm` by `clip_grad_norm_`. Without an
-    optimizer, a gradient sink: the step only leaves the gradient in `.grad` (a parameter-server worker
-    pushes it; the servers clip and step)."""
+    """A module (plain, DDP or FSDP2) and its optimizer: the `schedule`'s lr (or the task's own
+    `scheduler`, stepped after the optimizer), the `optim` section's `clip_grad_norm` by `clip_grad_norm_`.
+    Without an optimizer, a gradient sink: the step only leaves the gradient in `.grad` (a parameter-server
+    worker pushes it; the servers clip and step)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer, loss_fn: Callable[[Any], torch.Tensor], hp: dict,
-                 scheduler=None):
-        self.model, self.optimizer, self.loss_fn, self.hp, self.scheduler = model, optimizer, loss_fn, hp, scheduler
+    def __init__(self, model: torch.nn.Module, optimizer, loss_fn: Callable[[Any], torch.Tensor],
+                 optim: Optim = Optim(), schedule: Schedule = Schedule(), scheduler=None):
+        self.model, self.optimizer, self.loss_fn, self.scheduler = model, optimizer, loss_fn, scheduler
+        self.optim, self.schedule = optim, schedule
 
     def begin(self, step: int, total_steps: int) -> None:
         if self.optimizer is None:
             self.model.zero_grad(set_to_none=True)
             return
         if self.scheduler is None:
-            set_lr(self.optimizer, self.hp, step, total_steps)
+            set_lr(self.optimizer, self.optim.lr, self.schedule, step, total_steps)
         self.optimizer.zero_grad(set_to_none=True)
 
     def backward(self, part: Any, share: float, last: bool) -> torch.Tensor:
@@ -84,8 +86,8 @@ class Module:
     def finish(self) -> None:
         if self.optimizer is None:
             return
-        if self.hp.get("clip_grad_norm"):
-            clip_grad_norm_(self.model.parameters(), self.hp["clip_grad_norm"])
+        if self.optim.clip_grad_norm:
+            clip_grad_norm_(self.model.parameters(), self.optim.clip_grad_norm)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

@@ -4,13 +4,14 @@ built-in MLP, or `--task FILE.py:NAME`) with its `tp_plan` and `pipeline_split` 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from rayhpc.config import ConfigError
+from rayhpc.config import ConfigError, Optim, Schedule
 from rayhpc.parallel import hf
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.hf import check_hf_heads, hf_tp_plan, output_field
@@ -39,6 +40,15 @@ class Recipe:
     # a transformers model's output class and first field: a pipeline's last stage returns that field (a tensor:
     # only tensors go through a schedule), and the task's loss gets the class again (`.logits`)
     output: tuple[type, str] | None = None
+
+    @functools.cached_property
+    def optim(self) -> Optim:
+        """The run's `optim:` values, typed (`hp` holds them flat, as the task's own hooks take them)."""
+        return Optim.of(self.hp)
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        return Schedule.of(self.hp)
 
     def build(self) -> nn.Module:
         """The whole model, initialised from torch's current RNG state (seed it first)."""

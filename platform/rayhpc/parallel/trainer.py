@@ -238,7 +238,7 @@ def epoch_row(cfg: ParallelConfig, recipe: Recipe, n_train: int, step: int, loss
             "samples_per_s": samples / sum(seconds), "step_ms": 1e3 * sum(seconds) / len(seconds),
             "world_size": cfg.world_size, "global_batch_size": cfg.global_batch,
             "batch_size_per_worker": cfg.replica_batch,
-            **({} if own_lr else {"lr": recipe.hp["lr"] * lr_factor(recipe.hp, step, cfg.steps)}),
+            **({} if own_lr else {"lr": recipe.optim.lr * lr_factor(recipe.schedule, step, cfg.steps)}),
             **(validation or {})}
 
 

@@ -276,7 +276,7 @@ class Stages:
         for optimizer, scheduler in zip(self.run.optimizers, self.run.schedulers):
             optimizer.zero_grad()
             if scheduler is None:
-                set_lr(optimizer, self.run.recipe.hp, step, total_steps)
+                set_lr(optimizer, self.run.recipe.optim.lr, self.run.recipe.schedule, step, total_steps)
 
     def backward(self, part, share: float, last: bool) -> torch.Tensor:
         with autocast(self.run.cfg.precision, self.device, self.run.cfg.parallelism.fsdp_applies):
@@ -285,9 +285,9 @@ class Stages:
 
     def finish(self) -> None:
         run = self.run
-        if run.recipe.hp.get("clip_grad_norm"):
+        if run.recipe.optim.clip_grad_norm:
             params = [q for _, q in run.named_parameters()]
-            clip_grad_norm_(params, run.recipe.hp["clip_grad_norm"], run.pp_group)
+            clip_grad_norm_(params, run.recipe.optim.clip_grad_norm, run.pp_group)
         for optimizer, scheduler in zip(run.optimizers, run.schedulers):
             optimizer.step()
             if scheduler is not None:

@@ -30,7 +30,7 @@ import ray
 import torch
 
 from rayhpc import cluster, interrupt
-from rayhpc.config import ConfigError
+from rayhpc.config import ConfigError, Optim, Schedule
 from rayhpc.engine.metrics import METRICS_FILE
 from rayhpc.job import start_job
 from rayhpc.optim import step_plan
@@ -166,7 +166,8 @@ def start_fleet(cfg: PSConfig, task, made: dict, run: Progress, checkpoint: Path
     layout = made["layout"]
     holds = [{"pieces": [(p.name, p.start, p.stop) for p in pieces], "shapes": layout.shapes}
              for pieces in layout.servers]
-    servers = [server_cls.remote(j, made["initial"][j], holds[j], made["hp"], cfg.compute.num_workers, cfg.mode,
+    stepping = Optim.of(made["hp"]), Schedule.of(made["hp"])  # the run's values (its lr scaled where it asks)
+    servers = [server_cls.remote(j, made["initial"][j], holds[j], *stepping, cfg.compute.num_workers, cfg.mode,
                                  cfg.staleness, cfg.name, total, checkpoint_steps(cfg, per_epoch, total),
                                  ends if made["validates"] else [],
                                  str(cfg.experiment_dir), str(checkpoint) if checkpoint else None, per_epoch)

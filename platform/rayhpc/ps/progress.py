@@ -11,6 +11,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
+from rayhpc.config import Optim, Schedule
 from rayhpc.engine import checkpoint
 from rayhpc.engine.loop import Best
 from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
@@ -64,7 +65,8 @@ class Progress:
         """`made`: the run's plan (`rayhpc.ps.driver.plan_run`); `objective`: the task's (name, mode), whose
         best so far every epoch's row holds, as every job's does."""
         self.cfg, self.per_epoch, self.validates, self.started = cfg, made["steps_per_epoch"], made["validates"], started
-        self.hp, self.total, self.epochs = made["hp"], made["total_steps"], made["epochs"]
+        self.total, self.epochs = made["total_steps"], made["epochs"]
+        self.optim, self.schedule = Optim.of(made["hp"]), Schedule.of(made["hp"])
         self.records: dict[tuple[int, int], dict] = {}  # (worker, step) -> record
         self.val: dict[int, dict] = {}  # epoch -> validation metrics
         self.recorder = MetricsRecorder(cfg.experiment_dir, self.epochs)
@@ -154,7 +156,7 @@ class Progress:
                "zero_copy": all(r["zero_copy"] for r in recs), "train_seconds": ended - self.started,
                "world_size": cfg.compute.num_workers, "num_servers": cfg.compute.num_servers, "mode": cfg.mode,
                "global_batch_size": cfg.global_batch, "batch_size_per_worker": cfg.per_worker_batch,
-               "lr": self.hp["lr"] * lr_factor(self.hp, self.end_of(epoch) - 1, self.total)}
+               "lr": self.optim.lr * lr_factor(self.schedule, self.end_of(epoch) - 1, self.total)}
         self.recorder.record(row)
         if self.track is not None:
             self.track(row["global_step"], row)

@@ -4,7 +4,8 @@ Workers call `pull(worker, step)` before computing step `step` and `push(worker,
 - sync: the shard's version is the number of optimizer steps taken; a pull for step s waits for version s;
   the N gradients of a step are summed in worker order, divided by N, and applied once (= DDP's mean).
   With `clip_grad_norm`, that mean is clipped by its total norm over every server's shard (each server
-  sends its shard's squared norm to every other, then scales by torch's `clip_grad_norm_` factor).
+  sends its shard's norm, `torch.nn.utils.get_total_norm`, to every other; torch's `clip_grads_with_norm_`
+  then scales the shard by their total, as `clip_grad_norm_` scales a whole model's gradient).
 - async (Downpour): each gradient, divided by N (a worker's share of the global batch, so lr means the
   same in both modes), is applied when it arrives; a pull for step s waits until every worker has pushed
   s - K steps (K = staleness; no wait when unbounded).
@@ -14,7 +15,6 @@ A push a server already has (a replaced worker redoing a step) is ignored, so re
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import socket
 import time
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rayhpc.config import Optim, Schedule
 from rayhpc.engine import checkpoint
 from rayhpc.monitor.metrics import PSMetrics
 from rayhpc.optim import make_optimizer, set_lr
@@ -39,7 +40,8 @@ def as_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 class ParameterServer:
-    def __init__(self, index: int, flat: np.ndarray, holds: dict, hp: dict, num_workers: int, mode: str,
+    def __init__(self, index: int, flat: np.ndarray, holds: dict, optim: Optim, schedule: Schedule,
+                 num_workers: int, mode: str,
                  staleness: int | None, run: str, total_steps: int, checkpoints: list[int], epoch_ends: list[int],
                  run_dir: str, restore: str | None = None, steps_per_epoch: int = 0):
         """`flat`: the initial values of the pieces of parameters it `holds` ({"pieces": [(name, start, stop)],
@@ -49,8 +51,8 @@ class ParameterServer:
         torch.set_num_threads(1)
         self.index, self.n, self.mode, self.staleness, self.holds = index, num_workers, mode, staleness, holds
         self.param = torch.nn.Parameter(torch.tensor(flat, dtype=torch.float32))
-        self.optimizer = make_optimizer(hp, [self.param])
-        self.hp, self.total_steps = hp, total_steps
+        self.optimizer = make_optimizer(optim, [self.param])
+        self.optim, self.schedule, self.total_steps = optim, schedule, total_steps
         self.pushed = [0] * num_workers  # steps each worker has pushed here
         self.version = 0  # optimizer steps applied
         self.pending: dict[int, dict[int, torch.Tensor]] = {}  # sync: step -> worker -> gradient
@@ -62,7 +64,7 @@ class ParameterServer:
         self.snapshot = None  # (version, object ref)
         self.saved_step = 0
         self.peers: list = []  # every server of the run (sync clipping); `set_peers` after they all exist
-        self.norm_parts: dict[int, dict[int, float]] = {}  # step -> server -> its shard's squared gradient norm
+        self.norm_parts: dict[int, dict[int, torch.Tensor]] = {}  # step -> server -> its shard's gradient norm
         self.per_epoch, self.losses = steps_per_epoch, {}  # step -> [loss x samples, samples] over the workers
         # server 0: each worker's torch RNG state to begin a step with (worker -> step -> state), as it pushed it
         # with the step before; the ones a checkpoint or a replaced worker may still need
@@ -126,13 +128,13 @@ class ParameterServer:
         # the schedule's lr of the step the gradient belongs to (sync: the optimizer step it makes; async:
         # each worker's gradients of step s are applied at step s's lr): a pure function of the step, so a
         # restored server needs no scheduler state
-        set_lr(self.optimizer, self.hp, step, self.total_steps)
+        set_lr(self.optimizer, self.optim.lr, self.schedule, step, self.total_steps)
         if self.mode == "sync":
             self.pending.setdefault(step, {})[worker] = as_tensor(grad)  # holds the object-store buffer
             if len(self.pending[step]) == self.n:
                 grads = self.pending.pop(step)
                 mean = sum(grads[w] for w in range(self.n)) / self.n
-                self._apply(await self._clipped(step, mean) if self.hp.get("clip_grad_norm") else mean)
+                self._apply(mean, await self._total_norm(step, mean) if self.optim.clip_grad_norm else None)
         else:
             self._apply(as_tensor(grad) / self.n)
         if loss is not None:
@@ -157,23 +159,21 @@ class ParameterServer:
     def set_peers(self, servers: list) -> None:
         self.peers = servers
 
-    async def norm_part(self, step: int, index: int, squares: float) -> None:
-        """Server `index`'s squared norm of step `step`'s mean gradient on its shard."""
-        self.norm_parts.setdefault(step, {})[index] = squares
+    async def norm_part(self, step: int, index: int, norm: torch.Tensor) -> None:
+        """Server `index`'s norm of step `step`'s mean gradient on its shard."""
+        self.norm_parts.setdefault(step, {})[index] = norm
         async with self.changed:
             self.changed.notify_all()
 
-    async def _clipped(self, step: int, grad: torch.Tensor) -> torch.Tensor:
-        """`grad` (this shard's) scaled as `torch.nn.utils.clip_grad_norm_` scales the whole gradient: by
-        min(1, max_norm / (total norm + 1e-6)), the total from every server's part. No pull of the next
-        step can come before this step is applied, so every server waits here for the same step."""
-        squares = float(torch.linalg.vector_norm(grad)) ** 2
+    async def _total_norm(self, step: int, grad: torch.Tensor) -> torch.Tensor:
+        """The norm of step `step`'s whole mean gradient: torch's total of every server's shard norm. No pull
+        of the next step can come before this step is applied, so every server waits here for the same step."""
         for peer in self.peers:
-            peer.norm_part.remote(step, self.index, squares)
+            peer.norm_part.remote(step, self.index, torch.nn.utils.get_total_norm([grad]))
         async with self.changed:
             await self.changed.wait_for(lambda: len(self.norm_parts.get(step, {})) == len(self.peers))
-        total = math.sqrt(sum(self.norm_parts.pop(step).values()))
-        return grad * min(1.0, self.hp["clip_grad_norm"] / (total + 1e-6))
+        parts = self.norm_parts.pop(step)
+        return torch.nn.utils.get_total_norm([parts[j] for j in sorted(parts)])
 
     def _reached(self) -> None:
         """Every worker has now finished `global_step()` steps here: the lockstep snapshot, the epoch-end
@@ -194,8 +194,12 @@ class ParameterServer:
             await asyncio.wait_for(self.changed.wait_for(lambda: step in self.at_epoch_end), timeout_s)
         return self.at_epoch_end.pop(step)
 
-    def _apply(self, grad: torch.Tensor) -> None:
+    def _apply(self, grad: torch.Tensor, total_norm: torch.Tensor | None = None) -> None:
+        """One optimizer step on `grad`, clipped as `clip_grad_norm_` would clip it where `total_norm` (the
+        whole gradient's) is given."""
         self.param.grad = grad
+        if total_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_([self.param], self.optim.clip_grad_norm, total_norm)
         self.optimizer.step()
         self.param.grad = None
         self.version += 1

@@ -43,7 +43,7 @@ class PSWorker(Runner):
         apply_options(self.model, task.obj, cfg)
         set_matmul_precision(cfg.precision)
         self.params = {name: p for name, p in self.model.named_parameters()}
-        self.trained = Module(self.model, None, self.loss, hp)  # a gradient sink: the servers clip and step
+        self.trained = Module(self.model, None, self.loss)  # a gradient sink: the servers clip and step
         self.train = Batches(train, self.device, loader_workers(self.device, cfg.compute.cpus_per_worker))
         self.gauges = PSMetrics(cfg.name, "worker", index)
 
@@ -68,7 +68,7 @@ class PSWorker(Runner):
     # checkpoint (the driver asks them), so an epoch's end is nothing to a worker
 
     def batches(self, epoch: int, steps: range):
-        return self.train.steps(self.hp["seed"], epoch, steps, self.steps_per_epoch(), self.cfg.per_worker_batch,
+        return self.train.steps(self.cfg.seed, epoch, steps, self.steps_per_epoch(), self.cfg.per_worker_batch,
                                 self.index, self.n)
 
     def step(self, step: int, batch) -> tuple[float, int]:
@@ -93,7 +93,7 @@ class PSWorker(Runner):
         with torch.no_grad():
             self.layout.scatter([s.to(self.device, non_blocking=True) for s in shards], self.params)
         pulled = time.perf_counter()
-        loss = train_step(self.trained, batch, self.hp["accumulate"], step, 0)
+        loss = train_step(self.trained, batch, self.cfg.accumulate, step, 0)
         grads = [g.cpu().numpy() for g in self.layout.flatten(
             {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.params.items()})]
         computed, loss, samples = time.perf_counter(), float(loss.detach()), batch_size_of(batch)

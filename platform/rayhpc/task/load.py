@@ -68,11 +68,13 @@ class LoadedTask:
         return self.obj.metrics(model, batch) if self.has_metrics else {}
 
     def optimizer(self, params, hp: dict):
-        """The task's own `optimizer(params, hp)`, else the one `hp` names (`rayhpc.optim.make_optimizer`)."""
+        """The task's own `optimizer(params, hp)`, else the one `hp`'s `optim:` values name
+        (`rayhpc.optim.make_optimizer`)."""
+        from rayhpc.config import Optim
         from rayhpc.optim import make_optimizer  # torch: only where a task trains
 
         own = getattr(self.obj, "optimizer", None)
-        return own(params, hp) if callable(own) else make_optimizer(hp, params)
+        return own(params, hp) if callable(own) else make_optimizer(Optim.of(hp), params)
 
     def scheduler(self, optimizer, hp: dict, step: int = 0):
         """The task's own `scheduler(optimizer, hp)` (a torch LR scheduler, stepped after every optimizer

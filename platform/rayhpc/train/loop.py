@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from rayhpc.config import Optim, Schedule
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
@@ -78,7 +79,8 @@ class Worker(Runner):
         self.plan = Plan.of(epoch_steps(len(self.train), self.cfg.per_worker_batch, self.world), self.cfg.epochs,
                             self.cfg.steps, checkpoint_every=self.cfg.checkpoint.every,
                             metrics_every=self.cfg.metrics_every_steps)
-        self.trained = Module(self.model, self.optimizer, self.loss, self.hp, self.scheduler)
+        self.trained = Module(self.model, self.optimizer, self.loss, Optim.of(self.hp), Schedule.of(self.hp),
+                              self.scheduler)
         restored = {self.task.objective[0]: self.progress.best_objective, "val_loss": self.progress.best_val_loss}
         self.best = Best(self.task.objective, {k: v for k, v in restored.items() if v is not None})
         self.resumed = (self.progress.epoch_loss_sum, self.progress.epoch_samples)
@@ -115,13 +117,13 @@ class Worker(Runner):
     # `rayhpc.engine.fit`'s runner: this rank's batches and step, its reports through `report`
 
     def batches(self, epoch: int, steps: range):
-        return self.train.steps(self.hp["seed"], epoch, steps, self.plan.per_epoch, self.cfg.per_worker_batch,
+        return self.train.steps(self.cfg.seed, epoch, steps, self.plan.per_epoch, self.cfg.per_worker_batch,
                                 self.rank, self.world)
 
     def step(self, step: int, batch) -> tuple[torch.Tensor, int]:
         came = time.time()
         with self.flops.once():  # the FLOPs of one step, counted on the first (for MFU)
-            loss = train_step(self.trained, batch, self.hp["accumulate"], step, self.plan.total)
+            loss = train_step(self.trained, batch, self.cfg.accumulate, step, self.plan.total)
         if self.first_step_time is None:  # when training really began in this worker group (start-up benchmarks)
             self.first_step_time, self.first_batch = time.time(), batch_size_of(batch)
             self.startup["first_batch_time"] = came

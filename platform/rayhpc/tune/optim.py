@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from rayhpc.config import Optim
+
 PACKED = ("sgd", "adam", "adamw")  # the optimizers packs step; other torch.optim classes train unpacked
 
 
@@ -160,9 +162,10 @@ class PackedAdam(PackedOptimizer):
 
 
 def packed_optimizer(kind: str, params, members: list[dict]) -> PackedOptimizer:
-    """The optimizer `kind` (one of `PACKED`) with each member's own hyperparameters."""
-    per = {k: [m[k] for m in members] for k in ("lr", "weight_decay", "momentum", "beta1", "beta2", "eps")}
-    max_norm = [m.get("clip_grad_norm") for m in members]
+    """The optimizer `kind` (one of `PACKED`) with each member's own `optim:` values."""
+    optims = [Optim.of(m) for m in members]
+    per = {k: [getattr(o, k) for o in optims] for k in ("lr", "weight_decay", "momentum", "beta1", "beta2", "eps")}
+    max_norm = [o.clip_grad_norm for o in optims]
     if kind.lower() == "sgd":
         return PackedSGD(params, lr=per["lr"], momentum=per["momentum"], weight_decay=per["weight_decay"],
                          max_norm=max_norm)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from rayhpc.config import ModelOptions, check_trusted_job, load_yaml, validate
+from rayhpc.config import ModelOptions, Optim, Schedule, check_trusted_job, load_yaml, validate
 from rayhpc.data import DataConfig
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
@@ -62,7 +62,8 @@ def train_single(task: LoadedTask, hp: dict, epochs: int | None, data: DataConfi
     train_batches = Batches(train, device, workers)
     val_batches = Batches(val, device, workers) if val is not None else None
     plan = Plan.of(math.ceil(len(train) / hp["batch_size"]), epochs, steps)
-    trained = Module(model, opt, lambda part: _loss(task, model, part, precision, device), hp, scheduler)
+    trained = Module(model, opt, lambda part: _loss(task, model, part, precision, device), Optim.of(hp),
+                     Schedule.of(hp), scheduler)
     runner = _Single(task, hp, trained, plan, train_batches, val_batches, precision, on_epoch, device, checkpoints)
     if latest is not None:
         runner.restore(latest)

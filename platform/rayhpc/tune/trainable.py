@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rayhpc.config import ModelOptions
+from rayhpc.config import ModelOptions, Optim, Schedule
 from rayhpc.data import DataConfig
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
@@ -312,8 +312,8 @@ def pack_step(pack, opt, batch, members: list[dict], step: int, total_steps: int
     clipping); each member's loss on the batch (`stacked`: a batch per member, member first). A pack of
     one is the plain model and `torch.optim`."""
     if isinstance(pack, SinglePack):
-        trained = Module(pack.model, opt, lambda part: pack.losses(part)[0], members[0],
-                         pack.scheduler(opt, members[0], step))
+        trained = Module(pack.model, opt, lambda part: pack.losses(part)[0], Optim.of(members[0]),
+                         Schedule.of(members[0]), pack.scheduler(opt, members[0], step))
         return train_step(trained, batch, members[0]["accumulate"], step, total_steps).reshape(1)
     # stacked: a batch per member, member first; no micro-batches (repeats refuse accumulate)
     return train_step(Members(pack, opt, members, stacked), batch, 1 if stacked else members[0]["accumulate"],
@@ -326,9 +326,10 @@ class Members:
 
     def __init__(self, pack, opt, members: list[dict], stacked: bool):
         self.pack, self.opt, self.members, self.stacked = pack, opt, members, stacked
+        self.schedules = [Schedule.of(m) for m in members]
 
     def begin(self, step: int, total_steps: int) -> None:
-        self.opt.scale_lr([lr_factor(m, step, total_steps) for m in self.members])
+        self.opt.scale_lr([lr_factor(s, step, total_steps) for s in self.schedules])
         self.opt.zero_grad()
 
     def backward(self, part, share: float, last: bool) -> torch.Tensor:

@@ -34,7 +34,7 @@ from rayhpc.parallel.parallelize import full_state, parallelize
 from rayhpc.parallel.pp import build_schedule, rank_stages
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.precision import autocast, set_matmul_precision
-from rayhpc.task.batches import draw_as_a_loader, epoch_indices, eval_batch
+from rayhpc.task.batches import draw_as_a_loader, epoch_indices, eval_batch, named_scores, score_sums
 from rayhpc.workers.group import WorkerContext
 
 
@@ -304,20 +304,14 @@ def evaluate(ctx: WorkerContext) -> dict:
     draw_as_a_loader()  # every job's validation pass iterates its batches as a DataLoader does
     xv, yv = (t[p.replica(run.coords)::p.replicas] for t in run.val)
     batch = eval_batch(run.cfg.micro_batch)
-    sums: dict[str, float] = {}
-    for part in run.parts:  # no dropout, batch norm's running statistics: every job validates in eval mode
-        part.eval()
-    for start in range(0, len(xv), batch):  # forward only: any size goes through the stages
-        x, y = xv[start:start + batch], yv[start:start + batch]
+
+    def score(part) -> dict:  # forward only: any batch size goes through the stages
         with autocast(run.cfg.precision, ctx.device, run.cfg.parallelism.fsdp_applies):
-            loss, output = forward_loss(run, x, y, train=False)
-        if loss is not None:  # the task's metrics named as every job reports them (val_<name>)
-            scores = {"val_loss": loss, **{f"val_{k}": v for k, v in run.recipe.metrics(output, y).items()}}
-            for name, value in scores.items():
-                sums[name] = sums.get(name, 0.0) + float(value) * len(x)
-    for part in run.parts:
-        part.train()
-    return {"sums": sums or None, "samples": len(xv), "coords": run.coords}
+            loss, output = forward_loss(run, *part, train=False)
+        return {} if loss is None else named_scores(loss, run.recipe.metrics(output, part[1]))  # the last stage's
+
+    sums, _ = score_sums(score, ((xv[s:s + batch], yv[s:s + batch]) for s in range(0, len(xv), batch)), run.parts)
+    return {"sums": {name: float(s) for name, s in sums.items()} or None, "samples": len(xv), "coords": run.coords}
 
 
 def gather_weights(ctx: WorkerContext) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ prefetch, and pinned memory on GPUs, as Ray Train users set it up).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset, default_collate
@@ -159,17 +159,37 @@ class Batches:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def score_sums(score: Callable[[Any], dict], batches: Iterable, modules: Iterable[torch.nn.Module]
+               ) -> tuple[dict[str, torch.Tensor], int]:
+    """Every job's validation loop: each batch's scores (`score(batch)`: name -> a scalar, or one per pack
+    member; {} where a rank computes none) times its samples, summed in float64 over `batches` on their
+    device (no host sync per batch), with `modules` in eval mode (no dropout, BatchNorm's running statistics)
+    and put back as they were; and the samples. Divided by them, the mean over every sample."""
+    modules = list(modules)
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    sums: dict[str, torch.Tensor] = {}
+    total = 0
+    try:
+        for batch in batches:
+            n = batch_size_of(batch)
+            for name, value in score(batch).items():
+                sums[name] = sums.get(name, 0) + torch.as_tensor(value).detach().double() * n
+            total += n
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+    return sums, total
+
+
+def named_scores(loss, metrics: dict) -> dict:
+    """A batch's scores as every job reports them: `val_loss` and `val_<metric>` for the task's metrics."""
+    return {"val_loss": loss, **{f"val_{k}": v for k, v in metrics.items()}}
+
+
 def evaluate(task, model: torch.nn.Module, batches: Iterator[Any]) -> dict[str, float]:
     """`val_loss` and `val_<metric>` of one model (in eval mode), averaged over the samples of `batches`."""
-    training = model.training
-    model.eval()
-    sums: dict[str, float] = {}
-    total = 0
-    for batch in batches:
-        n = batch_size_of(batch)
-        values = {"val_loss": task.loss(model, batch), **{f"val_{k}": v for k, v in task.metrics(model, batch).items()}}
-        for name, value in values.items():
-            sums[name] = sums.get(name, 0.0) + float(value) * n
-        total += n
-    model.train(training)
-    return {name: s / total for name, s in sums.items()}
+    sums, n = score_sums(lambda b: named_scores(task.loss(model, b), task.metrics(model, b)), batches, [model])
+    return {name: float(s) / n for name, s in sums.items()}

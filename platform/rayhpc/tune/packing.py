@@ -31,9 +31,8 @@ from torch.func import functional_call, stack_module_state, vmap
 
 from rayhpc.config import ModelOptions
 from rayhpc.engine.parallelize import apply_options
-from rayhpc.engine.step import batch_size_of
 from rayhpc.models import MLP, PackedMLP
-from rayhpc.task.batches import evaluate
+from rayhpc.task.batches import evaluate, named_scores, score_sums
 from rayhpc.task.check import TaskInfo
 from rayhpc.task.load import LoadedTask, one_line
 from rayhpc.task.mlp import MLPTask
@@ -151,15 +150,11 @@ class FuncPack:
         Summed, their backward gives each its own gradient."""
         return (self._own_losses if stacked else self._losses)(self.params, self.buffers, batch)
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable) -> dict[str, torch.Tensor]:
         """`val_loss` and `val_<metric>` of each member (in eval mode), averaged over the samples of `batches`."""
-        training = self.loss_fn.training
-        self.train(False)
-        try:
-            return _weighted_means(self._evals(self.params, self.buffers, b) + (batch_size_of(b),) for b in batches)
-        finally:
-            self.train(training)
+        sums, n = score_sums(lambda b: named_scores(*self._evals(self.params, self.buffers, b)), batches,
+                             [self.loss_fn])
+        return {name: (s / n).float() for name, s in sums.items()}
 
     def state_dict(self) -> dict:
         return {"params": {k: v.detach() for k, v in self.params.items()}, "buffers": dict(self.buffers)}
@@ -221,9 +216,9 @@ class PaddedMLPPack:
         # mean over batch and outputs = F.mse_loss of each member
         return ((self.model(x) - y) ** 2).mean(dim=(1, 2))
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable) -> dict[str, torch.Tensor]:
-        return _weighted_means((self.losses(b), {}, batch_size_of(b)) for b in batches)  # no dropout, no norm
+        sums, n = score_sums(lambda b: {"val_loss": self.losses(b)}, batches, [self.model])
+        return {name: (s / n).float() for name, s in sums.items()}
 
     def state_dict(self) -> dict:
         return self.model.state_dict()
@@ -246,17 +241,6 @@ class PaddedMLPPack:
     def to(self, device) -> "PaddedMLPPack":
         self.model.to(device)
         return self
-
-
-def _weighted_means(parts: Iterable[tuple[torch.Tensor, dict, int]]) -> dict[str, torch.Tensor]:
-    """Sample-weighted means over batches of (per-member loss, per-member metrics, batch size)."""
-    sums: dict[str, torch.Tensor] = {}
-    total = 0
-    for loss, metrics, n in parts:
-        for name, value in {"val_loss": loss, **{f"val_{k}": v for k, v in metrics.items()}}.items():
-            sums[name] = sums.get(name, 0) + value.detach().double() * n
-        total += n
-    return {name: (s / total).float() for name, s in sums.items()}
 
 
 def make_pack(task: LoadedTask, members: list[dict], device: torch.device, options: ModelOptions = ModelOptions()):

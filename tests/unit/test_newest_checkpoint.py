@@ -61,12 +61,16 @@ def test_a_study_pack_resumes_from_its_newest_checkpoint_and_never_sees_one_bein
                                write_progress(folder, Progress(epoch=epoch, global_step=10 * epoch)))
 
     for epoch in (1, 2):
-        save_pack_checkpoint(tmp_path, epoch, write(epoch))
-    assert [p.name[:17] for p in tmp_path.glob("checkpoint_*")] == ["checkpoint_000002"]  # the older one removed
-    saved(tmp_path / "checkpoint_000001-0000dead", 10)  # a slice killed after its rename, before the removal
+        save_pack_checkpoint(tmp_path, 10 * epoch, write(epoch))
+    assert [p.name for p in tmp_path.glob("checkpoint_*")] == ["checkpoint_000020"]  # the older one removed
+    # another slice that trained the same pack saves the same step: the checkpoint there stands, whole
+    assert save_pack_checkpoint(tmp_path, 20, lambda folder: folder.joinpath("model.pt").write_bytes(b"other")) \
+        == tmp_path / "checkpoint_000020"
+    assert (tmp_path / "checkpoint_000020" / "model.pt").read_bytes() == b"weights"
+    assert not list(tmp_path.glob(".tmp-*")), "the other slice's copy was left behind"
+    saved(tmp_path / "checkpoint_000010", 10)  # a slice killed after its rename, before the removal
     (tmp_path / ".tmp-half").mkdir()  # and one killed while it wrote epoch 3's
-    newest = latest_checkpoint(tmp_path)
-    assert newest is not None and newest.name.startswith("checkpoint_000002-"), sorted(tmp_path.iterdir())
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint_000020", sorted(tmp_path.iterdir())
 
 
 def test_pruning_keeps_the_newest_complete_checkpoints_and_the_one_being_written(tmp_path):

@@ -56,11 +56,11 @@ def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, dict]:
     task = task_for(cfg.task, cfg.data)
     hp = train_hparams(cfg, task.hp_model)
     train, held_out = task.split_data(hp, cfg.data)
-    cfg = cfg.with_steps(len(train))
     x, y = stack_pairs(train, task.where())
     val = stack_pairs(held_out, task.where()) if held_out is not None and len(held_out) else None
     recipe = Recipe(cfg, hp=hp, task=task)
-    recipe.check()
+    recipe.check()  # the plan and the split before the run's length: the error to fix first
+    recipe.cfg = cfg.with_steps(len(train))
     recipe.check_stand_in(x[:CHECK_BATCH], y[:CHECK_BATCH])
     return recipe, {"train": (x, y), "val": val}
 

@@ -25,10 +25,10 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -200,17 +200,20 @@ class Study:
         return self.path / PACKS_DIR / str(pack_id)
 
 
-def save_pack_checkpoint(folder: Path, epoch: int, write: Callable[[Path], None]) -> Path:
-    """A pack's checkpoint after `epoch`, written by `write` (the checkpoint module's layout, progress last)
-    into a new private folder and renamed into place whole, so that a slice on another allocation never reads
-    half of one; the older ones are removed (`rayhpc.engine.checkpoint`, whose `latest_checkpoint` finds the
-    newest)."""
+def save_pack_checkpoint(folder: Path, step: int, write: Callable[[Path], None]) -> Path:
+    """A pack's checkpoint after optimizer step `step`, named as every job's (`checkpoint_<step>`), written by
+    `write` (the checkpoint module's layout, progress last) into a new private folder and renamed into place
+    whole, so that a slice on another allocation never reads half of one; the older ones are removed
+    (`rayhpc.engine.checkpoint`, whose `latest_checkpoint` finds the newest)."""
     from rayhpc.engine import checkpoint  # torch: only where a pack trains
 
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-"))
     write(tmp)
-    final = folder / f"checkpoint_{epoch:06d}-{uuid.uuid4().hex[:8]}"  # two slices never share a name
-    tmp.rename(final)
+    final = folder / f"checkpoint_{step:06d}"
+    try:
+        tmp.rename(final)  # a folder is renamed onto an empty one only: never onto a checkpoint
+    except OSError:  # another slice saved this step first (the same state: a step's training is deterministic)
+        shutil.rmtree(tmp, ignore_errors=True)
     checkpoint.prune(folder, keep=1)
     return final

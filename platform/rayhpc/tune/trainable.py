@@ -205,7 +205,7 @@ class _Trial(PackSteps):
         save = functools.partial(_save, state={**state, "seconds": seconds, "metrics": metrics}, pack=self.pack,
                                  opt=self.opt, step=step, device=self.train.device)
         if settings.study is not None:  # in the study, where any slice resumes it: Tune keeps none
-            save_pack_checkpoint(Path(settings.study, PACKS_DIR, str(self.pack_id)), state["epoch"], save)
+            save_pack_checkpoint(Path(settings.study, PACKS_DIR, str(self.pack_id)), step, save)
             tune.report(metrics)
         else:
             with tempfile.TemporaryDirectory() as tmp:

@@ -99,7 +99,8 @@ class ParallelConfig(TrainingJob):
                 f"global_batch_size (--global-batch-size) {self.global_batch_size}: an epoch of {n_train} training "
                 f"samples ends with a batch of {tail} per replica, which the pipeline cannot split into accumulate "
                 f"{self.accumulate} x parallelism.microbatches {p.n_microbatches} equal microbatches; choose a batch "
-                f"that divides {math.ceil(n_train / p.replicas)} per replica, or a multiple of {parts} samples left")
+                f"that divides {math.ceil(n_train / p.replicas)} per replica, or a multiple of {parts} samples left, "
+                f"or --steps below an epoch's {per_epoch}")
         return self.model_copy(update={"steps": steps})
 
     @model_validator(mode="after")

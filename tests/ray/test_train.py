@@ -102,8 +102,8 @@ def test_shards_partition_the_data_and_reshuffle_every_epoch():
     (["--hp", "hidden=wide"], "error: hparams.hidden (--hp): Input should be a valid integer"),
     (["--hp", "lr=0.1"], "error: hparams.lr (--hp): a platform hyperparameter; set it with --lr"),
     (["--strategy", "zero3"], "error: strategy (--strategy): Input should be 'ddp' or 'fsdp' (got 'zero3')"),
-    (["--global-batch-size", "64", "--batch-size-per-worker", "32"], "error: global_batch_size (--global-batch-size) "
-                                                                    "and batch_size_per_worker"),
+    (["--global-batch-size", "64", "--batch-size-per-worker", "16"], "error: global_batch_size (--global-batch-size) "
+                                                                    "64 and batch_size_per_worker"),
     (["--init-from", "/"], "error: init_from (--init-from) /: / is not a sweep's folder (it has no sweep.yaml)"),
 ])
 def test_bad_input_exits_2_within_seconds(args, expected, tmp_path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -27,13 +27,29 @@ class DataParallelJob(TrainingJob):
     batch_size_per_worker: int | None = Field(None, ge=1, description="samples per step on each worker, instead "
                                               "of global_batch_size (which it then is, times num_workers)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _global_from_per_worker(cls, data: Any) -> Any:
+        """A batch given per worker sets the global batch (times the workers), so the config holds both, agreeing:
+        a saved config reloads as it was."""
+        if not isinstance(data, dict) or not isinstance(data.get("batch_size_per_worker"), int):
+            return data
+        compute = data.get("compute", cls.model_fields["compute"].default)
+        default = cls.model_fields["compute"].default.num_workers
+        workers = compute.get("num_workers", default) if isinstance(compute, dict) else compute.num_workers
+        if not isinstance(workers, int):
+            return data  # the field's own check names it
+        implied = data["batch_size_per_worker"] * workers
+        if data.get("global_batch_size") not in (None, implied):
+            raise ConfigError(f"global_batch_size (--global-batch-size) {data['global_batch_size']} and "
+                              f"batch_size_per_worker (--batch-size-per-worker) {data['batch_size_per_worker']}, "
+                              f"which is a global batch of {implied} on {workers} workers: give one, not both")
+        return {**data, "global_batch_size": implied}
+
     @model_validator(mode="after")
     def _batch(self) -> "DataParallelJob":
-        given = "global_batch_size" in self.model_fields_set
-        if given and self.batch_size_per_worker is not None:
-            raise ConfigError("global_batch_size (--global-batch-size) and batch_size_per_worker "
-                              "(--batch-size-per-worker): give one, not both")
-        if self.batch_size_per_worker is None and self.global_batch_size % self.compute.num_workers:
+        if self.global_batch_size % self.compute.num_workers:
+            given = "global_batch_size" in self.model_fields_set
             raise ConfigError(f"global_batch_size (--global-batch-size) {self.global_batch_size}"
                               f"{'' if given else ' (the default)'}: not divisible by compute.num_workers "
                               f"(--num-workers) {self.compute.num_workers}; give a multiple, or "
@@ -46,11 +62,11 @@ class DataParallelJob(TrainingJob):
 
     @property
     def per_worker_batch(self) -> int:
-        return self.batch_size_per_worker or self.global_batch_size // self.compute.num_workers
+        return self.global_batch_size // self.compute.num_workers
 
     @property
     def global_batch(self) -> int:
-        return self.per_worker_batch * self.compute.num_workers
+        return self.global_batch_size
 
     @property
     def effective_lr(self) -> float:

@@ -3,6 +3,7 @@ optimizer, schedule, batch and seed unless told otherwise (the same hyperparamet
 
 import pytest
 
+from rayhpc.cli import derived_flags
 from rayhpc.config import ConfigError, validate
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.ps.config import PSConfig
@@ -54,3 +55,13 @@ def test_the_batch_is_global_and_a_batch_per_worker_reloads_as_it_was(job):
         validate(job, {"global_batch_size": 32, "batch_size_per_worker": 32})
     with pytest.raises(ConfigError, match=r"32 \(the default\): not divisible by compute.num_workers"):
         validate(job, {"compute": {"num_workers": 3}})
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_every_training_flag_is_a_flag_of_every_job(job):
+    """`rayhpc tune`, `train`, `parallel` and `ps` take the training section's every flag, for the same key
+    (`--accumulate`, `--max-failures`, `--warmup-steps`, ...): the flags are derived from the one section."""
+    training = derived_flags(Training)
+    assert {"--accumulate", "--max-failures", "--global-batch-size", "--warmup-steps", "--clip-grad-norm",
+            "--precision", "--steps", "--epochs", "--compile"} <= set(training)
+    assert {flag: derived_flags(job).get(flag) for flag in training} == training

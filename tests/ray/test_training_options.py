@@ -184,7 +184,7 @@ def test_a_run_of_steps_ends_mid_epoch_and_its_schedule_spans_them(ray_address, 
 @pytest.mark.parametrize("args, expected", [
     (["--warmup-steps", "-1"],
      "error: schedule.warmup_steps (--warmup-steps): Input should be greater than or equal to 0"),
-    (["--accumulate", "3"], "error: accumulate (--accumulate) 3: does not divide the batch per worker 32"),
+    (["--accumulate", "3"], "error: accumulate (--accumulate) 3: does not divide the batch per worker 16"),
     (["--optimizer", "lion"], "error: optim.optimizer (--optimizer): unknown optimizer 'lion': expected "
                               "sgd, adam, adamw or a torch.optim class"),
     (["--warmup-steps", "3", "--warmup-fraction", "0.1"],

@@ -419,7 +419,7 @@ def test_the_gpt_resumed_from_a_sharded_checkpoint_with_adam_state_ends_equal(la
     """Shards of the weights and of Adam's state (TP x PP; two stages per rank in a V), saved every 2 steps;
     resumed from step 2 (mid-warm-up; mid-decay) it ends equal to one process only if the optimizer's state
     came back too (its moments and step count) and the schedule goes on at step 2."""
-    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint": {"every": 2},
+    cfg = gpt_cfg(tmp_path, **{**GPT_LAYOUTS[layout], "steps": 4, "checkpoint": {"every": 2, "keep": 2},
                                "lr_schedule": RESUMED_AT[layout]})
     full = run_parallel(cfg, log_level=logging.DEBUG)
     shutil.rmtree(full.checkpoint)

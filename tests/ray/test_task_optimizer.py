@@ -70,7 +70,7 @@ def test_ddp_with_the_tasks_optimizer_and_scheduler_killed_and_resumed_equals_on
 def test_the_model_parallel_job_steps_them_and_resumes_them(ray_address, tmp_path):
     """FSDP2 over 2 ranks, 8 steps, resumed from the step-4 checkpoint."""
     cfg = ParallelConfig(task=OWN, parallelism={"fsdp": 2}, optim={"lr": LR}, steps=8, global_batch_size=32,
-                         checkpoint={"every": 4}, storage_path=tmp_path)
+                         checkpoint={"every": 4, "keep": 2}, storage_path=tmp_path)
     full = run_parallel(cfg, log_level=logging.DEBUG)
     shutil.rmtree(full.checkpoint)
     resumed = run_parallel(cfg.model_copy(update={"resume": True}), log_level=logging.DEBUG)

@@ -65,3 +65,9 @@ def test_every_training_flag_is_a_flag_of_every_job(job):
     assert {"--accumulate", "--max-failures", "--global-batch-size", "--warmup-steps", "--clip-grad-norm",
             "--precision", "--steps", "--epochs", "--compile"} <= set(training)
     assert {flag: derived_flags(job).get(flag) for flag in training} == training
+
+
+def test_a_batch_per_worker_given_as_a_flag_sets_the_global_batch():
+    """Flags come as text: `--batch-size-per-worker 32 --num-workers 4` is a global batch of 128."""
+    cfg = validate(TrainConfig, {"batch_size_per_worker": "32", "compute": {"num_workers": "4"}})
+    assert (cfg.global_batch, cfg.per_worker_batch) == (128, 32)

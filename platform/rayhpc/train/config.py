@@ -32,15 +32,17 @@ class DataParallelJob(TrainingJob):
     def _global_from_per_worker(cls, data: Any) -> Any:
         """A batch given per worker sets the global batch (times the workers), so the config holds both, agreeing:
         a saved config reloads as it was."""
-        if not isinstance(data, dict) or not isinstance(data.get("batch_size_per_worker"), int):
+        if not isinstance(data, dict) or data.get("batch_size_per_worker") is None:
             return data
         compute = data.get("compute", cls.model_fields["compute"].default)
         default = cls.model_fields["compute"].default.num_workers
         workers = compute.get("num_workers", default) if isinstance(compute, dict) else compute.num_workers
-        if not isinstance(workers, int):
-            return data  # the field's own check names it
-        implied = data["batch_size_per_worker"] * workers
-        if data.get("global_batch_size") not in (None, implied):
+        try:  # flags come as text ("32"), YAML and code as numbers
+            implied = int(data["batch_size_per_worker"]) * int(workers)
+            given = None if data.get("global_batch_size") is None else int(data["global_batch_size"])
+        except (TypeError, ValueError):
+            return data  # the fields' own checks name the value
+        if given not in (None, implied):
             raise ConfigError(f"global_batch_size (--global-batch-size) {data['global_batch_size']} and "
                               f"batch_size_per_worker (--batch-size-per-worker) {data['batch_size_per_worker']}, "
                               f"which is a global batch of {implied} on {workers} workers: give one, not both")

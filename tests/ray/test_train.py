@@ -94,9 +94,9 @@ def test_shards_partition_the_data_and_reshuffle_every_epoch():
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--num-workers", str(CPUS + 1), "--cpus-per-worker", "1"],
+    (["--num-workers", str(CPUS + 1), "--cpus-per-worker", "1", "--batch-size-per-worker", "16"],
      f"error: compute.num_workers (--num-workers) {CPUS + 1}: the cluster can place {CPUS} worker(s) of 1 CPU each"),
-    too_many_gpu_workers("--num-workers"),
+    too_many_gpu_workers("--num-workers", "--batch-size-per-worker", "16"),
     (["--global-batch-size", "65"], "error: global_batch_size (--global-batch-size) 65: not divisible by "
                                     "compute.num_workers (--num-workers) 2"),
     (["--hp", "hidden=wide"], "error: hparams.hidden (--hp): Input should be a valid integer"),

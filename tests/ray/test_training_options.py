@@ -22,7 +22,7 @@ from helpers import (
     reference_schedule,
     run_job_warm,
 )
-from rayhpc.config import Schedule, validate
+from rayhpc.config import Optim, Schedule, validate
 from rayhpc.data import synthetic_tensors
 from rayhpc.engine import Module, train_step
 from rayhpc.engine.checkpoint import load_full_state_dict, load_progress
@@ -119,9 +119,8 @@ def test_accumulation_sums_micro_batch_gradients_into_the_full_batch_step(clip):
         seen.append(len(batch[0]))
         return F.mse_loss(models[0](batch[0]), batch[1])
 
-    hp = {"lr": 0.1, "optimizer": "sgd", "accumulate": 4, "clip_grad_norm": clip}
     opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
-    train_step(Module(models[0], opt, loss_fn, hp), (x, y), hp["accumulate"], 0, 1)
+    train_step(Module(models[0], opt, loss_fn, Optim(optimizer="sgd", lr=0.1, clip_grad_norm=clip)), (x, y), 4, 0, 1)
     plain = torch.optim.SGD(models[1].parameters(), lr=0.1)
     F.mse_loss(models[1](x), y).backward()
     if clip:

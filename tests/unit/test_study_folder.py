@@ -141,7 +141,7 @@ def test_a_pack_is_recorded_once_when_a_slice_thought_dead_finishes_it_too(tmp_p
     lost.join("lost", ("val_loss", "min"))
     with lost.locked():
         lost.claim("lost", None, 1, 0)
-    os.close(lost._alive_fd)  # its lock released, the process alive
+    lost._alive.release()  # its lock released, the process alive
     other.join("other", ("val_loss", "min"))
     with other.locked():
         assert other.claim("other", None, 1, 0)["pack"] == 0  # taken over

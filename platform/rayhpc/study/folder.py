@@ -11,9 +11,9 @@
     DIR/slices/<id>.lock  held (flock) by the slice's driver for as long as it lives
     DIR/results.parquet   the union of every finished trial, written by each slice as it ends
 
-Every change goes through one lock, `flock` on `DIR/study.lock`, which the kernel (or the shared
-filesystem's lock manager: NFSv4, Lustre mounted with `flock`) releases when its holder dies, so a
-SIGKILLed slice never leaves the study locked. A slice is alive while it holds the lock on its own
+Every change goes through one lock, `flock` on `DIR/study.lock` (filelock's `UnixFileLock`), which the
+kernel (or the shared filesystem's lock manager: NFSv4, Lustre mounted with `flock`) releases when its
+holder dies, so a SIGKILLed slice never leaves the study locked. A slice is alive while it holds the lock on its own
 file: another slice finds a dead one by taking that lock, with no clock or heartbeat to trust, and
 claims its unfinished packs again (they resume from their checkpoints). A pack's rows are written
 once, by the first slice to finish it: every trial ends exactly once.
@@ -22,7 +22,6 @@ once, by the first slice to finish it: every trial ends exactly once.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pandas as pd
+from filelock import Timeout, UnixFileLock
 
 from rayhpc.private import replace_whole
 
@@ -47,15 +47,10 @@ PACKS_DIR = "packs"
 Proposer = Callable[[int], tuple[list[dict], list[int]]]
 
 
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive `flock` on `path` (created 0600, never through a link), released on exit or death."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the only descriptor releases the lock
+def file_lock(path: Path) -> UnixFileLock:
+    """An exclusive `flock` on `path` (created 0600, never through a link), released on exit or death: the
+    kernel's lock only, never filelock's soft fallback (a file that a SIGKILLed holder would leave behind)."""
+    return UnixFileLock(path, mode=0o600, fallback_to_soft=False)
 
 
 def slice_id() -> str:
@@ -74,7 +69,7 @@ class Study:
         self.plan: list[list[dict]] | None = None
         self._offset = 0
         self._dead: set[str] = set()
-        self._alive_fd: int | None = None
+        self._alive: UnixFileLock | None = None
         self.me: str | None = None  # this process's slice, once it joined
 
     @contextlib.contextmanager
@@ -124,9 +119,8 @@ class Study:
         """This process becomes slice `slice_name` (`self.me`): it holds its liveness lock until it exits.
         `objective`: (reported name, "min" or "max"), for `rayhpc status --study`."""
         (self.path / SLICES_DIR).mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(self._slice_lock(slice_name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        self._alive_fd, self.me = fd, slice_name  # kept open (and locked) for the life of the process
+        self._alive, self.me = file_lock(self._slice_lock(slice_name)), slice_name
+        self._alive.acquire()  # held for the life of the process
         with self.locked():
             self._append({"event": "slice", "slice": slice_name, "host": socket.gethostname(), "pid": os.getpid(),
                           "objective": list(objective)})
@@ -138,17 +132,13 @@ class Study:
         """Whether slice `name`'s driver still runs: it holds the lock on its file (a dead one never comes back)."""
         if name in self._dead:
             return False
-        try:
-            fd = os.open(self._slice_lock(name), os.O_RDWR | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            self._dead.add(name)
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True  # (this process's own slice too: a second descriptor conflicts with the first)
-        finally:
-            os.close(fd)
+        if os.path.lexists(self._slice_lock(name)):  # (a missing one: a slice that never joined)
+            lock = file_lock(self._slice_lock(name))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                return True  # (this process's own slice too: a second descriptor conflicts with the first)
+            lock.release()
         self._dead.add(name)
         return False
 

@@ -57,23 +57,6 @@ class OptunaProposer:
                 self.study.tell(number, value, skip_if_finished=True)
 
 
-class _FlockForOptuna:
-    """Optuna's journal file lock interface (acquire/release) on `flock`: its own lock files outlive a
-    SIGKILLed holder (Optuna 3.x has no grace period), a flock never does."""
-
-    def __init__(self, path: Path):
-        self.path, self._held = path, None
-
-    def acquire(self) -> bool:
-        self._held = file_lock(self.path)
-        self._held.__enter__()
-        return True
-
-    def release(self) -> None:
-        held, self._held = self._held, None
-        held.__exit__(None, None, None)
-
-
 def _journal(folder: Path):
     import optuna  # optional: only Optuna searches
 
@@ -82,7 +65,9 @@ def _journal(folder: Path):
         from optuna.storages.journal import JournalFileBackend
     except ImportError:  # Optuna 3.1-3.6 (the declared floor)
         JournalFileBackend = optuna.storages.JournalFileStorage
-    return optuna.storages.JournalStorage(JournalFileBackend(path, lock_obj=_FlockForOptuna(folder / "optuna.lock")))
+    # Optuna's own lock files outlive a SIGKILLed holder (Optuna 3.x has no grace period), a flock never does;
+    # its backend only calls the lock's acquire() and release()
+    return optuna.storages.JournalStorage(JournalFileBackend(path, lock_obj=file_lock(folder / "optuna.lock")))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""FSDP2's groups and optimizer (`rayhpc.engine.fsdp`, `rayhpc.optim`), on real gloo ranks: on one rank the whole
+"""FSDP2's groups and optimizer (`rayhpc.engine.parallelize`, `rayhpc.optim`), on real gloo ranks: on one rank the whole
 model is one group (a group per unit would cost each unit a gather, a gradient reduction and hooks, and save
 no memory); on two, every unit is a group of its own (one unit's weights gathered at a time). Over sharded
 parameters the optimizer is the multi-tensor form, and steps them as torch's per-parameter loop steps a
@@ -29,7 +29,7 @@ def _rank(rank: int, world: int, folder: str) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     from rayhpc.config import Optim
-    from rayhpc.engine.fsdp import apply_fsdp, default_units
+    from rayhpc.engine.parallelize import apply_fsdp, default_units
     from rayhpc.optim import make_optimizer
 
     dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store", world), rank=rank, world_size=world)

@@ -1,5 +1,14 @@
-"""Data-parallel wrappers for any task's model, one small function per step (torchtitan's order:
-activation checkpointing, then compilation, then FSDP2 or DDP)."""
+"""Every job's parallelisms on a model, one small function per step, in torchtitan's order: tensor parallelism,
+then activation checkpointing and compilation of its blocks, then FSDP2 or DDP (`parallelize`). A data-parallel
+run wraps the task's whole model; a model-parallel rank its pipeline stage (`rayhpc.parallel.worker`).
+
+FSDP2 (`apply_fsdp`: `fully_shard` on each unit, then on the root): units are all-gathered one at a time in
+forward and backward and freed after use, so a rank holds one unit's whole parameters at a time. The last
+unit's backward runs right after its forward, so it keeps its gathered weights in between (freeing them would
+only all-gather them again; torchtitan does the same); on one rank every unit does. With bf16, compute runs in
+bf16 while gradients are reduced in fp32, so the update matches fp32 training closely.
+(`ray.train.torch.prepare_model(parallel_strategy="fsdp")` is FSDP1, which refuses CPUs.)
+"""
 
 from __future__ import annotations
 
@@ -15,7 +24,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from rayhpc.engine.fsdp import apply_fsdp, default_units
 from rayhpc.private import OWN_TMPDIR_BASE, UnsafePath, own_dir
 
 log = logging.getLogger(__name__)
@@ -26,14 +34,24 @@ SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.
              torch.ops.aten._scaled_dot_product_efficient_attention.default}
 
 
-def parallelize(model: nn.Module, strategy: str, device: torch.device, bf16: bool, task, options) -> nn.Module:
-    """Move `model` to `device`, checkpoint and compile its blocks as `options` asks, and wrap it for `strategy`
-    ("ddp" or "fsdp")."""
-    model.to(device)
+def parallelize(model: nn.Module, task, options, strategy: str | None, device: torch.device | None = None, *,
+                tp: tuple | None = None, mesh=None, units: list[nn.Module] | None = None, bf16: bool = False
+                ) -> nn.Module:
+    """`model` moved to `device` (None: where it is, a meta-device stage materialised after), tensor-parallel by
+    `tp` ((mesh, plan): `parallelize_module`'s), its blocks checkpointed and compiled as `options` asks (`task`:
+    the user's task object), then wrapped for `strategy`: "fsdp" (FSDP2 over `mesh`, the world where None; each
+    of `units` sharded on its own, default the modules holding parameters), "ddp", or None (as it is)."""
+    if device is not None:
+        model.to(device)
+    if tp is not None:
+        # DTensor: about 0.7 s to import, only where a run shards
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, *tp)
     apply_options(model, task, options)
     if strategy == "fsdp":
-        return apply_fsdp(model, default_units(model), mesh=world_mesh(device), bf16=bf16)
-    return apply_ddp(model, device)
+        return apply_fsdp(model, default_units(model) if units is None else units, mesh or world_mesh(device), bf16)
+    return apply_ddp(model, device) if strategy == "ddp" else model
 
 
 def apply_options(model: nn.Module, task, options) -> None:
@@ -124,6 +142,29 @@ def private_compile_caches() -> None:
             own_dir(folder)
 
 
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold parameters themselves (Linear, Conv2d, LayerNorm, ...), in order."""
+    return [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+
+
+def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh=None, bf16: bool = False) -> nn.Module:
+    """Shard each of `units`, then `model`, over `mesh` (a 1-D device mesh; 2-D: replicated over the first
+    dim and sharded over the second, HSDP; None: the whole world)."""
+    # FSDP2: about 0.7 s to import, only where a run shards
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    # on one rank the "shard" is the whole parameter: a group per unit saves no memory and costs each unit
+    # its own gather, gradient reduction and hooks, so the model is one group (FSDP2 one worker: see
+    # docs/benchmarks.md)
+    shared = (mesh.size(mesh.ndim - 1) if mesh is not None else torch.distributed.get_world_size()) > 1
+    for i, unit in enumerate(units if shared else []):
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(units) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: kept gathered from forward to backward
+    return model
+
+
 def world_mesh(device: torch.device):
     """A 1-D mesh of every rank on the worker's own device type: `fully_shard` without a mesh picks
     the accelerator itself, which on a GPU node moves a CPU worker's parameters to cuda:0."""
@@ -144,3 +185,12 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module under a DDP wrapper (FSDP2 modifies the module in place)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def full_state(module: nn.Module) -> dict:
+    """Whole (unsharded) parameters by name; a collective over each parameter's mesh, so every
+    rank holding a shard of the module must call it."""
+    from torch.distributed.tensor import DTensor  # DTensor: about 0.7 s to import, only where a run shards
+
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for name, p in module.named_parameters()}

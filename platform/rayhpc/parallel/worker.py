@@ -25,13 +25,14 @@ from torch import nn
 from rayhpc import engine
 from rayhpc.config import ConfigError
 from rayhpc.engine import checkpoint
+from rayhpc.engine.parallelize import full_state, parallelize
 from rayhpc.engine.step import clip_grad_norm_
 from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.optim import set_lr
 from rayhpc.parallel.config import ParallelConfig
-from rayhpc.parallel.mesh import build_mesh
-from rayhpc.parallel.parallelize import full_state, parallelize
-from rayhpc.parallel.pp import build_schedule, rank_stages
+from rayhpc.parallel.mesh import Degrees, build_mesh
+from rayhpc.parallel.plan import keep_stage, units
+from rayhpc.parallel.pp import SPLIT_BACKWARD, build_schedule, rank_stages
 from rayhpc.parallel.recipe import Recipe
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import draw_as_a_loader, epoch_indices, eval_batch, named_scores, score_sums
@@ -99,7 +100,7 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
         with torch.device("meta"):
             model = recipe.build()
         ties = tied(model)
-        part = parallelize(model, mesh, p, stage_id, recipe)
+        part = shard_stage(model, mesh, p, stage_id, recipe)
         part.to_empty(device=ctx.device)
         retie(part, ties)
         materialise(part, initial)
@@ -123,6 +124,30 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
         run.schedules[cfg.micro_batch] = make_schedule()
     ctx.state["run"], ctx.state["gauges"] = run, WorkerMetrics(cfg.name, ctx.rank)
     return total, sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for _, q in run.named_parameters())
+
+
+def shard_stage(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, recipe: Recipe) -> nn.Module:
+    """Pipeline stage `stage_id` of `model` (in place; None: the whole model), then the engine's parallelisms:
+    tensor-parallel over mesh["tp"], its blocks checkpointed and compiled, sharded over mesh["fsdp"] and
+    replicated over mesh["dp"] (FSDP2's HSDP) wherever there are replicas to average gradients over.
+
+    Parameter names stay those of the whole model (`layers.4.weight`, `blocks.2.attn.wq.weight`),
+    so gathered weights and checkpoints line up with an unsharded run.
+    """
+    stage = keep_stage(model, recipe.stage_starts(model), stage_id) if stage_id is not None else model
+    # the FSDP2 units: each pipeline unit that holds parameters (a Linear, a block, an embedding; a stage's
+    # removed units are not its children), so one unit's parameters are gathered at a time. The zero-bubble
+    # schedules compute weight gradients in a pass of their own, outside autograd's hooks, and with nested
+    # units (torch 2.13) the result differed from one process (measured); with the stage as one unit it is equal
+    nested = recipe.cfg.parallelism.schedule not in SPLIT_BACKWARD
+    found = [stage.get_submodule(u) for u in units(stage)] if nested else []
+    # bf16 by FSDP's mixed-precision policy, as in every job that shards with FSDP (the forward then runs
+    # without autocast: `rayhpc.precision.autocast`)
+    return parallelize(stage, recipe.task.obj, recipe.cfg, "fsdp" if degrees.fsdp_applies else None,
+                       tp=(mesh["tp"], recipe.tp_plan(stage)) if degrees.tp > 1 else None,
+                       mesh=mesh["dp", "fsdp"] if degrees.dp > 1 else mesh["fsdp"],
+                       units=[m for m in found if any(True for _ in m.parameters())],
+                       bf16=recipe.cfg.precision == "bf16")
 
 
 def tied(module: nn.Module) -> list[list[str]]:

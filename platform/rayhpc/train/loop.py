@@ -186,7 +186,7 @@ def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.devi
     model = task.initial_model(hp)
     if init is not None:  # whole, before sharding: FSDP2 then shards these weights
         model.load_state_dict(init)
-    model = parallelize(model, cfg.strategy, device, cfg.use_bf16, task.obj, cfg)
+    model = parallelize(model, task.obj, cfg, cfg.strategy, device, bf16=cfg.use_bf16)
     optimizer = task.optimizer(model.parameters(), hp)
     progress = restore(model, optimizer) or checkpoint.Progress()
     workers = loader_workers(device, cfg.compute.cpus_per_worker)

@@ -53,12 +53,13 @@ def reference_seconds(cfg: SweepConfig, configs: list[dict]) -> float:
     """Summed in-trial seconds of every trial trained alone, in this warm process, one thread."""
     import torch
 
-    from rayhpc.tune.single import train_single
+    from rayhpc.tune.single import train_alone
 
     torch.set_num_threads(1)
     task = task_for(cfg.task, cfg.data)
-    train_single(task, configs[0], 1, cfg.data)  # warm-up: first-call costs are not the trial's
-    return sum(train_single(task, hp, cfg.epochs, cfg.data)["train_seconds"] for hp in configs)
+    # warm-up: first-call costs are not the trial's
+    train_alone(task, configs[0], cfg.model_copy(update={"epochs": 1, "steps": None}))
+    return sum(train_alone(task, hp, cfg)["train_seconds"] for hp in configs)
 
 
 def array_style(cfg_file: Path, n: int, cpus: int, out: Path) -> tuple[float, float]:
@@ -77,7 +78,7 @@ def plain_tune(cfg: SweepConfig, configs: list[dict], storage: Path) -> tuple[fl
     from ray import tune
 
     trainable = plain_trainable(task_for(cfg.task, cfg.data), cfg)
-    tuner = tune.Tuner(trainable, param_space={"hp": tune.grid_search(configs)},
+    tuner = tune.Tuner(trainable, param_space={"members": tune.grid_search([[hp] for hp in configs])},
                        run_config=tune.RunConfig(name="plain", storage_path=str(storage), verbose=0))
     start = time.perf_counter()
     grid = tuner.fit()

@@ -244,10 +244,11 @@ def check_array_task(gpus: float = 1) -> Line:
     from rayhpc.data import DataConfig
     from rayhpc.task import task_for
     from rayhpc.task.hparams import full_hparams
-    from rayhpc.tune.single import task_device, train_single
+    from rayhpc.tune.config import SweepConfig
+    from rayhpc.tune.single import task_device, train_alone
 
     task = task_for("mlp", DataConfig())
-    result = train_single(task, full_hparams(task.hp_model, {}), 2, device=task_device(gpus))
+    result = train_alone(task, full_hparams(task.hp_model, {}), SweepConfig(epochs=2), device=task_device(gpus))
     where = next(result["model"].parameters()).device
     return Line("array task on its GPU", "PASS" if where.type == ("cuda" if gpus else "cpu") else "FAIL",
                 f"trained on {where}, val_loss {result['val_loss']:.4f}")

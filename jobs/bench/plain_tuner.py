@@ -1,5 +1,6 @@
 """Plain Ray Tune, a baseline of `jobs/bench_sweep.py`: the trials of a sweep config as Ray Tune's docs write
-them, one trial per configuration, the same training loop, reported and checkpointed every epoch.
+them, one trial per configuration, the same training loop (the sweep's trainable, a pack of one each), reported
+and checkpointed every epoch.
 
     python jobs/bench/plain_tuner.py SWEEP.yaml --storage-path DIR --out result.json --launch-time T
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,27 +19,14 @@ import yaml
 
 
 def plain_trainable(task, cfg):
-    """The trials' function as Ray Tune's docs write one: the platform's loop for one configuration, one thread,
-    a report and a checkpoint per epoch, then its last values and seconds."""
+    """The trials' function: the platform's trainable for one configuration (`{"members": [hp]}`), one thread,
+    each epoch reported to Tune with its checkpoint, its seconds in every report."""
     from ray import tune
 
-    from rayhpc.tune.single import train_single
+    from rayhpc.tune.trainable import TrialSettings, train_pack
 
-    def trainable(config):
-        import torch
-
-        torch.set_num_threads(1)
-
-        def report(epoch, values, model):
-            with tempfile.TemporaryDirectory() as d:
-                torch.save(model.state_dict(), Path(d) / "model.pt")
-                tune.report({"val_loss": values["val_loss"], "epoch": epoch},
-                            checkpoint=tune.Checkpoint.from_directory(d))
-
-        result = train_single(task, config["hp"], cfg.epochs, cfg.data, on_epoch=report)
-        tune.report({"val_loss": result["val_loss"], "train_seconds": result["train_seconds"]})
-
-    return trainable
+    settings = TrialSettings.of(cfg, task, task.objective, threads=1)
+    return tune.with_parameters(train_pack, task=task, packs=None, settings=settings)
 
 
 def main() -> None:
@@ -67,7 +54,7 @@ def main() -> None:
         def on_trial_result(self, iteration, trials, trial, result, **info):
             marks.setdefault("first result", time.time() - args.launch_time)
 
-    tune.Tuner(plain_trainable(task, cfg), param_space={"hp": tune.grid_search(configs)},
+    tune.Tuner(plain_trainable(task, cfg), param_space={"members": tune.grid_search([[hp] for hp in configs])},
                run_config=tune.RunConfig(name="plain", storage_path=str(Path(args.storage_path).resolve()),
                                          verbose=0, callbacks=[FirstResult()])).fit()
     marks["work"] = time.time() - args.launch_time

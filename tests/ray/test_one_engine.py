@@ -72,10 +72,12 @@ def epochs_of(metrics: pd.DataFrame) -> pd.DataFrame:
 # each runner: what it trained, in `Got`
 
 def array_task(tmp_path) -> Got:
-    from rayhpc.tune.single import train_single
+    from rayhpc.tune.config import SweepConfig
+    from rayhpc.tune.single import train_alone
 
     task, seen = task_for(TASK, DataConfig()), []
-    got = train_single(task, hparams(task), EPOCHS, on_epoch=lambda e, values, m: seen.append(values))
+    got = train_alone(task, hparams(task), SweepConfig(epochs=EPOCHS), folder=tmp_path / "trial",
+                      then=lambda values, epoch: seen.append(values))
     return Got(got["model"].state_dict(), [v["val_loss"] for v in seen], [v["train_loss"] for v in seen])
 
 

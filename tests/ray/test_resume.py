@@ -96,6 +96,9 @@ def test_a_job_killed_in_the_warm_up_and_stopped_in_the_decay_ends_as_if_never_s
 
     want = plain_ranks(world, LR, SEED, epochs=epochs)
     weights, val, train, steps = trained(runner, exp, epochs)
+    if runner == ARRAY:  # a requeued task goes on from its checkpoint (started again, it would end the same)
+        row = json.loads(next(exp.glob("*/trial_00000.json")).read_text())
+        assert row["resumed_from_epoch"] == interrupted // PER_EPOCH > 0, (row, interrupted)
     want_val = [v for v, _ in want.epochs]
     close(runner, "val_loss", val, [min(want_val), want_val[-1]] if runner in (*SWEEPS, ARRAY) else want_val)
     # an epoch resumed mid-way reports the loss of all its steps (the parameter server's driver holds its

@@ -308,7 +308,7 @@ def test_sweep_trials_and_parameter_server_workers_checkpoint_the_tasks_blocks()
     from rayhpc.tune.config import SweepConfig
     from rayhpc.tune.packing import make_pack
     from rayhpc.tune.plan import can_pack, pack_size
-    from rayhpc.tune.single import train_single
+    from rayhpc.tune.single import train_alone
     from rayhpc.tune.warm import trial_train_config
 
     task, hp, batch = small_gpt()
@@ -317,7 +317,8 @@ def test_sweep_trials_and_parameter_server_workers_checkpoint_the_tasks_blocks()
     assert trial_train_config(sweep, {**hp, "batch_size": 4}, "t", gpu=False).activation_checkpointing == "full"
     full = ModelOptions(activation_checkpointing="full")
     trial = make_pack(task, [hp], torch.device("cpu"), full).model
-    array_task = train_single(task, hp, epochs=None, steps=1, options=full)["model"]
+    array_task = train_alone(task, hp, validate(SweepConfig, {"steps": 1, "activation_checkpointing": "full",
+                                                              "task": task.spec}))["model"]
     ps = PSWorker(0, 1, validate(PSConfig, {"activation_checkpointing": "full", "task": task.spec,
                                             "compute": {"cpus_per_worker": 1}}), task, hp,
                   layout=None, servers=[], device="cpu")
@@ -353,14 +354,14 @@ def test_every_job_takes_one_precision_vocabulary_and_bf16_computes_in_bf16():
         if precision == "bf16":
             assert not torch.equal(got.float(), want), "bf16 computed in fp32"
     set_matmul_precision("fp32")
-    # a runner: the single-trial loop (array tasks) trains in what it is told
+    # a runner: a trial alone (array tasks) trains in what it is told
     from rayhpc.task import task_for
-    from rayhpc.tune.single import train_single
+    from rayhpc.tune.single import train_alone
 
     task = task_for("mlp", validate(TrainConfig, {}).data)
     hp = full_hparams(task.hp_model, {"hidden": 64})
     for value in ("train_loss", "val_loss"):
-        runs = {p: train_single(task, hp, 1, precision=p)[value] for p in ("fp32", "tf32", "bf16")}
+        runs = {p: train_alone(task, hp, SweepConfig(epochs=1, precision=p))[value] for p in ("fp32", "tf32", "bf16")}
         assert runs["fp32"] == runs["tf32"] != runs["bf16"] and abs(runs["bf16"] / runs["fp32"] - 1) < 0.05, runs
     # a parameter-server worker computes its loss (and so its gradient) in what it is told
     from rayhpc.ps.worker import PSWorker

@@ -262,16 +262,17 @@ def test_members_with_their_own_warm_up_and_clipping_each_equal_the_trial_alone(
 
 
 def test_a_trial_trained_alone_takes_the_same_options(mlp):
-    """The array task's and the plain baseline's loop (`train_single`): AdamW, warm-up then cosine,
-    clipping, four micro-batches per step, equal to torch's own."""
-    from rayhpc.tune.single import train_single
+    """A trial alone, a pack of one (`train_alone`: an array task, the benchmark's baseline): AdamW, warm-up then
+    cosine, clipping, four micro-batches per step, equal to torch's own."""
+    from rayhpc.tune.config import SweepConfig
+    from rayhpc.tune.single import train_alone
 
     # 240 samples in batches of 28: the last of each epoch holds 16, in 4 micro-batches of 4
     hp = full_hparams(mlp.hp_model, dict(hidden=8, optimizer="adamw", lr=0.02, weight_decay=0.05, batch_size=28, seed=7,
                                          warmup_steps=8, decay="cosine", min_lr_ratio=0.1, clip_grad_norm=0.1,
                                          accumulate=4))
     train, val = mlp_split(mlp)
-    got = train_single(mlp, hp, 2, mlp.obj.data_cfg)
+    got = train_alone(mlp, hp, SweepConfig(epochs=2, data=mlp.obj.data_cfg))
     want, history = plain_trial(mlp.initial_model(hp), train, val, hp, 2, F.mse_loss)
     for key, value in got["model"].state_dict().items():
         torch.testing.assert_close(value, want[key], msg=lambda m: f"{key}: {m}")

@@ -151,3 +151,59 @@ def test_a_pack_is_recorded_once_when_a_slice_thought_dead_finishes_it_too(tmp_p
         assert lost.results()["by"].tolist() == ["other"]
     finishes = [e for e in map(json.loads, (tmp_path / LEDGER_FILE).read_text().splitlines()) if e["event"] == "finish"]
     assert [e["slice"] for e in finishes] == ["other"]
+
+
+def test_an_array_task_goes_on_with_a_dead_tasks_trial_from_its_checkpoint_in_the_study(tmp_path):
+    """A study's array task checkpoints each epoch's end in the study's pack folder (as a Ray slice's packs do):
+    the trial a task held when it died goes on from there in the task that claims it next, and ends with the
+    weights of a run never stopped. Checked: a restore that finds nothing fails (it starts again at epoch 0)."""
+    import torch
+
+    from rayhpc.engine.checkpoint import latest_checkpoint
+    from rayhpc.job import bind_task
+    from rayhpc.tune.config import bind_sweep
+    from rayhpc.tune.single import train_alone
+    from rayhpc.tune.study_array import prepare_tasks, run_task
+    from rayhpc.tune.trainable import load_pack_state
+
+    cfg = SweepConfig(study=tmp_path / "s", num_samples=1, epochs=3, data={"synthetic": {"num_samples": 400}})
+    cfg, study, _ = as_slice(cfg, {"num_samples", "epochs", "data"})
+    cfg, task, info, _ = bind_task(cfg, bind_sweep)
+    prepare_tasks(study, cfg, task, info)
+    dead = Study(study.path)  # a task that claimed the trial and died after its first epoch's checkpoint
+    dead.join("dead", info.objective)
+    with dead.locked():
+        hp = {**cfg.defaults(task.hp_model), **dead.claim("dead", None, 1, 1)["members"][0]}
+    train_alone(task, hp, cfg, folder=study.pack_dir(0), then=lambda values, epoch: epoch == 1)
+    dead._alive.release()
+    assert run_task(study) == 1
+    state = load_pack_state(latest_checkpoint(study.pack_dir(0)))
+    assert (state["epoch"], state["metrics"]["resumed_from_epoch"]) == (3, 1), state["metrics"]
+    whole = train_alone(task, hp, cfg)["model"].state_dict()
+    for key, value in whole.items():
+        torch.testing.assert_close(state["model"][key], value, msg=lambda m: f"{key}: {m}")
+    with study.locked():
+        assert study.results()[["trial_id", "status", "iterations"]].values.tolist() == [["0-0", "finished", 3]]
+
+
+def test_a_slices_optuna_journal_pickles_as_tune_saves_the_searcher_that_holds_it(tmp_path):
+    """Tune saves a slice's searcher whole (cloudpickle), and with it the Optuna journal and the journal's lock: the
+    lock pickles as its path, a new lock that is not held (a flock belongs to the process that took it)."""
+    import optuna
+    import ray.cloudpickle as cloudpickle
+    from filelock import Timeout
+
+    from rayhpc.study.folder import file_lock
+    from rayhpc.tune.slice_search import _journal
+
+    storage = cloudpickle.loads(cloudpickle.dumps(_journal(tmp_path)))
+    study = optuna.create_study(study_name="rayhpc", storage=storage)
+    study.tell(study.ask(), 1.0)
+    assert len(optuna.load_study(study_name="rayhpc", storage=_journal(tmp_path)).trials) == 1
+    lock = file_lock(tmp_path / "held.lock")
+    lock.acquire()
+    copy = cloudpickle.loads(cloudpickle.dumps(lock))
+    assert (copy.lock_file, copy.is_locked) == (lock.lock_file, False)
+    with pytest.raises(Timeout):
+        copy.acquire(timeout=0)
+    lock.release()

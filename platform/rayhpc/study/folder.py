@@ -47,10 +47,18 @@ PACKS_DIR = "packs"
 Proposer = Callable[[int], tuple[list[dict], list[int]]]
 
 
-def file_lock(path: Path) -> UnixFileLock:
+class FileLock(UnixFileLock):
+    """filelock's `UnixFileLock` as `file_lock` makes it, which pickles as its path: a slice's searcher holds one
+    in its Optuna storage, and Tune saves the searcher whole (the copy is a new lock, not held)."""
+
+    def __reduce__(self):
+        return file_lock, (str(self.lock_file),)
+
+
+def file_lock(path: Path) -> FileLock:
     """An exclusive `flock` on `path` (created 0600, never through a link), released on exit or death: the
     kernel's lock only, never filelock's soft fallback (a file that a SIGKILLed holder would leave behind)."""
-    return UnixFileLock(path, mode=0o600, fallback_to_soft=False)
+    return FileLock(path, mode=0o600, fallback_to_soft=False)
 
 
 def slice_id() -> str:
@@ -69,7 +77,7 @@ class Study:
         self.plan: list[list[dict]] | None = None
         self._offset = 0
         self._dead: set[str] = set()
-        self._alive: UnixFileLock | None = None
+        self._alive: FileLock | None = None
         self.me: str | None = None  # this process's slice, once it joined
 
     @contextlib.contextmanager

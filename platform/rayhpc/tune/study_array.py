@@ -3,11 +3,12 @@
     python -m rayhpc.tune.study_array --study DIR [--task SPEC]
 
 Array mode is this: `rayhpc submit --array --study DIR` runs one per array task. Each claims a trial
-(a pack of one) from the study, trains it the plain PyTorch way (`rayhpc.tune.single`), records its row
-once, and claims the next until none is left, so the tasks that run take over the trials of tasks that
-died. Optuna proposes each trial from the study's journal and is told its value; ASHA decides after
-each epoch from the study's shared rung records. A trial cut short by the task's death is trained again
-from its start by whichever task claims it next (array tasks keep no checkpoints).
+(a pack of one) from the study, trains it as the sweep's trials train (`rayhpc.tune.single.train_alone`),
+records its row once, and claims the next until none is left, so the tasks that run take over the trials of
+tasks that died. Optuna proposes each trial from the study's journal and is told its value; ASHA decides after
+each epoch from the study's shared rung records. Each epoch's end is checkpointed in the study's pack folder,
+as a Ray slice's packs are: a trial cut short by the task's death goes on from there in whichever task (or
+slice) claims it next.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rayhpc.study.slice import SPEC_FILE, open_study
 from rayhpc.task import task_for
 from rayhpc.tracking.runs import JobRun, start_tracker, system_tags
 from rayhpc.tune.config import SweepConfig, bind_sweep
-from rayhpc.tune.single import task_device, train_single
+from rayhpc.tune.single import task_device, train_alone
 
 COLUMNS_FILE = "columns.json"  # what the rows hold: searched keys, value columns, objective (written at submission)
 
@@ -63,7 +64,7 @@ def run_task(study: Study, task_spec: str | None = None) -> int:
         hp = {**cfg.defaults(task.hp_model), **pack["members"][0]}
         key = f"{pack['pack']}-0"
         with JobRun(tracker, key, hp, {**tags, "rayhpc.trial": key}, f"{study.path.name}/{key}") as run:
-            row, value = _train(task, cfg, hp, key, columns, keeper, run.log)
+            row, value = _train(task, cfg, hp, key, columns, keeper, run.log, study.pack_dir(pack["pack"]))
             run.status = row["status"]
         with study.locked():
             if study.finish(me, pack["pack"], [row]) and propose is not None and pack["optuna"]:
@@ -76,12 +77,13 @@ def run_task(study: Study, task_spec: str | None = None) -> int:
     return done
 
 
-def _train(task, cfg: SweepConfig, hp: dict, member: str, columns: dict, keeper, track) -> tuple[dict, float | None]:
+def _train(task, cfg: SweepConfig, hp: dict, member: str, columns: dict, keeper, track, folder: Path
+           ) -> tuple[dict, float | None]:
     """(the trial's row, as a Ray sweep writes it; its objective value for Optuna, None if it failed);
-    `track(epoch, values)`: its tracked run's log."""
+    `track(epoch, values)`: its tracked run's log; `folder`: its checkpoints'."""
     metric = columns["objective"][0]
 
-    def asha(epoch: int, values: dict, _model) -> bool:
+    def asha(values: dict, epoch: int) -> bool:
         track(epoch, values)
         return keeper is not None and keeper.decide(metric, [(member, epoch, values[metric])])[0] and \
             epoch < cfg.epochs
@@ -89,8 +91,8 @@ def _train(task, cfg: SweepConfig, hp: dict, member: str, columns: dict, keeper,
     row = {"trial_id": member, **{f"config.{p}": hp[p] for p in columns["searched"]}, "node": socket.gethostname(),
            "pack_size": 1}
     try:
-        result = train_single(task, hp, cfg.epochs, cfg.data, on_epoch=asha, device=task_device(cfg.gpus_per_trial),
-                              precision=cfg.precision, steps=cfg.steps, options=cfg)
+        result = train_alone(task, hp, cfg, folder=folder, then=asha, device=task_device(cfg.gpus_per_trial),
+                             threads=int(os.environ.get("SLURM_CPUS_PER_TASK", "1")))
     except Exception as exc:  # noqa: BLE001 - the trial's error is its row; the task goes on with the next
         traceback.print_exc()
         return {**row, "status": "error", **{c: None for c in columns["values"]}, "iterations": 0,

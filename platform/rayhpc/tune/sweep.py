@@ -22,7 +22,7 @@ from ray.tune.schedulers import (
 )
 
 from rayhpc import cluster, interrupt
-from rayhpc.config import ConfigError, ModelOptions
+from rayhpc.config import ConfigError
 from rayhpc.engine import checkpoint
 from rayhpc.job import Started, start_job
 from rayhpc.monitor.board import SweepMonitor
@@ -203,18 +203,14 @@ def trial_gpus(cfg: SweepConfig, res: cluster.Resources) -> float:
 
 
 def _settings(job: Started[SweepConfig], study=None) -> TrialSettings:
-    cfg, task = job.cfg, job.task
-    pbt = None
+    cfg, pbt = job.cfg, None
     if cfg.scheduler == "pbt":
         p = cfg.pbt
         pbt = PbtRules(p.perturbation_interval, p.quantile_fraction, p.resample_probability, mutable(cfg.space),
                        *job.info.objective, cfg.seed)
-    return TrialSettings(epochs=cfg.epochs, steps=cfg.steps, threads=max(1, int(cfg.cpus_per_trial)),
-                         defaults=cfg.defaults(task.hp_model), data_keys=tuple(sorted(job.info.data_reads)),
-                         data=cfg.data, objective=job.info.objective, precision=cfg.precision, pbt=pbt,
-                         model_options=ModelOptions(**cfg.model_dump(include=set(ModelOptions.model_fields))),
-                         study=None if study is None else str(study.path),
-                         measure=measured_names(objectives(job), cfg.constraint_list))
+    return TrialSettings.of(cfg, job.task, job.info.objective, data_keys=tuple(sorted(job.info.data_reads)), pbt=pbt,
+                            study=None if study is None else str(study.path),
+                            measure=measured_names(objectives(job), cfg.constraint_list))
 
 
 def _not_slow_warning(record: logging.LogRecord) -> bool:

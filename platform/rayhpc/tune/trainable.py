@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -26,10 +27,10 @@ from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Plan, Runner, fit
 from rayhpc.engine.step import batch_size_of
 from rayhpc.monitor.startup import process_start
-from rayhpc.optim import lr_factor, step_plan
+from rayhpc.optim import lr_factor
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.study.folder import PACKS_DIR, save_pack_checkpoint
-from rayhpc.task.batches import Batches, eval_batch, to_device
+from rayhpc.task.batches import Batches, epoch_steps, eval_batch, loader_workers, to_device
 from rayhpc.task.load import LoadedTask
 from rayhpc.tune.objectives import PER_MEMBER, measure_member, peak_memory_mb
 from rayhpc.tune.packing import SinglePack, make_pack, member_slice
@@ -52,6 +53,15 @@ class TrialSettings:
     pbt: PbtRules | None = None  # population-based training of each pack's members
     study: str | None = None  # a study's folder (`rayhpc.study`): packs checkpoint there, for any slice to resume
     measure: tuple[str, ...] = ()  # what the objectives and constraints need measured (`rayhpc.tune.objectives`)
+
+    @classmethod
+    def of(cls, cfg, task: LoadedTask, objective: tuple[str, str], threads: int | None = None, **more) -> TrialSettings:
+        """What the trials of the sweep `cfg` share (`more`: what its checks found: the data keys, what to measure,
+        PBT's rules, the study); `threads`: per trial process (default: its CPUs)."""
+        return cls(epochs=cfg.epochs, steps=cfg.steps, threads=threads or max(1, int(cfg.cpus_per_trial)),
+                   defaults=cfg.defaults(task.hp_model), data=cfg.data, objective=objective, precision=cfg.precision,
+                   model_options=ModelOptions(**cfg.model_dump(include=set(ModelOptions.model_fields))),
+                   **{"data_keys": (), **more})
 
 
 def members_of(config: dict, packs: list[list[dict]] | None) -> list[dict]:
@@ -77,40 +87,89 @@ def trial_data(task: LoadedTask, hp: dict, settings: TrialSettings):
 
 def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None, settings: TrialSettings,
                keeper=None) -> None:
-    """Train the pack `config` stands for, one report and checkpoint per epoch. With `keeper` (a
-    `rayhpc.tune.adaptive.RungKeeper` actor), ASHA may stop members: they leave the pack (the
-    survivors are repacked), their weights and last values kept as they were. With `settings.pbt`,
-    the members are a PBT population (`rayhpc.tune.pbt`)."""
+    """Tune's trainable: the pack `config` stands for, trained by `run_pack` (its reports Tune's, or a
+    study's: its checkpoints in the study's folder, where any slice resumes it)."""
     from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
+    # members are ASHA's trials by plan position (a searcher's packs: by Tune trial; a study's: by study pack)
+    pack_id = config["pack"] if "pack" in config else tune.get_context().get_trial_id()
+    reports = Reports() if settings.study is None else Reports(Path(settings.study, PACKS_DIR, str(pack_id)),
+                                                                tune.report)
+    run_pack(config, task, packs, settings, reports, keeper, pack_id)
+
+
+@dataclass
+class Reports:
+    """Where a pack's reports and checkpoints go. Tune's (`then` None): each report with its checkpoint. Else each
+    report is handed to `then` (a study's `tune.report`; an array task's log), whose True stops the run, and the
+    latest checkpoint is kept in `folder` whole (a study's pack folder, where any slice resumes it; an array task's
+    own), or nowhere. `device`: the trial's (None: the GPU Ray gave it, else the CPU)."""
+
+    folder: Path | None = None
+    then: Callable[[dict], bool | None] | None = None
+    device: torch.device | None = None
+
+    def restore(self) -> dict | None:
+        """The pack's state from its latest checkpoint (Tune's, or the folder's: another slice's too), or None."""
+        if self.then is not None:
+            found = checkpoint.latest_checkpoint(self.folder) if self.folder is not None else None
+            return None if found is None else load_pack_state(found)
+        from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
+
+        if (ckpt := tune.get_checkpoint()) is None:
+            return None
+        with ckpt.as_directory() as d:
+            return load_pack_state(Path(d))
+
+    def report(self, metrics: dict, save: Callable[[Path], None] | None, step: int) -> bool:
+        """`metrics`, with the checkpoint `save` writes (None: none) after optimizer step `step`; whether to stop."""
+        if self.then is None:
+            from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
+
+            with tempfile.TemporaryDirectory() as tmp:
+                if save is not None:
+                    save(Path(tmp))
+                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp) if save is not None else None)
+            return False
+        if save is not None and self.folder is not None:
+            save_pack_checkpoint(self.folder, step, save)
+        return bool(self.then(metrics))
+
+
+def run_pack(config: dict, task: LoadedTask, packs: list[list[dict]] | None, settings: TrialSettings,
+             reports: Reports, keeper=None, pack_id: int | str = 0) -> _Trial | None:
+    """Train the pack `config` stands for, one report and checkpoint per epoch, whatever runs it: a Tune trial, a
+    study's slice, an array task (a pack of one). With `keeper` (a `rayhpc.tune.adaptive.RungKeeper` actor), ASHA
+    may stop members: they leave the pack (the survivors are repacked), their weights and last values kept as
+    they were. With `settings.pbt`, the members are a PBT population (`rayhpc.tune.pbt`). Its runner (the trained
+    pack, `.pack`), None where it was restored from its final checkpoint."""
     entered, started = time.perf_counter(), {"trial_process_time": process_start(), "trial_entered_time": time.time()}
     # Ray Train logs every persisted checkpoint at INFO; a sweep makes one per trial-epoch.
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     torch.set_num_threads(settings.threads)
     set_matmul_precision(settings.precision)
-    device = _device()
+    device = reports.device or _device()
     members = [{**settings.defaults, **m} for m in members_of(config, packs)]
     hp = members[0]  # what every member shares: batch size, optimiser kind, seed, data
     train, val = trial_data(task, hp, settings)
-    per_epoch = math.ceil(len(train) / hp["batch_size"])
-    total, epochs = step_plan(per_epoch, settings.epochs, settings.steps)
-    # members are ASHA's trials by plan position (a searcher's packs: by Tune trial; a study's: by study pack)
-    pack_id = config["pack"] if "pack" in config else tune.get_context().get_trial_id()
-    state = _restore(tune.get_checkpoint(), settings.study, pack_id)
-    if state is not None and (state["epoch"] >= epochs or not state["slots"]):
+    plan = Plan.of(epoch_steps(len(train), hp["batch_size"]), settings.epochs, settings.steps)
+    state = reports.restore()
+    if state is not None and (state["epoch"] >= plan.epochs or not state["slots"]):
         # restored from its final checkpoint (the driver died before recording the end):
         # report the final metrics again instead of training anything twice
-        tune.report(state["metrics"])
-        return
+        reports.report(state["metrics"], None, plan.total)
+        return None
     pack, opt, state = _build(task, members, device, state, settings)
     if settings.measure and not state.get("measured"):
         with torch.random.fork_rng(devices=[]):  # the training's random draws stay as without measuring
             state["measured"] = [measure_member(task, m, train, settings.measure) for m in members]
-    plan = Plan(per_epoch, total)
-    trial = _Trial(pack, opt, Batches(train, device), members, plan, state=state, settings=settings, keeper=keeper,
-                   pack_id=pack_id, val=Batches(val, device) if val is not None else None, entered=entered)
+    workers = loader_workers(device, settings.threads)
+    trial = _Trial(pack, opt, Batches(train, device, workers), members, plan, state=state, settings=settings,
+                   keeper=keeper, pack_id=pack_id, val=Batches(val, device, workers) if val is not None else None,
+                   entered=entered, reports=reports)
     trial.started = {**started, "trial_ready_time": time.time()}  # in its first report (start-up benchmarks)
-    fit(plan, trial, state["epoch"] * per_epoch)
+    fit(plan, trial, state["epoch"] * plan.per_epoch)
+    return trial
 
 
 class PackSteps(Runner):
@@ -119,8 +178,8 @@ class PackSteps(Runner):
     repeated runs of different seeds: then each takes its own batches, in its own order, stacked member
     first); an epoch's end keeps each member's mean loss over the epoch's samples."""
 
-    def __init__(self, pack, opt, train: Batches, members: list[dict], total: int):
-        self.pack, self.opt, self.train, self.members, self.total = pack, opt, train, members, total
+    def __init__(self, pack, opt, train: Batches, members: list[dict], plan: Plan):
+        self.pack, self.opt, self.train, self.members, self.plan = pack, opt, train, members, plan
         self.stacked, self.epoch_loss = False, None
 
     def batches(self, epoch: int, steps: range):
@@ -128,19 +187,18 @@ class PackSteps(Runner):
         hp, seeds = self.members[0], [m["seed"] for m in self.members]
         self.stacked = len(set(seeds)) > 1
         self.pack.train()
-        per_epoch = math.ceil(len(self.train) / hp["batch_size"])
         if not self.stacked:
-            stream = self.train.steps(hp["seed"], epoch, steps, per_epoch, hp["batch_size"])
+            stream = self.train.steps(hp["seed"], epoch, steps, self.plan.per_epoch, hp["batch_size"])
             return ((batch, batch_size_of(batch)) for batch in stream)
         # one batch per seed, each member given its seed's: a gather of the stacked batches
         distinct = list(dict.fromkeys(seeds))
         which = torch.tensor([distinct.index(s) for s in seeds], device=self.train.device)
-        orders = (self.train.steps(s, epoch, steps, per_epoch, hp["batch_size"]) for s in distinct)
+        orders = (self.train.steps(s, epoch, steps, self.plan.per_epoch, hp["batch_size"]) for s in distinct)
         return ((stack_members(parts, which), batch_size_of(parts[0])) for parts in zip(*orders))
 
     def step(self, step: int, item) -> tuple[torch.Tensor, int]:
         batch, samples = item
-        return pack_step(self.pack, self.opt, batch, self.members, step, self.total, self.stacked), samples
+        return pack_step(self.pack, self.opt, batch, self.members, step, self.plan.total, self.stacked), samples
 
     def end_epoch(self, epoch: int, window) -> bool:
         self.epoch_loss = window.loss.cpu()
@@ -150,9 +208,9 @@ class PackSteps(Runner):
 def train_epoch(pack, opt, batches: Batches, members: list[dict], epoch: int, total_steps: int) -> torch.Tensor:
     """One pass of `PackSteps` over the training data (cut short at optimizer step `total_steps`, the run's
     last); each member's mean loss over the epoch's samples."""
-    per_epoch = math.ceil(len(batches) / members[0]["batch_size"])
-    steps = PackSteps(pack, opt, batches, members, total_steps)
-    fit(Plan(per_epoch, total_steps), steps, epoch * per_epoch, (epoch + 1) * per_epoch)
+    plan = Plan(epoch_steps(len(batches), members[0]["batch_size"]), total_steps)
+    steps = PackSteps(pack, opt, batches, members, plan)
+    fit(plan, steps, epoch * plan.per_epoch, (epoch + 1) * plan.per_epoch)
     return steps.epoch_loss
 
 
@@ -161,10 +219,10 @@ class _Trial(PackSteps):
     reported to Tune with a checkpoint (or in the study, where any slice resumes it)."""
 
     def __init__(self, pack, opt, train: Batches, members: list[dict], plan: Plan, *, state: dict,
-                 settings: TrialSettings, keeper, pack_id, val: Batches | None, entered: float):
-        super().__init__(pack, opt, train, members, plan.total)
-        self.plan, self.all, self.state, self.settings, self.keeper = plan, members, state, settings, keeper
-        self.pack_id = pack_id
+                 settings: TrialSettings, keeper, pack_id, val: Batches | None, entered: float, reports: Reports):
+        super().__init__(pack, opt, train, members, plan)
+        self.all, self.state, self.settings, self.keeper = members, state, settings, keeper
+        self.pack_id, self.reports, self.metrics = pack_id, reports, {}
         self.val, self.entered, self.resumed_from = val, entered, state["epoch"]
         self.best = Best(settings.objective, state["best"])
         self.started: dict = {}  # this process's start-up marks, until the first report (unix times)
@@ -192,25 +250,17 @@ class _Trial(PackSteps):
             _asha(self.keeper, self.pack_id, self.pack, self.opt, state, values, settings, self.all)
         if settings.pbt is not None and state["epoch"] < self.plan.epochs:
             exploit_explore(self.pack, self.opt, state, values, settings.pbt, state["epoch"], self.pack_id)
-        self._report(values, self.plan.span(epoch).stop)
-        return not state["slots"]  # every member stopped
+        stop = self._report(values, self.plan.span(epoch).stop)
+        return stop or not state["slots"]  # every member stopped
 
-    def _report(self, values: dict, step: int) -> None:
-        from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
-
+    def _report(self, values: dict, step: int) -> bool:
         state, settings = self.state, self.settings
         seconds = state["seconds"] + time.perf_counter() - self.entered
-        metrics = {**_metrics(values, state, settings.objective, seconds, self.resumed_from), **self.started}
+        self.metrics = {**_metrics(values, state, settings.objective, seconds, self.resumed_from), **self.started}
         self.started = {}
-        save = functools.partial(_save, state={**state, "seconds": seconds, "metrics": metrics}, pack=self.pack,
+        save = functools.partial(_save, state={**state, "seconds": seconds, "metrics": self.metrics}, pack=self.pack,
                                  opt=self.opt, step=step, device=self.train.device)
-        if settings.study is not None:  # in the study, where any slice resumes it: Tune keeps none
-            save_pack_checkpoint(Path(settings.study, PACKS_DIR, str(self.pack_id)), step, save)
-            tune.report(metrics)
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                save(Path(tmp))
-                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+        return self.reports.report(self.metrics, save, step)
 
 
 def _measured(names: tuple[str, ...], state: dict, step_ms: float, device: torch.device) -> dict:
@@ -402,17 +452,6 @@ def load_pack_state(folder: Path) -> dict | None:
         return None
     weights = torch.load(folder / checkpoint.DDP_FILE, map_location="cpu", weights_only=True)
     return {**state, **weights, "rng": torch.load(folder / checkpoint.RNG_FILE, weights_only=True)}
-
-
-def _restore(ckpt, study: str | None, pack_id) -> dict | None:
-    """The pack's state from Tune's checkpoint, or from the study's newest (another slice's too), or None."""
-    if study is not None:
-        found = checkpoint.latest_checkpoint(Path(study, PACKS_DIR, str(pack_id)))
-        return None if found is None else load_pack_state(found)
-    if ckpt is None:
-        return None
-    with ckpt.as_directory() as d:
-        return load_pack_state(Path(d))
 
 
 def _device() -> torch.device:

@@ -157,11 +157,11 @@ class Best:
         self.so_far = dict(so_far or {})
 
     def update(self, values: dict) -> dict:
-        """Take `values` in; `best_<name>` of every value seen so far."""
+        """Take `values` in; `best_<name>` of every value seen so far (the objective's first, in every job)."""
         for name, mode in self.modes.items():
             if name in values:
                 self.so_far[name] = _better(self.so_far.get(name), values[name], mode)
-        return {f"best_{name}": value for name, value in self.so_far.items()}
+        return {f"best_{name}": self.so_far[name] for name in self.modes if name in self.so_far}
 
 
 def _better(old, new, mode: str):

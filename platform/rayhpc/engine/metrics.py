@@ -1,4 +1,5 @@
-"""The training run's own metrics record: `metrics.parquet`, one row per epoch (and per K steps).
+"""Every job's metrics row (`metrics_row`) and the run's own record of them: `metrics.parquet`, one row per epoch
+(and per K steps).
 
 Ray Train 2.60 keeps in `Result.metrics` only what was reported with a
 checkpoint, and nothing of earlier epochs, so the platform records every
@@ -20,6 +21,7 @@ import pandas as pd
 
 from rayhpc import log as rayhpc_log
 from rayhpc.engine.checkpoint import complete_checkpoints, load_extra, load_progress
+from rayhpc.engine.loop import Best
 from rayhpc.private import replace_whole
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,22 @@ METRICS_FILE = "metrics.parquet"
 TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir <run_dir>/tensorboard`
 EARLIER_ROWS = "earlier_rows"  # a report's key: the step rows held back since the last report, in order
 EVENT_SCALARS = ("loss", "best_val_loss", "samples_per_s", "step_ms", "lr")  # and every val_* value
+
+
+def metrics_row(kind: str, epoch: int, step: int, loss: float, samples_per_s: float, step_ms: float,
+                batch: tuple[int, int, int], lr: float | None = None, values: dict | None = None,
+                best: Best | None = None, **own) -> dict:
+    """Every job's metrics row (`kind` "epoch" at each epoch's end, "step" every K steps), in one order: its epoch
+    (1-based) and global step, the mean loss over its samples, the rates over every worker, the batch (`batch`:
+    workers, the global batch, each worker's share), the lr of its last step (None: the task's own scheduler sets
+    it), the validation `values`, the best so far of the task's objective and of val_loss (`best`, updated with
+    them), then the job's own columns (`own`)."""
+    values = values or {}
+    world, global_batch, per_worker = batch
+    return {"kind": kind, "epoch": epoch, "global_step": step, "loss": loss, "samples_per_s": samples_per_s,
+            "step_ms": step_ms, "world_size": world, "global_batch_size": global_batch,
+            "batch_size_per_worker": per_worker, **({} if lr is None else {"lr": lr}), **values,
+            **(best.update(values) if best is not None and "val_loss" in values else {}), **own}
 
 
 def report_rows(metrics: dict) -> list[dict]:

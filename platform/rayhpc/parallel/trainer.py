@@ -21,7 +21,7 @@ from rayhpc.engine.checkpoint import (
     prune,
 )
 from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
-from rayhpc.engine.metrics import MetricsRecorder
+from rayhpc.engine.metrics import MetricsRecorder, metrics_row
 from rayhpc.job import start_job
 from rayhpc.optim import lr_factor
 from rayhpc.parallel import worker
@@ -202,8 +202,7 @@ class _Driver(Runner):
         self.validation = validate(self.group) if self.validates else None
         this_session = step + 1 - max(self.start, step - step % self.plan.per_epoch)  # the epoch's steps run here
         row = epoch_row(self.cfg, self.recipe, self.n_train, step, self.losses, self.step_seconds[-this_session:],
-                        self.validation)
-        row.update(self.best.update(self.validation or {}))
+                        self.validation, self.best)
         if self.validation:
             self.tracked.log(step + 1, self.validation)
         self.recorder.record(row)
@@ -225,7 +224,7 @@ def step_samples(cfg: ParallelConfig, n_train: int, step: int) -> int:
 
 
 def epoch_row(cfg: ParallelConfig, recipe: Recipe, n_train: int, step: int, losses: list[float],
-              seconds: list[float], validation: dict | None) -> dict:
+              seconds: list[float], validation: dict | None, best: Best) -> dict:
     """The `metrics.parquet` row of the epoch that step `step` (0-based) ends: its steps' loss weighted by
     their samples (the last batch may be partial; a resumed run's restored steps included), this session's
     time of them, the lr of the step."""
@@ -233,13 +232,12 @@ def epoch_row(cfg: ParallelConfig, recipe: Recipe, n_train: int, step: int, loss
     sizes = [step_samples(cfg, n_train, s) for s in range(first, step + 1)]
     samples = sum(sizes[-len(seconds):]) * cfg.parallelism.replicas
     own_lr = recipe.task.own_optimizer is not None
-    return {"kind": "epoch", "epoch": step // cfg.steps_per_epoch(n_train) + 1, "global_step": step + 1,
-            "loss": sum(l * n for l, n in zip(losses[first:step + 1], sizes)) / sum(sizes),
-            "samples_per_s": samples / sum(seconds), "step_ms": 1e3 * sum(seconds) / len(seconds),
-            "world_size": cfg.world_size, "global_batch_size": cfg.global_batch,
-            "batch_size_per_worker": cfg.replica_batch,
-            **({} if own_lr else {"lr": recipe.optim.lr * lr_factor(recipe.schedule, step, cfg.steps)}),
-            **(validation or {})}
+    return metrics_row("epoch", step // cfg.steps_per_epoch(n_train) + 1, step + 1,
+                       sum(loss * n for loss, n in zip(losses[first:step + 1], sizes)) / sum(sizes),
+                       samples / sum(seconds), 1e3 * sum(seconds) / len(seconds),
+                       (cfg.world_size, cfg.global_batch, cfg.replica_batch),
+                       None if own_lr else recipe.optim.lr * lr_factor(recipe.schedule, step, cfg.steps),
+                       validation, best)
 
 
 def validate(group: WorkerGroup) -> dict[str, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -23,7 +24,7 @@ from rayhpc.config import Optim, Schedule
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
 from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
-from rayhpc.engine.metrics import EARLIER_ROWS, report_rows
+from rayhpc.engine.metrics import EARLIER_ROWS, metrics_row, report_rows
 from rayhpc.engine.parallelize import parallelize
 from rayhpc.engine.step import batch_size_of
 from rayhpc.monitor.flops import StepFlops, mfu
@@ -138,16 +139,20 @@ class Worker(Runner):
             loss_sum, samples = _summed(self, epoch)
             self.progress.epoch_loss_sum, self.progress.epoch_samples = (self.resumed[0] + loss_sum,
                                                                          self.resumed[1] + int(samples))
-        row = {"kind": "step", **_rates(self, window, step // self.plan.per_epoch)}
+        row = metrics_row("step", step // self.plan.per_epoch + 1, self.progress.global_step, **_rates(self, window))
         self.report(row, due.checkpoint, hold=not (due.checkpoint or self.send_due))
         return True
 
     def end_epoch(self, epoch: int, window: Window) -> bool:
-        metrics = _rates(self, window, epoch, self.resumed)
-        val = self.validate()
-        self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
-        self.resumed, self.progress.epoch_loss_sum, self.progress.epoch_samples = (0.0, 0), 0.0, 0
-        self.report({"kind": "epoch", **metrics, "epoch": epoch + 1, **val, **_best(self, val)}, with_checkpoint=True)
+        measured = _rates(self, window, self.resumed)  # before the validation: its time is not the epoch's
+        row = metrics_row("epoch", epoch + 1, self.progress.global_step, **measured, values=self.validate(),
+                          best=self.best)
+        p, so_far, objective = self.progress, self.best.so_far, self.task.objective[0]  # kept for a resume
+        p.best_val_loss = so_far.get("val_loss", math.inf)
+        p.best_objective = so_far.get(objective) if objective != "val_loss" else None
+        p.epoch, p.step_in_epoch = epoch + 1, 0
+        self.resumed, p.epoch_loss_sum, p.epoch_samples = (0.0, 0), 0.0, 0
+        self.report(row, with_checkpoint=True)
         return False
 
 
@@ -267,18 +272,6 @@ def run_epoch(w: Worker, epoch: int) -> None:
     fit(w.plan, w, w.progress.global_step, w.plan.span(epoch).stop)
 
 
-def _best(w: Worker, val: dict) -> dict:
-    """The best validation loss so far, and the best of the task's objective when that is another value."""
-    if "val_loss" not in val:
-        return {}
-    best = w.best.update(val)
-    w.progress.best_val_loss = best["best_val_loss"]
-    if (name := w.task.objective[0]) != "val_loss" and name in val:
-        w.progress.best_objective = best[f"best_{name}"]
-        return best
-    return {"best_val_loss": best["best_val_loss"]}
-
-
 def _summed(w: Worker, win: Window) -> tuple[float, float]:
     """`win`'s loss sum and samples over all ranks (the one host-device sync of the window); with them the ranks
     agree whether held rows are due to be sent (`send_due`: all ranks send a report, or none)."""
@@ -293,9 +286,9 @@ def _summed(w: Worker, win: Window) -> tuple[float, float]:
     return loss_sum, samples
 
 
-def _rates(w: Worker, win: Window, epoch: int, before: tuple[float, int] = (0.0, 0)) -> dict:
-    """Loss and throughput over all ranks in `win`; the loss counts `before` too (an epoch's steps before a
-    resume: their loss sum and samples)."""
+def _rates(w: Worker, win: Window, before: tuple[float, int] = (0.0, 0)) -> dict:
+    """What a row of `win` measured, over all ranks (`metrics_row`'s arguments and this job's own columns); the
+    loss counts `before` too (an epoch's steps before a resume: their loss sum and samples)."""
     if w.device.type == "cuda":
         torch.cuda.synchronize()
     now = time.perf_counter()
@@ -306,20 +299,16 @@ def _rates(w: Worker, win: Window, epoch: int, before: tuple[float, int] = (0.0,
     all_per_s = samples / seconds if seconds > 0 else 0.0
     per_s = win.samples / seconds if seconds > 0 else 0.0  # this rank's
     return {
-        "epoch": epoch + 1,  # the (1-based) epoch this row belongs to
-        "global_step": w.progress.global_step,
         "loss": (loss_sum + before[0]) / max(samples + before[1], 1),
         "samples_per_s": all_per_s,
-        "worker_samples_per_s": per_s,
         "step_ms": 1000 * seconds / max(win.steps, 1),
+        "batch": (w.world, w.cfg.global_batch, w.cfg.per_worker_batch),
+        "lr": w.optimizer.param_groups[0]["lr"],  # of the last step (the schedule's)
+        "worker_samples_per_s": per_s,
         "data_wait_share": win.data_seconds / seconds if seconds > 0 else 0.0,  # of the time, waiting for batches
         **_tokens(w, all_per_s),
         **_utilisation(w, per_s),
         "train_seconds": w.progress.train_seconds,
-        "world_size": w.world,
-        "global_batch_size": w.cfg.global_batch,
-        "batch_size_per_worker": w.cfg.per_worker_batch,
-        "lr": w.optimizer.param_groups[0]["lr"],  # of the last step (the schedule's)
         "node": socket.gethostname(),
         "first_step_time": w.first_step_time,
         **w.startup,

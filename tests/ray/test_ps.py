@@ -100,7 +100,7 @@ def test_sync_with_adamw_warm_up_cosine_clipping_accumulation_and_steps_equals_d
     result = run_ps(cfg)
     want = two_ranks(cfg)
     assert_same_weights(result.weights, want)
-    # the last checkpoint reads as the whole model, as every job's does (one flat shard file per server)
+    # the last checkpoint reads as the whole model, as every job's does (one flat shard per server)
     assert_same_weights(load_full_state_dict(result.checkpoint), want)
     # the parameters really are sharded: every server holds a part, the parts cover the model once
     sizes = result.layout.sizes()
@@ -110,7 +110,10 @@ def test_sync_with_adamw_warm_up_cosine_clipping_accumulation_and_steps_equals_d
     torch.testing.assert_close(result.metrics["lr"].tolist(), [0.01 * warmup_cosine(s, 40, 5) for s in (25, 39)])
     events = tensorboard_scalars(cfg.experiment_dir / "tensorboard")
     torch.testing.assert_close(events["epoch/val_loss"], result.metrics["val_loss"].tolist())
-    assert sorted(p.name for p in result.checkpoint.iterdir()) == ["progress.json", "server_0.pt", "server_1.pt"]
+    # every job's manager: each server's shard a checkpoint of its own, the step's progress file written last
+    assert sorted(p.name for p in result.checkpoint.iterdir()) == ["progress.json", "server_0", "server_1"]
+    assert sorted(p.name for p in (result.checkpoint / "server_1").iterdir()) == [
+        "extra.pt", "model.pt", "progress.json", "rng.pt"]
 
 
 def test_async_without_staleness_equals_sync(ray_address, tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from rayhpc.engine.checkpoint import PROGRESS_FILE, SERVER_FILE, Progress, latest_checkpoint, prune, write_progress
+from rayhpc.engine.checkpoint import PROGRESS_FILE, SERVER_DIR, Progress, latest_checkpoint, prune, write_progress
 from rayhpc.ps.progress import latest_checkpoint as ps_latest
 from rayhpc.study.folder import save_pack_checkpoint
 from rayhpc.tune.weights import _checkpoint as init_from_checkpoint
@@ -39,8 +39,8 @@ def test_the_parameter_server_resumes_from_the_newest_checkpoint_that_holds_ever
     for step in (*STEPS, 40):
         folder = tmp_path / f"checkpoint_{step:06d}"
         folder.mkdir()
-        for index in range(2 if step < 40 else 1):  # the last one: one server's shard of two written
-            (folder / SERVER_FILE.format(index=index)).write_bytes(b"shard")
+        for index in range(2):  # the last one: one server's shard of two complete, the other's being written
+            saved(folder / SERVER_DIR.format(index=index), step, complete=step < 40 or index == 0)
     assert ps_latest(cfg) == tmp_path / "checkpoint_000030"
     assert not (tmp_path / "checkpoint_000040" / PROGRESS_FILE).exists()
 

@@ -9,8 +9,9 @@ dropout after a resume draws the masks the uninterrupted run draws) and `extra.p
 beside the model's: a pack's members (`rayhpc.tune.trainable`), an array task's values, the model-parallel
 job's losses, the metrics rows a training run's report carried (a process killed after Ray Train
 registered the checkpoint but before the run's table had those rows loses none: `rayhpc.engine.metrics`).
-The parameter server's servers write their own shard files, which `load_full_state_dict` reads as the
-whole model too. The engine imports no Ray: `rayhpc.train.loop` hands a checkpoint to Ray Train, the
+The parameter server's servers each save their flat shard as a checkpoint of its own inside the step's folder
+(`server_<index>/`, its pieces of the parameters its extra state), which `load_full_state_dict` reads as the
+whole model too; the driver writes the step's progress file once every server's is there. The engine imports no Ray: `rayhpc.train.loop` hands a checkpoint to Ray Train, the
 sweep's runners to Tune.
 """
 
@@ -32,7 +33,7 @@ from rayhpc.private import private_dir, replace_whole
 PROGRESS_FILE = "progress.json"
 DDP_FILE = "model.pt"
 RNG_FILE = "rng.pt"
-SERVER_FILE = "server_{index}.pt"  # the parameter server's: one flat shard (and its optimizer) per server
+SERVER_DIR = "server_{index}"  # the parameter server's: each server's checkpoint of its flat shard, in the step's
 EXTRA_FILE = "extra.pt"  # the runner's own state beside the model's (`save`'s `extra`)
 # an exported model's folder (`rayhpc export`, a run's tracked artifact): its state dict, hyperparameters, metrics
 EXPORT_FILES = ("model.pt", "hp.json", "metrics.json")
@@ -182,7 +183,7 @@ def load_full_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     folder = Path(folder)
     if (folder / DDP_FILE).exists():
         return torch.load(folder / DDP_FILE, map_location="cpu", weights_only=True)["model"]
-    if servers := sorted(folder.glob(SERVER_FILE.format(index="*"))):
+    if servers := sorted(folder.glob(SERVER_DIR.format(index="*"))):
         return _gather_servers(servers)
     # DCP: about 1 s to import, only for sharded checkpoints
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -192,16 +193,17 @@ def load_full_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
         return torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)["model"]
 
 
-def _gather_servers(paths: list[Path]) -> dict[str, torch.Tensor]:
-    """The whole parameters from the parameter server's shard files, each a flat tensor of the pieces
-    (name, start, stop) of the flattened parameters it lists."""
+def _gather_servers(folders: list[Path]) -> dict[str, torch.Tensor]:
+    """The whole parameters from the parameter server's checkpoints, each a flat tensor of the pieces
+    (name, start, stop) of the flattened parameters its extra state lists."""
     flat: dict[str, torch.Tensor] = {}
-    for path in paths:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        shapes, offset = state["shapes"], 0
-        for name, start, stop in state["pieces"]:
-            whole = flat.setdefault(name, torch.empty(math.prod(shapes[name]), dtype=state["param"].dtype))
-            whole[start:stop] = state["param"][offset:offset + stop - start]
+    for folder in folders:
+        param = torch.load(folder / DDP_FILE, map_location="cpu", weights_only=True)["model"]["param"]
+        holds = load_extra(folder)
+        shapes, offset = holds["shapes"], 0
+        for name, start, stop in holds["pieces"]:
+            whole = flat.setdefault(name, torch.empty(math.prod(shapes[name]), dtype=param.dtype))
+            whole[start:stop] = param[offset:offset + stop - start]
             offset += stop - start
     return {name: tensor.reshape(shapes[name]) for name, tensor in flat.items()}
 

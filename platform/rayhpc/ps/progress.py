@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Callable
 
 import pandas as pd
-import torch
 
 from rayhpc.config import Optim, Schedule
 from rayhpc.engine import checkpoint
 from rayhpc.engine.loop import Best
-from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
+from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder, metrics_row
 from rayhpc.optim import lr_factor
 from rayhpc.private import replace_whole
 
@@ -36,8 +35,9 @@ def mark_complete(cfg) -> Path:
     """Give every checkpoint folder that holds all the servers' shards the progress file that marks a
     checkpoint complete (`rayhpc.engine.checkpoint`, whose finder then finds it); returns the run's folder."""
     for folder in cfg.experiment_dir.glob("checkpoint_*"):
-        shards = [folder / checkpoint.SERVER_FILE.format(index=j) for j in range(cfg.compute.num_servers)]
-        if not (folder / checkpoint.PROGRESS_FILE).exists() and all(s.exists() for s in shards):
+        shards = [folder / checkpoint.SERVER_DIR.format(index=j) for j in range(cfg.compute.num_servers)]
+        if not (folder / checkpoint.PROGRESS_FILE).exists() and all((s / checkpoint.PROGRESS_FILE).exists()
+                                                                    for s in shards):
             checkpoint.write_progress(folder, checkpoint.Progress(global_step=checkpoint_step(folder)))
     return cfg.experiment_dir
 
@@ -53,10 +53,10 @@ def checkpoint_step(folder: Path | None) -> int:
 
 def epoch_loss(folder: Path | None) -> tuple[float, int]:
     """(loss x samples, samples) over every worker, of the checkpoint's epoch up to its step (server 0 keeps
-    them: `rayhpc.ps.server`); mapped, not read: the shard beside them may be large."""
+    them: `rayhpc.ps.server`)."""
     if folder is None:
         return 0.0, 0
-    kept = torch.load(folder / checkpoint.SERVER_FILE.format(index=0), weights_only=True, mmap=True).get("losses", [])
+    kept = checkpoint.load_extra(folder / checkpoint.SERVER_DIR.format(index=0))["losses"]
     return sum(total for _, total, _ in kept), sum(n for *_, n in kept)
 
 
@@ -146,17 +146,14 @@ class Progress:
         self.epoch_ended = ended if ended == ended else self.epoch_ended
         samples = sum(r["samples"] for r in every)
         mean = lambda key: sum(r[key] for r in recs) / len(recs)  # noqa: E731
-        val = self.val.get(epoch, {})
-        row = {"kind": "epoch", "epoch": epoch + 1, "global_step": self.end_of(epoch), "loss": self._loss(epoch, recs), **val,
-               **(self.best.update(val) if "val_loss" in val else {}),
-               "samples_per_s": samples / seconds, "step_ms": 1000 * mean("pull_s") + 1000 * mean("compute_s")
-               + 1000 * mean("push_s"), "pull_ms": 1000 * mean("pull_s"), "push_ms": 1000 * mean("push_s"),
-               "compute_ms": 1000 * mean("compute_s"), "staleness_max": max(r["staleness"] for r in recs),
-               "staleness_mean": mean("staleness"), "bytes_per_step": mean("bytes"),
-               "zero_copy": all(r["zero_copy"] for r in recs), "train_seconds": ended - self.started,
-               "world_size": cfg.compute.num_workers, "num_servers": cfg.compute.num_servers, "mode": cfg.mode,
-               "global_batch_size": cfg.global_batch, "batch_size_per_worker": cfg.per_worker_batch,
-               "lr": self.optim.lr * lr_factor(self.schedule, self.end_of(epoch) - 1, self.total)}
+        pull, compute, push = (1000 * mean(key) for key in ("pull_s", "compute_s", "push_s"))
+        row = metrics_row("epoch", epoch + 1, self.end_of(epoch), self._loss(epoch, recs), samples / seconds,
+                          pull + compute + push, (cfg.compute.num_workers, cfg.global_batch, cfg.per_worker_batch),
+                          self.optim.lr * lr_factor(self.schedule, self.end_of(epoch) - 1, self.total),
+                          self.val.get(epoch, {}), self.best, pull_ms=pull, push_ms=push, compute_ms=compute,
+                          staleness_max=max(r["staleness"] for r in recs), staleness_mean=mean("staleness"),
+                          bytes_per_step=mean("bytes"), zero_copy=all(r["zero_copy"] for r in recs),
+                          train_seconds=ended - self.started, num_servers=cfg.compute.num_servers, mode=cfg.mode)
         self.recorder.record(row)
         if self.track is not None:
             self.track(row["global_step"], row)

@@ -26,9 +26,9 @@ import torch
 
 from rayhpc.config import Optim, Schedule
 from rayhpc.engine import checkpoint
+from rayhpc.engine.checkpoint import SERVER_DIR
 from rayhpc.monitor.metrics import PSMetrics
 from rayhpc.optim import make_optimizer, set_lr
-from rayhpc.private import replace_whole
 
 
 def as_tensor(array: np.ndarray) -> torch.Tensor:
@@ -51,6 +51,7 @@ class ParameterServer:
         torch.set_num_threads(1)
         self.index, self.n, self.mode, self.staleness, self.holds = index, num_workers, mode, staleness, holds
         self.param = torch.nn.Parameter(torch.tensor(flat, dtype=torch.float32))
+        self.shard = torch.nn.ParameterDict({"param": self.param})  # the module its checkpoints save whole
         self.optimizer = make_optimizer(optim, [self.param])
         self.optim, self.schedule, self.total_steps = optim, schedule, total_steps
         self.pushed = [0] * num_workers  # steps each worker has pushed here
@@ -205,27 +206,25 @@ class ParameterServer:
         self.version += 1
 
     def _save(self, step: int) -> None:
-        """The shard, its optimizer state and the push counts, as `checkpoint_<step>/server_<index>.pt`."""
-        folder = self.run_dir / f"checkpoint_{step:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / checkpoint.SERVER_FILE.format(index=self.index)
+        """The shard and its optimizer, as every job's checkpoint (`checkpoint.save`, into `checkpoint_<step>/
+        server_<index>/`), what it holds, the push counts, the epoch's losses so far and the workers' RNG states
+        its extra state (the driver marks the step's folder complete once every server's is)."""
         begins = (step - 1) // self.per_epoch * self.per_epoch if self.per_epoch else step  # the epoch of step - 1
         self.losses = {s: kept for s, kept in self.losses.items() if s >= begins}  # later checkpoints start there too
-        state = {"param": self.param.detach().clone(), **self.holds, "optimizer": self.optimizer.state_dict(),
-                 "pushed": [min(p, step) for p in self.pushed], "version": self.version, "step": step,
+        extra = {**self.holds, "pushed": [min(p, step) for p in self.pushed], "version": self.version,
                  "losses": [[s, *kept] for s, kept in sorted(self.losses.items()) if s < step],
                  "rng": {w: states[step] for w, states in self.rng.items() if step in states}}
-        replace_whole(path, lambda tmp: torch.save(state, tmp))
+        checkpoint.save(self.run_dir / f"checkpoint_{step:06d}" / SERVER_DIR.format(index=self.index),
+                        [(self.shard, self.optimizer)], checkpoint.Progress(global_step=step), sharded=False,
+                        device=torch.device("cpu"), extra=extra)
         self.saved_step = step
 
     def _load(self, folder: str) -> None:
-        state = torch.load(Path(folder) / checkpoint.SERVER_FILE.format(index=self.index), weights_only=True)
-        with torch.no_grad():
-            self.param.copy_(state["param"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.pushed, self.version, self.saved_step = state["pushed"], state["version"], state["step"]
-        self.losses = {int(s): [total, int(n)] for s, total, n in state.get("losses", [])}
-        self.rng = {int(w): {self.saved_step: rng} for w, rng in state.get("rng", {}).items()}
+        progress, extra = checkpoint.load(Path(folder) / SERVER_DIR.format(index=self.index),
+                                          [(self.shard, self.optimizer)], sharded=False, device=torch.device("cpu"))
+        self.pushed, self.version, self.saved_step = extra["pushed"], extra["version"], progress.global_step
+        self.losses = {int(s): [total, int(n)] for s, total, n in extra["losses"]}
+        self.rng = {int(w): {self.saved_step: rng} for w, rng in extra["rng"].items()}
 
     def weights(self) -> np.ndarray:
         return self.param.detach().numpy()

@@ -11,8 +11,8 @@ job's losses, the metrics rows a training run's report carried (a process killed
 registered the checkpoint but before the run's table had those rows loses none: `rayhpc.engine.metrics`).
 The parameter server's servers each save their flat shard as a checkpoint of its own inside the step's folder
 (`server_<index>/`, its pieces of the parameters its extra state), which `load_full_state_dict` reads as the
-whole model too; the driver writes the step's progress file once every server's is there. The engine imports no Ray: `rayhpc.train.loop` hands a checkpoint to Ray Train, the
-sweep's runners to Tune.
+whole model too; the driver writes the step's progress file once every server's is there. The engine imports
+no Ray: `rayhpc.train.loop` hands a checkpoint to Ray Train, the sweep's runners to Tune.
 """
 
 from __future__ import annotations

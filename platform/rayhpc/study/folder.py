@@ -13,8 +13,8 @@
 
 Every change goes through one lock, `flock` on `DIR/study.lock` (filelock's `UnixFileLock`), which the
 kernel (or the shared filesystem's lock manager: NFSv4, Lustre mounted with `flock`) releases when its
-holder dies, so a SIGKILLed slice never leaves the study locked. A slice is alive while it holds the lock on its own
-file: another slice finds a dead one by taking that lock, with no clock or heartbeat to trust, and
+holder dies, so a SIGKILLed slice never leaves the study locked. A slice is alive while it holds the lock on
+its own file: another slice finds a dead one by taking that lock, with no clock or heartbeat to trust, and
 claims its unfinished packs again (they resume from their checkpoints). A pack's rows are written
 once, by the first slice to finish it: every trial ends exactly once.
 """

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from helpers import ROOT, KillWorkerOnce, assert_same_weights, run_job_warm
 from rayhpc.config import validate
 from rayhpc.data import DataConfig
+from rayhpc.engine import train_step
 from rayhpc.engine.checkpoint import load_full_state_dict
 from rayhpc.engine.step import batch_size_of
 from rayhpc.parallel import ParallelConfig, run_parallel
@@ -24,7 +25,7 @@ from rayhpc.task import task_for
 from rayhpc.train.config import TrainConfig
 from rayhpc.train.trainer import run_training
 from rayhpc.tune.packing import SinglePack, packing_problem
-from rayhpc.tune.trainable import pack_step
+from rayhpc.tune.trainable import trained_pack
 
 OWN = f"{ROOT}/tests/tasks/own_optim.py:OwnOptim"
 LR = 0.01
@@ -92,14 +93,16 @@ def test_an_unpacked_trial_steps_them_and_a_restored_one_replays_the_schedule():
     batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 320, 32)][:8] * 2
     pack = SinglePack(task, task.initial_model(hp))
     opt = pack.optimizer([hp])
+    trained = trained_pack(pack, opt, [hp], 0)
     for step in range(5):
-        pack_step(pack, opt, batches[step], [hp], step, 10)
+        train_step(trained, batches[step], 1, step, 10)
     again = SinglePack(task, task.initial_model(hp))
     again.load_state_dict(pack.state_dict())
     opt_again = again.optimizer([hp])
     opt_again.load_state_dict(opt.state_dict())
+    trained = trained_pack(again, opt_again, [hp], 5)  # its scheduler made at the step it resumes at
     for step in range(5, 10):
-        pack_step(again, opt_again, batches[step], [hp], step, 10)
+        train_step(trained, batches[step], 1, step, 10)
     model, optimizer, scheduler = plain()
     for step in range(10):
         plain_step(model, optimizer, scheduler, *batches[step])

@@ -186,6 +186,10 @@ class PackSteps(Runner):
         """(batch, samples) of each step (batch size and accumulation are the pack's)."""
         hp, seeds = self.members[0], [m["seed"] for m in self.members]
         self.stacked = len(set(seeds)) > 1
+        # the members step the epoch alike (ASHA changes them between epochs); stacked: no micro-batches (repeats
+        # refuse accumulate)
+        self.trained = trained_pack(self.pack, self.opt, self.members, steps.start, self.stacked)
+        self.accumulate = 1 if self.stacked else hp["accumulate"]
         self.pack.train()
         if not self.stacked:
             stream = self.train.steps(hp["seed"], epoch, steps, self.plan.per_epoch, hp["batch_size"])
@@ -197,8 +201,9 @@ class PackSteps(Runner):
         return ((stack_members(parts, which), batch_size_of(parts[0])) for parts in zip(*orders))
 
     def step(self, step: int, item) -> tuple[torch.Tensor, int]:
+        """One optimizer step of every member; each member's loss on the batch ([members])."""
         batch, samples = item
-        return pack_step(self.pack, self.opt, batch, self.members, step, self.plan.total, self.stacked), samples
+        return train_step(self.trained, batch, self.accumulate, step, self.plan.total).reshape(-1), samples
 
     def end_epoch(self, epoch: int, window) -> bool:
         self.epoch_loss = window.loss.cpu()
@@ -356,18 +361,14 @@ def stack_members(parts: tuple, which: torch.Tensor) -> object:
     return type(first)(stack_members(tuple(p[i] for p in parts), which) for i in range(len(first)))
 
 
-def pack_step(pack, opt, batch, members: list[dict], step: int, total_steps: int, stacked: bool = False
-              ) -> torch.Tensor:
-    """One optimizer step of every member (`rayhpc.optim`'s options, each member's own schedule and
-    clipping); each member's loss on the batch (`stacked`: a batch per member, member first). A pack of
-    one is the plain model and `torch.optim`."""
+def trained_pack(pack, opt, members: list[dict], step: int, stacked: bool = False):
+    """What `rayhpc.engine.train_step` trains of a pack (`rayhpc.optim`'s options, each member's own schedule and
+    clipping; `stacked`: a batch per member, member first): a pack of one is the plain model and `torch.optim`
+    (or the task's own optimizer, and its scheduler made at `step`, the first this process runs)."""
     if isinstance(pack, SinglePack):
-        trained = Module(pack.model, opt, lambda part: pack.losses(part)[0], Optim.of(members[0]),
-                         Schedule.of(members[0]), pack.scheduler(opt, members[0], step))
-        return train_step(trained, batch, members[0]["accumulate"], step, total_steps).reshape(1)
-    # stacked: a batch per member, member first; no micro-batches (repeats refuse accumulate)
-    return train_step(Members(pack, opt, members, stacked), batch, 1 if stacked else members[0]["accumulate"],
-                      step, total_steps)
+        return Module(pack.model, opt, lambda part: pack.losses(part)[0], Optim.of(members[0]),
+                      Schedule.of(members[0]), pack.scheduler(opt, members[0], step))
+    return Members(pack, opt, members, stacked)
 
 
 class Members:

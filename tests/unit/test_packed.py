@@ -335,3 +335,47 @@ def test_a_packs_report_adds_no_tune_statistics_per_member(stopped, pbt):
     assert keys[2] == keys[64] and not any(k.startswith("members/") for k in keys[64]), keys[64]
     # a sweep resumed from results of earlier versions, which reported a dict per member
     assert member_values({"0": {"val_loss": 1.0}, "1": {"val_loss": 2.0}}, 1) == {"val_loss": 2.0}
+
+
+SIZED = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Sized:
+    hparams = {"samples": 64}
+
+    def model(self, hp):
+        return nn.Linear(2, 1)
+
+    def data(self, hp):
+        x = torch.randn(hp["samples"], 2, generator=torch.Generator().manual_seed(0))
+        return TensorDataset(x, x.sum(1, keepdim=True)), None
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.mse_loss(model(x), y)
+'''
+
+
+def test_trials_alone_in_one_process_take_each_its_own_data(tmp_path):
+    """A study's array task trains one trial after another in one process: a trial whose data() reads a
+    hyperparameter the one before it set otherwise gets its own data (one epoch: 64 samples are 2 steps of 32,
+    96 are 3), not the data the process kept for the one before. Checked: the data kept by the task alone fails."""
+    from rayhpc.tune.config import SweepConfig
+    from rayhpc.tune.single import train_alone
+
+    (tmp_path / "sized.py").write_text(SIZED)
+    task = task_for(f"{tmp_path / 'sized.py'}:Sized", DataConfig())
+    cfg = SweepConfig(epochs=1, global_batch_size=32, task=f"{tmp_path / 'sized.py'}:Sized")
+    steps = {}
+    for samples in (64, 96):
+        hp = full_hparams(task.hp_model, {"samples": samples, "batch_size": 32})
+        got = train_alone(task, hp, cfg, folder=tmp_path / str(samples))
+        (saved,) = (tmp_path / str(samples)).glob("checkpoint_*")  # named by its step, the epoch's last
+        steps[samples] = int(saved.name.removeprefix("checkpoint_"))
+        # without validation data the objective is the training loss, as a sweep's task check makes it
+        assert got["iterations"] == 1 and got["best_train_loss"] == got["train_loss"], got
+    assert steps == {64: 2, 96: 3}, steps

@@ -14,7 +14,7 @@ import math
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -57,11 +57,13 @@ class TrialSettings:
     @classmethod
     def of(cls, cfg, task: LoadedTask, objective: tuple[str, str], threads: int | None = None, **more) -> TrialSettings:
         """What the trials of the sweep `cfg` share (`more`: what its checks found: the data keys, what to measure,
-        PBT's rules, the study); `threads`: per trial process (default: its CPUs)."""
+        PBT's rules, the study); `threads`: per trial process (default: its CPUs). Where the data keys are not
+        known (no task check ran), every hyperparameter is one: trials share their data only where they agree."""
+        defaults = cfg.defaults(task.hp_model)
         return cls(epochs=cfg.epochs, steps=cfg.steps, threads=threads or max(1, int(cfg.cpus_per_trial)),
-                   defaults=cfg.defaults(task.hp_model), data=cfg.data, objective=objective, precision=cfg.precision,
+                   defaults=defaults, data=cfg.data, objective=objective, precision=cfg.precision,
                    model_options=ModelOptions(**cfg.model_dump(include=set(ModelOptions.model_fields))),
-                   **{"data_keys": (), **more})
+                   **{"data_keys": tuple(sorted(defaults)), **more})
 
 
 def members_of(config: dict, packs: list[list[dict]] | None) -> list[dict]:
@@ -152,6 +154,8 @@ def run_pack(config: dict, task: LoadedTask, packs: list[list[dict]] | None, set
     members = [{**settings.defaults, **m} for m in members_of(config, packs)]
     hp = members[0]  # what every member shares: batch size, optimiser kind, seed, data
     train, val = trial_data(task, hp, settings)
+    if val is None and settings.objective[0] == "val_loss":  # as the task check decides: no validation data
+        settings = replace(settings, objective=("train_loss", settings.objective[1]))
     plan = Plan.of(epoch_steps(len(train), hp["batch_size"]), settings.epochs, settings.steps)
     state = reports.restore()
     if state is not None and (state["epoch"] >= plan.epochs or not state["slots"]):

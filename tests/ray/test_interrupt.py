@@ -39,7 +39,8 @@ JOBS = {
     "train": (["train_mlp.py", "--num-workers", "2", "--epochs", "100000"], "checkpoint_*/progress.json"),
     "parallel": (["train_parallel.py", "--tp", "2", "--steps", "1000000", "--checkpoint-every", "20"],
                  "checkpoint_*/progress.json"),
-    "ps": (["python", "-m", "rayhpc", "ps", "--num-servers", "2", "--epochs", "100000"], "checkpoint_*/server_1.pt"),
+    "ps": (["python", "-m", "rayhpc", "ps", "--num-servers", "2", "--epochs", "100000"],
+           "checkpoint_*/server_1/progress.json"),
 }
 # runs `python ARGS...` in its own process with SIGINT ignored, as `cmd &` in a script leaves it (exec keeps it)
 IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "

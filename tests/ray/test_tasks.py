@@ -65,12 +65,13 @@ def test_the_seed_listing_task_equals_the_listing_under_torchrun(ray_address, tm
 def test_the_seed_listing_task_learns():
     """Its targets are random (variance 1): the loss falls from the initial model's towards that floor."""
     from rayhpc.task.hparams import full_hparams
-    from rayhpc.tune.single import train_single
+    from rayhpc.tune.config import SweepConfig
+    from rayhpc.tune.single import train_alone
 
     task = task_for(LISTING, DataConfig())
     losses = []
-    train_single(task, full_hparams(task.hp_model, {"optimizer": "sgd", "lr": 0.01}), 5,
-                 on_epoch=lambda epoch, values, model: losses.append(values["train_loss"]))
+    train_alone(task, full_hparams(task.hp_model, {"optimizer": "sgd", "lr": 0.01}), SweepConfig(epochs=5),
+                then=lambda values, epoch: losses.append(values["train_loss"]))
     assert losses == sorted(losses, reverse=True) and losses[-1] < 0.85 * losses[0], losses
 
 

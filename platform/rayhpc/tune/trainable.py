@@ -128,10 +128,12 @@ class Reports:
         if self.then is None:
             from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
+            if save is None:
+                tune.report(metrics)
+                return False
             with tempfile.TemporaryDirectory() as tmp:
-                if save is not None:
-                    save(Path(tmp))
-                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp) if save is not None else None)
+                save(Path(tmp))
+                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
             return False
         if save is not None and self.folder is not None:
             save_pack_checkpoint(self.folder, step, save)
@@ -231,7 +233,7 @@ class _Trial(PackSteps):
                  settings: TrialSettings, keeper, pack_id, val: Batches | None, entered: float, reports: Reports):
         super().__init__(pack, opt, train, members, plan)
         self.all, self.state, self.settings, self.keeper = members, state, settings, keeper
-        self.pack_id, self.reports, self.metrics = pack_id, reports, {}
+        self.pack_id, self.reports = pack_id, reports
         self.val, self.entered, self.resumed_from = val, entered, state["epoch"]
         self.best = Best(settings.objective, state["best"])
         self.started: dict = {}  # this process's start-up marks, until the first report (unix times)
@@ -265,11 +267,11 @@ class _Trial(PackSteps):
     def _report(self, values: dict, step: int) -> bool:
         state, settings = self.state, self.settings
         seconds = state["seconds"] + time.perf_counter() - self.entered
-        self.metrics = {**_metrics(values, state, settings.objective, seconds, self.resumed_from), **self.started}
+        metrics = {**_metrics(values, state, settings.objective, seconds, self.resumed_from), **self.started}
         self.started = {}
-        save = functools.partial(_save, state={**state, "seconds": seconds, "metrics": self.metrics}, pack=self.pack,
+        save = functools.partial(_save, state={**state, "seconds": seconds, "metrics": metrics}, pack=self.pack,
                                  opt=self.opt, step=step, device=self.train.device)
-        return self.reports.report(self.metrics, save, step)
+        return self.reports.report(metrics, save, step)
 
 
 def _measured(names: tuple[str, ...], state: dict, step_ms: float, device: torch.device) -> dict:

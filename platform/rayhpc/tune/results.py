@@ -129,6 +129,7 @@ class ResultsRecorder(Callback):
         self.columns = value_columns(info.metric_names, info.objective, named)
         self.min_interval_s = min_interval_s
         self.trials: list = []
+        self.kept: pd.DataFrame | None = None  # rows of a run before this one whose Tune state was lost: kept
         self.interrupted: frozenset[str] = frozenset()  # the trials a stop signal ended
         self._last_write = -math.inf
         self._reset()
@@ -169,11 +170,16 @@ class ResultsRecorder(Callback):
                 self._pending.pop(trial.trial_id, None)
                 live += self._rows(trial)
         if self._ended_frame is None:
-            self._ended_frame = pd.DataFrame([row for rows in self._ended.values() for row in rows])
+            self._ended_frame = self._with_kept(pd.DataFrame([row for rows in self._ended.values() for row in rows]))
         if not live:
             return self._ended_frame
         live = pd.DataFrame(live)
         return live if self._ended_frame.empty else pd.concat([self._ended_frame, live], ignore_index=True)
+
+    def _with_kept(self, table: pd.DataFrame) -> pd.DataFrame:
+        if self.kept is None or self.kept.empty:
+            return table
+        return self.kept if table.empty else pd.concat([self.kept, table], ignore_index=True)
 
     def write_part(self) -> Path | None:
         """The rows of the trials that ended since the last part, as a new part (written once)."""
@@ -189,7 +195,8 @@ class ResultsRecorder(Callback):
 
     def write(self) -> Path:
         """The whole table, in the trials' order, once; the parts it replaces are removed."""
-        table = results_table(self.trials, self.packs, self.epochs, self.searched, self.columns, self.interrupted)
+        table = self._with_kept(results_table(self.trials, self.packs, self.epochs, self.searched, self.columns,
+                                              self.interrupted))
         path = write_results(mark_front(table, self.objectives, self.constraints), self.exp_dir)
         if self.repeats > 1:
             write_results(summarize(table, self.objective), self.exp_dir, SUMMARY_FILE)

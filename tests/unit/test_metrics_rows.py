@@ -1,26 +1,16 @@
 """A training run's `metrics.parquet` keeps every row across a resume, also where the run was killed after Ray
 Train registered a checkpoint but before the recorder had written that report's rows (Ray Train calls the
-checkpoint manager first). (The real runs: tests/ray/test_resume.py.)"""
+checkpoint manager first, which prunes the checkpoint before it). (The real runs: tests/ray/test_resume.py.)"""
 
 from __future__ import annotations
 
 import pandas as pd
-import torch
 
-from rayhpc.engine.checkpoint import EXTRA_FILE, Progress, write_progress
 from rayhpc.engine.metrics import EARLIER_ROWS, METRICS_FILE, MetricsRecorder
 
 
 def step_row(step: int) -> dict:
     return {"kind": "step", "global_step": step, "loss": 1.0 / step}
-
-
-def checkpoint(run, name: str, step: int, rows: list[dict]) -> None:
-    """A complete checkpoint folder as a training run's report leaves it: its rows, then its progress."""
-    folder = run / name
-    folder.mkdir()
-    torch.save({"rows": rows}, folder / EXTRA_FILE)
-    write_progress(folder, Progress(global_step=step))
 
 
 def report(run, first: int, last: int) -> None:
@@ -35,24 +25,20 @@ def table(run) -> list[tuple[int, float]]:
     return list(zip(rows["global_step"], rows["loss"]))
 
 
-def test_a_resume_takes_the_rows_the_table_lacks_from_the_checkpoint_it_resumed_from(tmp_path):
-    pd.DataFrame([step_row(s) for s in (1, 2, 3)]).to_parquet(tmp_path / METRICS_FILE, index=False)
-    checkpoint(tmp_path, "checkpoint_000000", 3, [step_row(s) for s in (1, 2, 3)])
-    checkpoint(tmp_path, "checkpoint_000001", 6, [step_row(s) for s in (4, 5, 6)])  # registered, not recorded
-    # saved, never registered: the resume starts from step 6, so its rows do not count
-    checkpoint(tmp_path, "checkpoint_000002", 9, [{**step_row(s), "loss": -1.0} for s in (7, 8, 9)])
-    report(tmp_path, 7, 8)
-    assert table(tmp_path) == [(s, 1.0 / s) for s in range(1, 9)]
-
-
-def test_a_resume_whose_table_has_its_checkpoints_rows_and_a_fresh_run_add_only_their_reports(tmp_path):
+def test_a_resumed_runs_first_report_replaces_the_tables_rows_from_the_checkpoints_on(tmp_path):
+    """The resumed run's rank 0 sends its checkpoint's rows again (`rayhpc.train.loop`): where the table lacks
+    them (a kill after Ray Train registered the checkpoint) they are added; where it has them, and rows after
+    the checkpoint that the resume repeats, they are replaced; a fresh run adds its reports."""
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     report(fresh, 1, 2)
     assert table(fresh) == [(1, 1.0), (2, 0.5)]
-    # the table has the checkpoint's rows, and a later report's (4, with no checkpoint) that the resume repeats
-    pd.DataFrame([{**step_row(s), "loss": 7.0} if s == 2 else step_row(s) for s in (1, 2, 3, 4)]).to_parquet(
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    pd.DataFrame([step_row(s) for s in (1, 2, 3)]).to_parquet(lacking / METRICS_FILE, index=False)
+    report(lacking, 4, 8)  # the checkpoint at 6 held 4-6, never recorded; the resume trained 7 and 8
+    assert table(lacking) == [(s, 1.0 / s) for s in range(1, 9)]
+    pd.DataFrame([{**step_row(s), "loss": 7.0} if s >= 3 else step_row(s) for s in (1, 2, 3, 4)]).to_parquet(
         tmp_path / METRICS_FILE, index=False)
-    checkpoint(tmp_path, "checkpoint_000000", 3, [step_row(s) for s in (1, 2, 3)])
-    report(tmp_path, 4, 5)
-    assert table(tmp_path) == [(1, 1.0), (2, 7.0), (3, 1 / 3), (4, 0.25), (5, 0.2)]  # its rows left as they were
+    report(tmp_path, 3, 5)  # the checkpoint at 3 held its row; 4 (no checkpoint) is repeated
+    assert table(tmp_path) == [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.25), (5, 0.2)]

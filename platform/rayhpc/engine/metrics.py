@@ -6,9 +6,10 @@ checkpoint, and nothing of earlier epochs, so the platform records every
 report itself. The recorder runs in Ray Train's controller process, which
 outlives worker-group restarts; a restarted group repeats the steps after its
 checkpoint, and their new rows replace the old ones. Ray Train registers a
-checkpoint before it calls the recorder, so a controller killed in between
-leaves a checkpoint whose rows the table lacks: a resumed run's recorder takes
-them from the checkpoint it resumed from (its extra state's `rows`).
+checkpoint (and prunes the one before) before it calls the recorder, so a
+controller killed in between leaves a checkpoint whose rows the table lacks: a
+resumed run's rank 0 sends them again with its first report (the checkpoint's
+extra state holds them), and they replace the table's rows from their first on.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 import pandas as pd
 
 from rayhpc import log as rayhpc_log
-from rayhpc.engine.checkpoint import complete_checkpoints, load_extra, load_progress
 from rayhpc.engine.loop import Best
 from rayhpc.private import replace_whole
 
@@ -71,7 +71,6 @@ class MetricsRecorder:
         row = rows[-1]
         if self.rows is None:
             self.rows = pd.read_parquet(self.path).to_dict("records") if self.path.exists() else []
-            self._add(self._resumed_rows(rows[0]["global_step"]))
         self._add(rows)
         replace_whole(self.path, lambda tmp: pd.DataFrame(self.rows).to_parquet(tmp, index=False))
         if row["kind"] == "epoch":
@@ -93,16 +92,6 @@ class MetricsRecorder:
         for new in rows:
             self.rows.append(new)
             self._write_events(new)
-
-    def _resumed_rows(self, first_step: int) -> list[dict]:
-        """The rows of the checkpoint a run resumed from (the one furthest into training before the step of
-        its first report), where the table lacks them; [] where it has them or nothing was resumed."""
-        earlier = [p for p in complete_checkpoints(self.path.parent) if load_progress(p).global_step < first_step]
-        saved = (load_extra(earlier[-1]) or {}).get("rows") if earlier else None
-        if not saved:
-            return []
-        recorded = {(r["global_step"], r["kind"]) for r in self.rows}
-        return [] if all((r["global_step"], r["kind"]) in recorded for r in saved) else saved
 
     def _write_events(self, row: dict) -> None:
         """The report's scalars as TensorBoard events (tensorboardX ships with Ray Tune), in a file of their own.

@@ -215,9 +215,16 @@ def train_loop_per_worker(config: dict) -> None:
     # Ray Train's get_device() is the CPU where torch cannot use the GPU Ray gave: refuse that instead
     device = cuda_device(f"rank {ctx.get_world_rank()}") if ray.get_gpu_ids() else get_device()
     device_ready, first_collective = _open_device_and_world(device)
+    ckpt = ray.train.get_checkpoint()
     worker = make_worker(cfg, task, hp, device, ctx.get_world_rank(), ctx.get_world_size(),
-                         lambda model, optimizer: _restore(ray.train.get_checkpoint(), cfg, model, optimizer,
-                                                           device, ctx.get_world_rank()), config.get("init"))
+                         lambda model, optimizer: _restore(ckpt, cfg, model, optimizer, device, ctx.get_world_rank()),
+                         config.get("init"))
+    if ckpt is not None and worker.rank == 0:
+        # the rows the checkpoint's report carried go again with this session's first report: Ray Train registers
+        # a checkpoint (pruning the one before) before the recorder sees its report, so a driver killed in
+        # between leaves them only in the checkpoint (`rayhpc.engine.metrics.MetricsRecorder` replaces, not repeats)
+        with ckpt.as_directory() as d:
+            worker.held = list((checkpoint.load_extra(d) or {}).get("rows", []))
     began, ended = joined() or (entered, entered)  # the world as the rank joined it (`PrivateRendezvous`)
     worker.startup = {"worker_start_time": process_start(), "process_group_start_time": began,
                       "process_group_time": ended, "train_fn_time": entered, "device_time": device_ready,

@@ -484,6 +484,8 @@ def test_a_rank_failing_in_the_task_is_one_line_and_a_run_that_never_stepped_can
         assert list(logged) in ranks and oct(log.stat().st_mode & 0o777) == "0o600", (attempt, list(logged))
         for name, trace in logged.items():
             assert trace.rstrip().endswith(f"RuntimeError: no loss on {name.split(' (')[0]}"), (name, trace)
+            # the rank's whole traceback, down to the task's line (Ray Train's own text is a snippet of every rank's)
+            assert f'File "{task}", line {raises}, in loss' in trace and "truncated" not in trace, (name, trace)
         first = next(iter(logged))
         assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1:] == [
             f"error: {first} failed in the task's loss() at {task}:{raises}: RuntimeError: no loss on "

@@ -68,3 +68,30 @@ def test_one_rank_shards_the_model_as_one_group_more_each_unit_and_steps_as_plai
         opt.zero_grad()
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(torch.tensor(got["weights"][key]), value, msg=lambda m: f"{key}: {m}")
+
+
+class TiedLM(torch.nn.Module):
+    """A head tied to its token embedding (GPT-2's `lm_head` and `wte`), both under `ends`, and a body."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)})
+        self.body = torch.nn.Linear(4, 4)
+        self.ends["head"].weight = self.ends["embed"].weight
+
+
+def test_a_unit_sharing_a_parameter_with_a_module_outside_it_stays_with_the_root_and_a_task_may_name_units():
+    from rayhpc.engine.parallelize import fsdp_units, untied
+
+    model = TiedLM()
+    embed, head = model.ends["embed"], model.ends["head"]
+    units = fsdp_units(object(), model)  # no hook: the modules that hold parameters
+    assert units == [embed, head, model.body]
+    assert untied(model, units) == [model.body]  # each tied module alone would be a second group of one weight
+    assert untied(model, [model.ends, model.body]) == [model.ends, model.body]  # both ties in one unit
+
+    class Task:
+        def fsdp_units(self, model):
+            return [model.ends]
+
+    assert fsdp_units(Task(), model) == [model.ends]

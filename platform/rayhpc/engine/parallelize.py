@@ -12,6 +12,7 @@ bf16 while gradients are reduced in fp32, so the update matches fp32 training cl
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -40,7 +41,7 @@ def parallelize(model: nn.Module, task, options, strategy: str | None, device: t
     """`model` moved to `device` (None: where it is, a meta-device stage materialised after), tensor-parallel by
     `tp` ((mesh, plan): `parallelize_module`'s), its blocks checkpointed and compiled as `options` asks (`task`:
     the user's task object), then wrapped for `strategy`: "fsdp" (FSDP2 over `mesh`, the world where None; each
-    of `units` sharded on its own, default the modules holding parameters), "ddp", or None (as it is)."""
+    of `units` sharded on its own, default `fsdp_units`), "ddp", or None (as it is)."""
     if device is not None:
         model.to(device)
     if tp is not None:
@@ -50,7 +51,7 @@ def parallelize(model: nn.Module, task, options, strategy: str | None, device: t
         parallelize_module(model, *tp)
     apply_options(model, task, options)
     if strategy == "fsdp":
-        return apply_fsdp(model, default_units(model) if units is None else units, mesh or world_mesh(device), bf16)
+        return apply_fsdp(model, fsdp_units(task, model) if units is None else units, mesh or world_mesh(device), bf16)
     return apply_ddp(model, device) if strategy == "ddp" else model
 
 
@@ -147,9 +148,26 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
 
 
+def fsdp_units(task, model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one at a time: the task's `fsdp_units(model)` if it has one, else the modules
+    that hold parameters."""
+    hook = getattr(task, "fsdp_units", None)
+    return list(hook(model)) if callable(hook) else default_units(model)
+
+
+def untied(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """`units` less those holding a parameter that a module outside them holds too (GPT-2's `lm_head` and
+    `wte`, one weight): those stay with the root's group, so each tied parameter is in one unit (FSDP2 refuses
+    a parameter that two groups manage)."""
+    holders = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return [u for u in units if all(holders[k] == n for k, n in collections.Counter(
+        id(p) for _, p in u.named_parameters(remove_duplicate=False)).items())]
+
+
 def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh=None, bf16: bool = False) -> nn.Module:
-    """Shard each of `units`, then `model`, over `mesh` (a 1-D device mesh; 2-D: replicated over the first
-    dim and sharded over the second, HSDP; None: the whole world)."""
+    """Shard each of `units` (less those tied to a module outside them: `untied`), then `model`, over `mesh` (a
+    1-D device mesh; 2-D: replicated over the first dim and sharded over the second, HSDP; None: the whole
+    world)."""
     # FSDP2: about 0.7 s to import, only where a run shards
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -159,7 +177,8 @@ def apply_fsdp(model: nn.Module, units: list[nn.Module], mesh=None, bf16: bool =
     # its own gather, gradient reduction and hooks, so the model is one group (FSDP2 one worker: see
     # docs/benchmarks.md)
     shared = (mesh.size(mesh.ndim - 1) if mesh is not None else torch.distributed.get_world_size()) > 1
-    for i, unit in enumerate(units if shared else []):
+    units = untied(model, units) if shared else []
+    for i, unit in enumerate(units):
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(units) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: kept gathered from forward to backward
     return model

@@ -69,3 +69,9 @@ class Task:
     # the scheduler is stepped after every optimizer step and replayed to its step on resume;
     # a sweep then trains the trials one at a time (packs step only the platform's optimizers),
     # and the parameter-server job refuses such a task.
+    #
+    # Optional too (absent: the entries of the model's outermost ModuleLists, else the modules holding parameters):
+    #   def blocks(self, model) -> list[nn.Module]
+    # what activation checkpointing and compilation work on; and (absent: the modules holding parameters)
+    #   def fsdp_units(self, model) -> list[nn.Module]
+    # what FSDP2 shards one at a time (a unit sharing a parameter with a module outside it stays with the root).

@@ -12,6 +12,10 @@ from rayhpc.config import JobFailed
 ERROR_LOG = "error.log"  # a failed run's every rank traceback, in its folder
 
 
+class RankTraceback(Exception):
+    """A rank's exception, its whole traceback as the message (which, unlike a traceback, reaches the driver)."""
+
+
 def plain(text: str) -> str:
     """Ray's error text without its terminal colours (`\x1b[36m`), for a log file and one line."""
     return re.sub(r"\x1b\[[0-9;]*m", "", text)

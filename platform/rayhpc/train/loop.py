@@ -15,6 +15,8 @@ import os
 import socket
 import tempfile
 import time
+import traceback
+import warnings
 from typing import Callable
 
 import torch
@@ -32,6 +34,7 @@ from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.monitor.startup import process_start
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import Batches, epoch_steps, eval_batch, evaluate, loader_workers
+from rayhpc.task.failure import RankTraceback
 from rayhpc.task.load import LoadedTask
 from rayhpc.train.config import TrainConfig
 
@@ -203,7 +206,15 @@ def make_worker(cfg: TrainConfig, task: LoadedTask, hp: dict, device: torch.devi
 def train_loop_per_worker(config: dict) -> None:
     """Entry point for `TorchTrainer(train_loop_per_worker, train_loop_config={"cfg", "task", "hp"})`:
     the validated config, the task and its hyperparameters, from the driver."""
-    entered = time.time()
+    try:
+        _train_rank(config, time.time())
+    except Exception:  # noqa: BLE001 - re-raised, with its traceback
+        # Ray Train hands the driver a rank's exception without its traceback (`WorkerGroupError.worker_failures`),
+        # its frames only in a 1,000-character snippet of every rank's: the whole traceback goes as the message
+        raise RankTraceback(traceback.format_exc()) from None
+
+
+def _train_rank(config: dict, entered: float) -> None:
     import ray.train  # Ray Train: only where a training run is
     from ray.train.torch import get_device
 
@@ -212,6 +223,8 @@ def train_loop_per_worker(config: dict) -> None:
     _quiet_report_logs()
     cfg, task, hp = config["cfg"], config["task"], config["hp"]
     ctx = ray.train.get_context()
+    if ctx.get_world_rank() != 0:  # torch's warning of a model's sharded module, once a run rather than once a rank
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     # Ray Train's get_device() is the CPU where torch cannot use the GPU Ray gave: refuse that instead
     device = cuda_device(f"rank {ctx.get_world_rank()}") if ray.get_gpu_ids() else get_device()
     device_ready, first_collective = _open_device_and_world(device)

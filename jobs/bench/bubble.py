@@ -16,7 +16,7 @@ import time
 import torch
 
 from rayhpc.parallel.config import ParallelConfig
-from rayhpc.parallel.worker import RankRun, autocast, replica_batch
+from rayhpc.parallel.worker import RankRun, autocast, pipeline_schedule, replica_batch
 from rayhpc.workers.group import WorkerContext, WorkerGroup
 
 STAGE_WORK = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
@@ -76,7 +76,10 @@ class BusyClock:
 
 
 def install_clock(ctx: WorkerContext) -> None:
-    ctx.state["clock"] = BusyClock(ctx.state["run"].pipe_stages, ctx.device)
+    run: RankRun = ctx.state["run"]
+    with autocast(run.cfg.precision, ctx.device, run.cfg.parallelism.fsdp_applies):
+        stages = pipeline_schedule(run, replica_batch(run, 0)[0])[1]  # a forward of one micro-batch: every rank
+    ctx.state["clock"] = BusyClock(stages, ctx.device)
 
 
 def timed_pipeline_step(ctx: WorkerContext, step: int) -> tuple[int, dict[str, float], int, float]:
@@ -94,8 +97,8 @@ def timed_pipeline_step(ctx: WorkerContext, step: int) -> tuple[int, dict[str, f
     started = time.perf_counter()
     for optimizer in run.optimizers:
         optimizer.zero_grad()
-    with autocast(run.cfg, ctx.device):
-        run.schedule.step(*((x,) if run.first_stage else ()), target=y if run.last_stage else None,
+    with autocast(run.cfg.precision, ctx.device, run.cfg.parallelism.fsdp_applies):
+        pipeline_schedule(run, x)[0].step(*((x,) if run.first_stage else ()), target=y if run.last_stage else None,
                           losses=[] if run.last_stage else None)
     busy = clock.busy()  # synchronises on a GPU: the step's wall ends when its kernels do
     return run.coords["pp"], busy, len(clock.spans), time.perf_counter() - started

@@ -11,18 +11,21 @@ import pandas as pd
 import pytest
 import ray
 import torch
+import torch.nn.functional as F
 from bench.parallel_layouts import GPT_LAYOUTS as GPT_BENCH
 
 from helpers import CPUS, ROOT, run_job, run_job_warm, too_many_gpu_workers
-from parallel_reference import reference_run
+from parallel_reference import batches, plain_optimizer, plain_schedule, reference_run
 from rayhpc.config import ConfigError, JobFailed, validate
 from rayhpc.parallel import ParallelConfig, run_parallel, worker
 from rayhpc.parallel.trainer import make_recipe
 from rayhpc.workers import WorkerGroup, WorkerGroupError
+from torch.utils.data import TensorDataset
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank functions defined below
 
 GPT = f"{ROOT}/jobs/tasks/gpt.py:GPT"
+PLANS = f"{ROOT}/tests/tasks/plans.py"  # a plan or a split that cannot work, one task each
 MLP_HP = {"hidden": 32, "depth": 4}  # the built-in task, 4 Linear layers: 2 per stage under pp 2
 LAYOUTS = {  # the GPT's runs every pipeline schedule too (GPT_LAYOUTS)
     "tp2 mlp": dict(tp=2),
@@ -220,11 +223,56 @@ def test_each_epoch_ends_with_its_partial_last_batch_as_in_a_plain_loop(layout, 
     assert_equal_to_reference(result, cfg)
 
 
+def test_a_batchnorm_model_in_a_pipeline_equals_a_plain_loop_over_the_same_micro_batches(ray_address, tmp_path):
+    """BatchNorm on both stages: each micro-batch normalised by its own statistics, the running statistics
+    updated once per micro-batch and by nothing else (torch's own shape inference ran the second stage on
+    uninitialised memory: NaN), validation through them, as a plain loop over the same micro-batches."""
+    cfg = parallel_cfg(task=f"{ROOT}/tests/tasks/batchnorm.py:BatchNormMLP", hparams={"hidden": 16}, steps=4, pp=2,
+                       microbatches=2, schedule="gpipe", optimizer="sgd", lr=0.1, storage_path=tmp_path)
+    result = run_parallel(cfg)
+    recipe, data = make_recipe(cfg)
+    torch.manual_seed(cfg.seed)
+    model = recipe.build()
+    optimizer = plain_optimizer(recipe.cfg, model.parameters())
+    schedule, losses = plain_schedule(recipe.cfg, optimizer), []
+    for x, y in batches(TensorDataset(*data["train"]), cfg.global_batch_size, cfg.seed, 4):
+        optimizer.zero_grad()
+        halves = [F.mse_loss(model(xm), ym) for xm, ym in zip(x.chunk(2), y.chunk(2))]
+        (sum(halves) / 2).backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(sum(h.item() for h in halves) / 2)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses))
+    for name, want in model.named_parameters():
+        torch.testing.assert_close(result.weights[name], want.detach(), msg=lambda m: f"{name}: {m}")
+    with torch.no_grad():
+        val_loss = F.mse_loss(model.eval()(data["val"][0]), data["val"][1]).item()
+    torch.testing.assert_close(result.validation["val_loss"], val_loss)
+
+
 def test_epochs_are_counted_in_steps_of_the_tasks_training_data_the_last_batch_partial():
     recipe, data = make_recipe(parallel_cfg(epochs=3, global_batch_size=64))
     n = len(data["train"][0])
     assert n % 64, f"{n} training samples fill every batch: no partial last batch to count"
     assert recipe.cfg.steps == 3 * (n // 64 + 1), recipe.cfg.steps
+
+
+def test_a_model_that_does_not_run_on_the_meta_device_is_left_to_the_ranks():
+    """The dry run of the stages needs the whole model to run on the meta device; one that reads a value (`.item()`)
+    cannot, and is not refused for it (its split's error would be the ranks' to find)."""
+    make_recipe(parallel_cfg(task=f"{PLANS}:NotOnMeta", pp=2, hparams={}))
+    with pytest.raises(ConfigError, match="pipeline stage 0 fails on the check batch's shapes"):
+        make_recipe(parallel_cfg(task=f"{PLANS}:NormOnEveryStage", pp=2, hparams={}))
+    # a process with a world of its own: no fake one of tp ranks beside it, so the sharded dry run is left out
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        make_recipe(parallel_cfg(task=f"{PLANS}:Heads", tp=4, hparams={}))
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ConfigError, match="as tensor-parallel rank 0 holds it fails on the check batch's shapes"):
+        make_recipe(parallel_cfg(task=f"{PLANS}:Heads", tp=4, hparams={}))
 
 
 def test_mesh_mismatch_names_every_factor():
@@ -279,6 +327,15 @@ def test_mesh_mismatch_names_every_factor():
     (["--task", GPT, "--pp", "3", "--microbatches", "2", "--cpus-per-worker", "0.5"],
      "error: parallelism.pp (--pp) 3: 3 stages need 2 split points; the task's pipeline_split gives 1: blocks.1"),
     (["--hp", "dim=128"], "error: hparams.dim (--hp)"),
+    (["--task", f"{PLANS}:ConvPlan", "--tp", "2", "--cpus-per-worker", "0.5"],
+     "error: tp_plan: stem (Conv1d): ColwiseParallel shards only an nn.Linear or nn.Embedding"),
+    (["--task", f"{PLANS}:Heads", "--tp", "4", "--cpus-per-worker", "0.25"],
+     "error: parallelism.tp (--tp) 4: the model as tensor-parallel rank 0 holds it fails on the check batch's shapes "
+     "(run on the meta device before any actor starts): RuntimeError: shape '[8, 5, -1, 8]' is invalid for input of "
+     "size 480"),
+    (["--task", f"{PLANS}:NormOnEveryStage", "--pp", "2"],
+     "error: parallelism.pp (--pp) 2: pipeline stage 0 fails on the check batch's shapes (run on the meta device "
+     "before any actor starts): TypeError: 'NoneType' object is not callable"),
     (["--task", f"{ROOT}/jobs/tasks/seed_listing.py:SeedListing", "--tp", "2"],
      f"error: task (--task) {ROOT}/jobs/tasks/seed_listing.py:SeedListing: has no tp_plan(model), which tensor "
      "parallelism (--tp 2) needs"),

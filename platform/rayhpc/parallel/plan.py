@@ -51,8 +51,13 @@ def check_tp_plan(model: nn.Module, plan: dict, tp: int, key: str = "tp_plan") -
     modules = dict(model.named_modules())
     if not plan:
         raise ConfigError(f"{key}: empty; tensor parallelism (--tp {tp}) needs at least one module to shard")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     for path, style in plan.items():
         module = _module(modules, path, key)
+        if type(style) in (ColwiseParallel, RowwiseParallel) and not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise ConfigError(f"{key}: {path} ({type(module).__name__}): {type(style).__name__} shards only an "
+                              "nn.Linear or nn.Embedding (torch's); plan the Linear layers inside it")
         for what, size in split_sizes(module, style):
             if size % tp:
                 raise ConfigError(f"{key}: {path} ({type(module).__name__}, {type(style).__name__}) splits "

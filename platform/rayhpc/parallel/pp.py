@@ -41,13 +41,14 @@ def rank_stages(schedule: str, pp_rank: int, pp: int, per_rank: int) -> list[int
 
 
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, device: torch.device, group,
-                   schedule: str, microbatches: int, loss_fn):
-    """A pipelining schedule over this rank's stages, and the stages. The gradients are the sum over the
-    microbatches of `loss_fn`'s (which scales them: `scale_grads=False`)."""
+                   schedule: str, microbatches: int, loss_fn, inputs: list, outputs: list):
+    """A pipelining schedule over this rank's stages, and the stages, each given an example of its inputs and
+    outputs (a micro-batch's). The gradients are the sum over the microbatches of `loss_fn`'s (which scales them:
+    `scale_grads=False`)."""
     import torch.distributed.pipelining as pipelining  # about 1 s to import, only for pipeline runs
 
-    stages = [pipelining.PipelineStage(part, index, n_stages, device, group=group)
-              for part, index in zip(parts, stage_ids)]
+    stages = [pipelining.PipelineStage(part, index, n_stages, device, input_args=given, output_args=made, group=group)
+              for part, index, given, made in zip(parts, stage_ids, inputs, outputs)]
     cls = getattr(pipelining, SCHEDULES[schedule][0])
     single = SCHEDULES[schedule][2] == "1"  # PipelineScheduleSingle takes a stage, the others a list
     return cls(stages[0] if single else stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False), stages

@@ -133,9 +133,9 @@ class Recipe:
                               "on its output for the batch's inputs, which is what model parallelism gives it; the "
                               "loss must call the model once, on batch[0], and score what it returns")
 
-    def check(self) -> None:
-        """Every plan error, before any actor starts: each stage built on the meta device (shapes only) and
-        its TP plan checked."""
+    def check(self, x: torch.Tensor) -> None:
+        """Every plan error, before any actor starts: each stage built on the meta device (shapes only), its TP
+        plan checked, and the stages run in order on the shapes of `x` (`dry_run`)."""
         tp = self.cfg.parallelism.tp
         with torch.device("meta"):
             model = self.build()
@@ -151,3 +151,46 @@ class Recipe:
                 stage = keep_stage(self.build(), starts, stage_id)  # a stage's own errors (tied embeddings)
             if tp > 1:
                 check_tp_plan(stage, self.tp_plan(stage), tp)
+        self.dry_run(starts, x.to("meta"))
+
+    def dry_run(self, starts: list[str], x: torch.Tensor) -> None:
+        """The stages, each tensor-parallel as rank 0 holds it (on a `fake` process group of tp ranks, which
+        communicates nothing), run in order on the meta device on `x`'s shapes: a stage whose forward calls a
+        module the split removed, or a plan whose shards do not fit the model's reshapes (heads that tp does not
+        divide), is one line before any actor starts. A model that does not run on the meta device whole, unsplit
+        and unsharded, is left to the ranks."""
+        from torch.distributed import destroy_process_group, init_process_group, is_initialized
+
+        p = self.cfg.parallelism
+        try:
+            with torch.device("meta"), torch.no_grad():
+                self.build()(x)
+        except Exception:  # noqa: BLE001 - nothing to compare a failure with
+            return
+        if p.tp > 1 and is_initialized():
+            return  # this process has a world of its own (a test's): no fake one beside it
+        key, where = (f"parallelism.tp (--tp) {p.tp}" if p.tp > 1 else f"parallelism.pp (--pp) {p.pp}"), "the model"
+        if p.tp > 1:
+            init_process_group("fake", rank=0, world_size=p.tp)
+        try:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            mesh = init_device_mesh("cpu", (p.tp,)) if p.tp > 1 else None
+            for stage_id in range(len(starts) + 1):
+                where = f"pipeline stage {stage_id}" + (f" (from {starts[stage_id - 1]})" if stage_id else "") \
+                    if starts else "the model"
+                with torch.device("meta"), torch.no_grad():
+                    stage = keep_stage(self.build(), starts, stage_id) if starts else self.build()
+                    if mesh is not None:
+                        parallelize_module(stage, mesh, self.tp_plan(stage))
+                    x = stage(x)
+        except Exception as exc:  # noqa: BLE001 - the user's model or plan: any failure is their input's
+            from rayhpc.task.load import one_line
+
+            sharded = " as tensor-parallel rank 0 holds it" if p.tp > 1 else ""
+            raise ConfigError(f"{key}: {where}{sharded} fails on the check batch's shapes (run on the meta device "
+                              f"before any actor starts): {one_line(exc)}") from None
+        finally:
+            if p.tp > 1:
+                destroy_process_group()

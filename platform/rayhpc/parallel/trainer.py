@@ -59,7 +59,7 @@ def make_recipe(cfg: ParallelConfig) -> tuple[Recipe, dict]:
     x, y = stack_pairs(train, task.where())
     val = stack_pairs(held_out, task.where()) if held_out is not None and len(held_out) else None
     recipe = Recipe(cfg, hp=hp, task=task)
-    recipe.check()  # the plan and the split before the run's length: the error to fix first
+    recipe.check(x[:CHECK_BATCH])  # the plan and the split before the run's length: the error to fix first
     recipe.cfg = cfg.with_steps(len(train))
     recipe.check_stand_in(x[:CHECK_BATCH], y[:CHECK_BATCH])
     return recipe, {"train": (x, y), "val": val}

@@ -47,8 +47,8 @@ class RankRun:
     stage_ids: list[int]  # their global stage indices
     optimizers: list[torch.optim.Optimizer]  # one per part (torchtitan's way: DCP pairs a model with its optimizer)
     schedulers: list  # the task's own LR scheduler per optimizer, or Nones: the `schedule:` section sets the lr
-    make_schedule: object  # builds a (schedule, its PipelineStage per part) pair; the schedule infers its buffers'
-    # shapes at its first step, so each micro-batch size (an epoch's partial last batch) gets its own pair
+    make_schedule: object  # (inputs, outputs) -> a (schedule, its PipelineStage per part) pair (`pipeline_schedule`):
+    # the stages' buffers have one micro-batch's shapes, so each batch size (an epoch's partial last one) gets its own
     pp_group: object | None  # the process group of this rank's pipeline
     x: torch.Tensor
     y: torch.Tensor
@@ -56,16 +56,6 @@ class RankRun:
     val: tuple[torch.Tensor, torch.Tensor] | None = None  # validation inputs and targets, if the task has them
     order: tuple[int, list[int]] = (-1, [])  # (epoch, this replica's sample indices of it)
     schedules: dict = dataclasses.field(default_factory=dict)  # micro-batch size -> (schedule, stages)
-
-    @property
-    def schedule(self):
-        """The pipelining schedule of a whole batch's micro-batches (None without a pipeline)."""
-        return self.schedules.get(self.cfg.micro_batch, (None, []))[0]
-
-    @property
-    def pipe_stages(self) -> list:
-        """Its PipelineStage per part (none without a pipeline)."""
-        return self.schedules.get(self.cfg.micro_batch, (None, []))[1]
 
     @property
     def first_stage(self) -> bool:
@@ -120,8 +110,6 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     val = tuple(t.to(ctx.device) for t in val) if val is not None else None
     run = RankRun(cfg, coords, parts, [s or 0 for s in stage_ids], optimizers, schedulers, make_schedule, pp_group,
                   x.to(ctx.device), y.to(ctx.device), recipe, val)
-    if p.pp > 1:
-        run.schedules[cfg.micro_batch] = make_schedule()
     ctx.state["run"], ctx.state["gauges"] = run, WorkerMetrics(cfg.name, ctx.rank)
     return total, sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for _, q in run.named_parameters())
 
@@ -226,20 +214,41 @@ def forward_loss(run: RankRun, x: torch.Tensor, y: torch.Tensor, train: bool, sc
     if not train:
         output = pipeline_forward(run, x)
         return (run.recipe.loss(output, y) if run.last_stage else None), output
-    if len(x) not in run.schedules:  # the schedule infers its buffers' shapes once: a new size, a new schedule
-        run.schedules[len(x)] = run.make_schedule()
-    schedule = run.schedules[len(x)][0]
+    schedule = pipeline_schedule(run, x)[0]
     losses = [] if run.last_stage else None
     schedule.step(*((x,) if run.first_stage else ()), target=y if run.last_stage else None, losses=losses)
     # the loss function scaled each microbatch's loss by 1 / (microbatches x accumulate)
     return (torch.stack(losses).sum().detach() * run.cfg.accumulate if run.last_stage else None), None
 
 
-def pipeline_forward(run: RankRun, x: torch.Tensor) -> torch.Tensor | None:
+def pipeline_schedule(run: RankRun, x: torch.Tensor) -> tuple:
+    """The pipelining schedule, and its stages, of batches the size of `x`: made at that size's first step, each
+    stage given its inputs and outputs as one micro-batch of `x` sent through the stages makes them (eval mode, no
+    gradients). Left to infer them, torch runs every later stage's forward in train mode on uninitialised memory
+    (`torch.empty_strided`), which BatchNorm folds into its running statistics: NaN from then on."""
+    if len(x) not in run.schedules:
+        seen: dict[int, tuple] = {}
+        modes = [part.training for part in run.parts]
+        with torch.no_grad():
+            for part in run.parts:
+                part.eval()
+            try:
+                pipeline_forward(run, x[:len(x) // run.cfg.parallelism.n_microbatches], seen)
+            finally:
+                for part, mode in zip(run.parts, modes):
+                    part.train(mode)
+        # as torch's own inference has them: a later stage's inputs, and every output, need their gradients
+        inputs = [seen[s][0].detach().requires_grad_(s > 0 and seen[s][0].is_floating_point()) for s in run.stage_ids]
+        outputs = [seen[s][1].detach().requires_grad_(seen[s][1].is_floating_point()) for s in run.stage_ids]
+        run.schedules[len(x)] = run.make_schedule(inputs, outputs)
+    return run.schedules[len(x)]
+
+
+def pipeline_forward(run: RankRun, x: torch.Tensor, seen: dict | None = None) -> torch.Tensor | None:
     """The whole batch through every stage in order, forward only, activations sent point to point
-    between pipeline ranks: the last stage's output where it lives, else None. For validation: no
-    microbatches are needed without a backward, and torch's own `schedule.eval()` runs backward
-    actions under the zero-bubble V schedule (torch 2.13)."""
+    between pipeline ranks: the last stage's output where it lives, else None (`seen`: filled with each of this
+    rank's stages' input and output). For validation: no microbatches are needed without a backward, and torch's
+    own `schedule.eval()` runs backward actions under the zero-bubble V schedule (torch 2.13)."""
     p, me = run.cfg.parallelism, run.coords["pp"]
     holder = {s: r for r in range(p.pp) for s in rank_stages(p.schedule, r, p.pp, p.per_rank_stages)}
     parts = dict(zip(run.stage_ids, run.parts))
@@ -247,7 +256,9 @@ def pipeline_forward(run: RankRun, x: torch.Tensor) -> torch.Tensor | None:
     for stage in sorted(parts):  # ascending on every rank: the chain of sends and receives cannot deadlock
         if stage > 0 and holder[stage - 1] != me:
             act = _recv(run.pp_group, holder[stage - 1], x.device)
-        act = parts[stage](act)
+        given, act = act, parts[stage](act)
+        if seen is not None:
+            seen[stage] = (given, act)
         if stage + 1 < p.n_stages and holder[stage + 1] != me:
             _send(act, run.pp_group, holder[stage + 1])
     return act if run.last_stage else None

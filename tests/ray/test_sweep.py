@@ -1,7 +1,9 @@
 """End-to-end sweeps on a real local Ray: results table, schedulers, searchers, faults, resume."""
 
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -175,16 +177,37 @@ def test_pbt_evolves_the_members_of_a_pack(ray_address, tmp_path):
     assert all(final[j] == pytest.approx(initial[j]) for j in untouched)
 
 
-def test_packed_trials_equal_unpacked_trials(ray_address, tmp_path):
+def test_packed_trials_equal_unpacked_trials(ray_address, tmp_path, caplog):
     space = {"hidden": {"grid": [4, 16]}, "lr": {"grid": [0.003, 0.03]}}
     alone = run_sweep(sweep(tmp_path, name="alone", search="grid", epochs=3, space=space, pack=1))
+    caplog.set_level(logging.INFO, logger="rayhpc.tune.sweep")
     packed = run_sweep(sweep(tmp_path, name="packed", search="grid", epochs=3, space=space))
     assert set(alone["pack_size"]) == {1} and set(packed["pack_size"]) == {2}
+    # the MLP's packed step measured faster (vmap's few small products): the sweep's first line says so
+    assert re.match(r"sweep packed: trials packed: a training step of 2 took [\d.]+ ms packed against [\d.]+ ms one "
+                    r"after another \(batch 32, this node's CPU\)$", caplog.messages[0]), caplog.messages
     keys = ["config.hidden", "config.lr"]
     a, p = alone.sort_values(keys), packed.sort_values(keys)
     assert a[keys].values.tolist() == p[keys].values.tolist()
     torch.testing.assert_close(torch.tensor(p["val_loss"].values), torch.tensor(a["val_loss"].values),
                                rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("pack", [None, 2])
+def test_a_sweep_packs_only_where_a_packed_step_is_faster_unless_told_to(pack, ray_address, tmp_path, caplog):
+    """A task whose packed step is the slower (tests/tasks/slow_packed.py): its trials run unpacked, and the first line
+    says why, with both figures; `--pack 2` packs them anyway, measuring nothing."""
+    caplog.set_level(logging.INFO, logger="rayhpc.tune.sweep")
+    table = run_sweep(sweep(tmp_path, task=f"{ROOT}/tests/tasks/slow_packed.py:SlowPacked", search="grid", epochs=1,
+                            space={"lr": {"grid": [0.01, 0.03, 0.1, 0.3]}}, pack=pack, name="slow", max_concurrent=2))
+    assert sorted(table["pack_size"]) == [pack or 1] * 4  # 4 trials, 2 at a time: packs of 2 where it packs
+    first = caplog.messages[0]
+    if pack is None:
+        match = re.match(r"sweep slow: trials unpacked: a training step of 2 took ([\d.]+) ms packed against ([\d.]+) "
+                         r"ms one after another \(batch 32, this node's CPU\); --pack N packs them anyway$", first)
+        assert match and float(match[1]) >= 50 > float(match[2]), caplog.messages
+    else:
+        assert "a training step" not in " ".join(caplog.messages) and first.startswith("sweep slow: 4 trials in 2 pack")
 
 
 def test_a_sweep_of_steps_cuts_each_trials_last_epoch_and_spans_its_schedule(ray_address, tmp_path):

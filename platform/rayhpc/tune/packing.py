@@ -23,6 +23,8 @@ two members one step packed and alone and compares them; such a sweep runs unpac
 from __future__ import annotations
 
 import copy
+import math
+import time
 from typing import Any, Iterable
 
 import torch
@@ -279,6 +281,40 @@ def packing_problem(task: LoadedTask, hp: dict, batch: Any) -> str | None:
             if not torch.allclose(packed[name].float(), want.float(), rtol=1e-4, atol=1e-5):
                 return f"member {i}'s {name} differs packed and alone (vmap mixes members, e.g. BatchNorm statistics)"
     return None
+
+
+def step_seconds(task: LoadedTask, hp: dict, batch: Any, members: int, threads: int) -> tuple[float, float]:
+    """(seconds, seconds) of one training step (forward and backward) of `members` trials packed, and of the same
+    trials one after another (one trial's step times `members`), on `batch` repeated to the trials' batch size:
+    each the fastest of 3 after a warm-up, on this process's CPU with a trial's `threads`. Which is faster depends
+    on the model: a vmapped convolution on a CPU can cost more than the members' own in turn, where small matrix
+    products gain."""
+    runs = [make_pack(task, [{**hp, "seed": hp["seed"] + i} for i in range(n)], torch.device("cpu"))
+            for n in (members, 1)]
+    batch, before = _repeated(batch, hp["batch_size"]), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        packed, alone = (_fastest(lambda run=run: run.losses(batch).sum().backward()) for run in runs)
+    finally:
+        torch.set_num_threads(before)
+    return packed, alone * members
+
+
+def _repeated(batch: Any, samples: int) -> Any:
+    """`batch` (tensors, in tuples, lists or dicts) repeated to `samples` samples."""
+    if isinstance(batch, torch.Tensor):
+        return batch.repeat(math.ceil(samples / len(batch)), *[1] * (batch.dim() - 1))[:samples]
+    if isinstance(batch, dict):
+        return {k: _repeated(v, samples) for k, v in batch.items()}
+    return type(batch)(_repeated(v, samples) for v in batch) if isinstance(batch, (list, tuple)) else batch
+def _fastest(step, repeats: int = 3) -> float:
+    step()  # the first call pays for lazy set-up (vmap's, the allocator's)
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def _alone(task: LoadedTask, model: nn.Module, batch) -> tuple:

@@ -33,7 +33,7 @@ from rayhpc.tune.config import SweepConfig, bind_objectives, bind_sweep
 from rayhpc.tune.curves import MemberCurves
 from rayhpc.tune.objectives import measured_names
 from rayhpc.tune.optim import PACKED
-from rayhpc.tune.packing import pack_key, packing_problem, shared_keys
+from rayhpc.tune.packing import pack_key, packing_problem, shared_keys, step_seconds
 from rayhpc.tune.pbt import PbtRules, mutable
 from rayhpc.tune.plan import (
     MAX_PACK,
@@ -162,15 +162,35 @@ def _new_plan(job: Started[SweepConfig], rounds: int = 1) -> list[list[dict]]:
     configs = cfg.configs(task.hp_model)
     first = len(cfg.points_to_evaluate or [])  # the points to evaluate: packs of their own, run first
     key = functools.partial(pack_key, task, job.info) if can_pack(cfg) else None
-    if key is not None and len(set(map(key, configs))) < len(configs):  # some trials would share a pack
-        problem = packing_problem(task, configs[0], job.sample_batch)
-        if problem is not None:
-            log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
-            key = None
-    n_slots = slots(cfg, job.resources, trial_gpus(cfg, job.resources))
-    size = pack_size(cfg, len(configs), n_slots * rounds)
+    gpus = trial_gpus(cfg, job.resources)
+    size = pack_size(cfg, len(configs), slots(cfg, job.resources, gpus) * rounds)
+    shared = key is not None and size > 1 and len(set(map(key, configs))) < len(configs)  # some would share a pack
+    if shared and not trains_packed(job, configs[0], size, gpus):
+        key = None
     packs = make_plan(configs[:first], size, key) + make_plan(configs[first:], size, key)
     return repeated(packs, cfg.repeats, key is not None)
+
+
+MEASURED_MEMBERS = 8  # the most trials packed in the step that decides whether a sweep packs
+
+
+def trains_packed(job: Started[SweepConfig], hp: dict, size: int, gpus: float) -> bool:
+    """Whether trials like `hp` train packed, `size` to a pack: the task packs (`packing_problem`), and, where the
+    sweep chose the size itself (no `--pack`) and trains on CPUs, a step of the members packed is faster than their
+    steps in turn (`step_seconds`); one line says which and why. On GPUs, where packing is what fills the device,
+    nothing is measured."""
+    cfg = job.cfg
+    if problem := packing_problem(job.task, hp, job.sample_batch):
+        log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
+        return False
+    if cfg.pack is not None or gpus > 0:
+        return True
+    n = min(size, MEASURED_MEMBERS)
+    packed, alone = step_seconds(job.task, hp, job.sample_batch, n, max(1, int(cfg.cpus_per_trial)))
+    log.info(f"sweep {cfg.name}: trials {'packed' if packed < alone else 'unpacked'}: a training step of {n} took "
+             f"{packed * 1e3:.1f} ms packed against {alone * 1e3:.1f} ms one after another (batch {hp['batch_size']}, "
+             f"this node's CPU){'' if packed < alone else '; --pack N packs them anyway'}")
+    return packed < alone
 
 
 MAX_CONTEXTS_PER_GPU = 8  # trial processes sharing a GPU: each holds a CUDA context (~0.5 GiB) and its own memory
@@ -413,10 +433,7 @@ def optuna_pack(job: Started[SweepConfig], gpus: float, per_slot: int = 2) -> in
         return cfg.pack or 1
     n_slots = slots(cfg, job.resources, gpus)
     size = max(1, min(MAX_PACK, math.ceil(cfg.num_samples / (per_slot * n_slots))))
-    if size > 1 and (problem := packing_problem(job.task, cfg.defaults(job.task.hp_model), job.sample_batch)):
-        log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
-        return 1
-    return size
+    return size if size > 1 and trains_packed(job, cfg.defaults(job.task.hp_model), size, gpus) else 1
 
 
 def _optuna(job: Started[SweepConfig], pack: int):

@@ -12,6 +12,9 @@
     python jobs/bench_sweep.py --seeds 5 [--trials 128] [--epochs 10] [--repeats 2]
         # the default sweep with one seed per configuration and with --seeds seeds (repeats), each in a fresh
         # driver, alternated: wall and its ratio (goal: 5 seeds x 128 configurations in <= 1.3x one seed's)
+    python jobs/bench_sweep.py --pack-choice mlp,jobs/tasks/resnet.py:ResNet [--trials 4] [--epochs 2]
+        # each task's sweep the default way (packed only where a measured packed step is faster), unpacked
+        # (--pack 1) and packed (--pack trials/cpus), side by side: wall, and the default's over the faster other
     python jobs/bench_sweep.py --distributed [--trials 16] [--workers 2] [--epochs 5]
     python jobs/bench_sweep.py --first-result [--repeats 2]
         # the default sweep (`python jobs/tune_mlp.py`) and the 16-trial reference sweep below (30 epochs), each
@@ -124,7 +127,16 @@ def main() -> None:
                         "with this many (repeats), alternated")
     parser.add_argument("--samples", type=int, default=2048, help="with --tracking: rows of the synthetic data "
                         "(longer epochs)")
+    parser.add_argument("--pack-choice", metavar="TASK[,TASK...]", help="instead: each task's sweep of --trials "
+                        "trials the default way, unpacked and packed, side by side")
     args = parser.parse_args()
+    if args.pack_choice:
+        from bench.pack_choice import pack_choice_rows, print_pack_choice, step_ratios
+
+        step_ratios(args.pack_choice.split(","))
+        start_local(num_cpus=args.cpus, logging_level="WARNING", log_to_driver=False)
+        rows = pack_choice_rows(args.pack_choice.split(","), args.trials, args.epochs, args.cpus)
+        return print_pack_choice(rows, args.trials, args.epochs)
     if args.tracking:
         return tracking(args)
     if args.seeds:

@@ -71,7 +71,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_transformers_model_under_model_parallelism_equals_one_process(layout, ray_address, tmp_path):
+def test_a_transformers_model_under_model_parallelism_equals_one_process(layout, ray_address, tmp_path, caplog):
     """No tp_plan and no pipeline_split in the task: the model's own TP plan (q/k/v/gate/up column-wise, o/down
     row-wise, the embedding's rows and the head's columns), stages split at its decoder layers, its RoPE buffers
     (not in its state dict) on every rank as the model made them; the loss calls `model(input_ids=x).logits`.
@@ -81,10 +81,13 @@ def test_a_transformers_model_under_model_parallelism_equals_one_process(layout,
     cfg = ParallelConfig(task=MODELS[model], hparams=hp, parallelism=parallelism, seed=SEED, steps=4,
                          optim={"optimizer": "sgd", "lr": SGD_LR}, global_batch_size=BATCH, storage_path=tmp_path,
                          name="hf", compute={"cpus_per_worker": 0.5})
+    caplog.set_level(logging.DEBUG, logger="rayhpc.parallel.trainer")
     result = run_parallel(cfg, log_level=logging.DEBUG)
     losses, weights = plain_loop(4, MODELS[model], hp, torch.optim.SGD, SGD_LR)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(losses))
     assert sorted(result.weights) == sorted(weights)
+    # the start-up line counts the model's parameters, each tied weight once and no buffer (RoPE's inv_freq)
+    assert f"{sum(w.numel() for w in weights.values()):,} parameters, " in caplog.text, caplog.text
     for name, want in weights.items():  # a few float roundings apart: TP sums partial products in another order
         torch.testing.assert_close(result.weights[name], want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -102,7 +104,7 @@ def test_fit_to_first_step_is_split_into_phases_of_this_sessions_worker_group():
     from the previous mark; a worker process Ray started before fit() (its idle pool) takes 0 s."""
     import pandas as pd
 
-    from rayhpc.train.trainer import STARTUP_PHASES, TrainResult
+    from rayhpc.train.trainer import ON_GPUS, STARTUP_PHASES, TrainResult
 
     fit = 1000.0
     marks = {"worker_start_time": 998.0, "process_group_start_time": 1002.0, "process_group_time": 1003.0,
@@ -115,6 +117,11 @@ def test_fit_to_first_step_is_split_into_phases_of_this_sessions_worker_group():
     assert result.startup_phases() == dict(zip(STARTUP_PHASES, [0.0, 2.0, 1.0, 0.5, 0.125, 0.125, 0.25, 0.25, 0.75],
                                                 strict=True))
     assert sum(result.startup_phases().values()) == result.fit_to_first_step == 5.0
+    # on GPUs the phases say what they hold there (a CPU run's name no CUDA context or NCCL communicator)
+    on_gpus = TrainResult(types.SimpleNamespace(compute=types.SimpleNamespace(gpu=True)), result.metrics, None, 0.0,
+                          fit, 0.0).startup_phases()
+    assert list(on_gpus) == [ON_GPUS.get(name, name) for name in STARTUP_PHASES] != list(STARTUP_PHASES)
+    assert "device (CUDA context)" in on_gpus and not any("CUDA" in name or "NCCL" in name for name in STARTUP_PHASES)
     without = TrainResult(None, pd.DataFrame([{"first_step_time": 1005.0}]), None, 0.0, fit, 0.0)
     assert without.startup_phases() == {}  # a warm group's rows: no marks
 

@@ -79,8 +79,8 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     torch.manual_seed(cfg.seed)
     whole = recipe.build()  # host memory: the one-process run's weights, and every buffer, persistent or not
     initial = {**whole.state_dict(), **dict(whole.named_buffers())}  # (RoPE's inv_freq in a transformers model)
+    total = sum(p.numel() for p in whole.parameters())  # each tied weight once, no buffers
     del whole
-    total = sum(t.numel() for t in initial.values())
     p = cfg.parallelism
     mesh = build_mesh(p, ctx.device.type)
     coords = p.coords(ctx.rank)

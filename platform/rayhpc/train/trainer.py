@@ -27,12 +27,15 @@ log = logging.getLogger(__name__)
 # fit() to first step: each phase ends at its column's time in the worker group's rows (`rayhpc.train.loop`)
 STARTUP_PHASES = {"Ray Train's controller and worker processes": "worker_start_time",
                   "worker set-up (Ray Train, imports)": "process_group_start_time",
-                  "process group (gloo or NCCL)": "process_group_time",
+                  "process group": "process_group_time",
                   "training function start": "train_fn_time",
-                  "device (CUDA context)": "device_time",
-                  "first collective (NCCL communicator, slowest rank)": "collective_time",
+                  "device": "device_time",
+                  "first collective (slowest rank)": "collective_time",
                   "data and model": "worker_ready_time", "first batch": "first_batch_time",
                   "first step": "first_step_time"}
+# what those phases hold on GPUs only (a CPU run's have no CUDA context to make, and gloo no communicator)
+ON_GPUS = {"process group": "process group (NCCL)", "device": "device (CUDA context)",
+           "first collective (slowest rank)": "first collective (NCCL communicator, slowest rank)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +65,10 @@ class TrainResult:
         if rows.empty or not set(STARTUP_PHASES.values()) <= set(rows.columns):
             return {}
         first, before, phases = rows.iloc[0], self.fit_started, {}
+        gpus = self.cfg is not None and self.cfg.compute.gpu
         for name, column in STARTUP_PHASES.items():
             at = max(float(first[column]), before)  # a process Ray started before fit() (its idle pool): 0 s
-            phases[name], before = at - before, at
+            phases[ON_GPUS.get(name, name) if gpus else name], before = at - before, at
         return phases
 
 

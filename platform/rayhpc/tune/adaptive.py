@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from rayhpc.private import replace_whole
 from rayhpc.tune.trainable import flat_members, member_values
 
 STATE_FILE = "asha_members.pkl"
+LOCKS = (type(threading.Lock()), type(threading.RLock()))  # what no pickle carries
 
 
 @dataclass(frozen=True)
@@ -287,8 +289,27 @@ class PackedOptunaSearch(Searcher):
                  "sampler_constraints": t.system_attrs.get("constraints")} for t in self.study.trials]
         replace_whole(Path(self.exp_dir) / OPTUNA_TRIALS_FILE, lambda tmp: tmp.write_text(json.dumps(rows, indent=1)))
 
+    def __getstate__(self) -> dict:
+        """The searcher pickled without its sampler's locks, which no pickle carries (Optuna 5's genetic samplers,
+        NSGA-II's, hold a `threading.Lock`; Tune pickles its searcher as the Tuner is made and at every save): each
+        is made again where the state is loaded (`__setstate__`). Optuna's samplers name no public way to drop
+        them, so any lock among the sampler's attributes is left out, whatever its name."""
+        sampler = vars(self.study.sampler)
+        held = {k: sampler.pop(k) for k, v in list(sampler.items()) if isinstance(v, LOCKS)}
+        try:
+            return {"searcher": pickle.dumps(self.__dict__), "sampler_locks": sorted(held)}
+        finally:
+            sampler.update(held)
+
+    def __setstate__(self, state: dict) -> None:
+        if "searcher" not in state:  # saved by rayhpc before this state's form: the searcher's own attributes
+            self.__dict__.update(state)
+            return
+        self.__dict__.update(pickle.loads(state["searcher"]))
+        vars(self.study.sampler).update({k: threading.Lock() for k in state["sampler_locks"]})
+
     def save(self, checkpoint_path: str) -> None:
-        Path(checkpoint_path).write_bytes(pickle.dumps(self.__dict__))
+        Path(checkpoint_path).write_bytes(pickle.dumps(self.__getstate__()))
 
     def restore(self, checkpoint_path: str) -> None:
-        self.__dict__.update(pickle.loads(Path(checkpoint_path).read_bytes()))
+        self.__setstate__(pickle.loads(Path(checkpoint_path).read_bytes()))

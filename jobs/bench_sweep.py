@@ -12,7 +12,7 @@
     python jobs/bench_sweep.py --seeds 5 [--trials 128] [--epochs 10] [--repeats 2]
         # the default sweep with one seed per configuration and with --seeds seeds (repeats), each in a fresh
         # driver, alternated: wall and its ratio (goal: 5 seeds x 128 configurations in <= 1.3x one seed's)
-    python jobs/bench_sweep.py --pack-choice mlp,jobs/tasks/resnet.py:ResNet [--trials 4] [--epochs 2]
+    python jobs/bench_sweep.py --pack-choice mlp,jobs/tasks/digits.py:DigitsCNN,jobs/tasks/gpt.py:GPT [--trials 4]
         # each task's sweep the default way (packed only where a measured packed step is faster), unpacked
         # (--pack 1) and packed (--pack trials/cpus), side by side: wall, and the default's over the faster other
     python jobs/bench_sweep.py --distributed [--trials 16] [--workers 2] [--epochs 5]

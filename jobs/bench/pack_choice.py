@@ -17,9 +17,13 @@ def pack_choice_rows(tasks: list[str], trials: int, epochs: int, cpus: int) -> l
     from rayhpc.tune.config import SweepConfig
     from rayhpc.tune.sweep import run_sweep
 
-    logging.getLogger("rayhpc.tune.sweep").setLevel(logging.INFO)  # the default's line: which, and why
+    said = logging.getLogger("rayhpc.tune.sweep")  # the default's first line: which, and why
+    said.setLevel(logging.INFO)
+    said.addHandler(logging.StreamHandler())
     out = []
     with tempfile.TemporaryDirectory(prefix="bench_pack_choice_") as work:
+        # untimed: the first sweep of a process pays for imports and Ray's first workers
+        run_sweep(SweepConfig(name="warm-up", storage_path=Path(work), num_samples=2, epochs=1))
         for task in tasks:
             for way, pack in (("default", None), ("--pack 1", 1), (f"--pack {math.ceil(trials / cpus)}",
                                                                     math.ceil(trials / cpus))):

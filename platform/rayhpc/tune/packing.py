@@ -285,19 +285,30 @@ def packing_problem(task: LoadedTask, hp: dict, batch: Any) -> str | None:
 
 def step_seconds(task: LoadedTask, hp: dict, batch: Any, members: int, threads: int) -> tuple[float, float]:
     """(seconds, seconds) of one training step (forward and backward) of `members` trials packed, and of the same
-    trials one after another (one trial's step times `members`), on `batch` repeated to the trials' batch size:
-    each the fastest of 3 after a warm-up, on this process's CPU with a trial's `threads`. Which is faster depends
-    on the model: a vmapped convolution on a CPU can cost more than the members' own in turn, where small matrix
-    products gain."""
+    trials one after another (one trial's step times `members`), on `batch` repeated to the trials' batch size, on
+    this process's CPU with a trial's `threads`: each the fastest of its runs, the two taken in turn (a load that
+    comes and goes slows both alike) after a warm-up, at least 3 of each and up to 100 within 0.2 s. Which is
+    faster depends on the model: a vmapped convolution or attention on a CPU can cost more than the members' own
+    in turn, where small matrix products gain."""
     runs = [make_pack(task, [{**hp, "seed": hp["seed"] + i} for i in range(n)], torch.device("cpu"))
             for n in (members, 1)]
     batch, before = _repeated(batch, hp["batch_size"]), torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        packed, alone = (_fastest(lambda run=run: run.losses(batch).sum().backward()) for run in runs)
+        steps = [lambda run=run: run.losses(batch).sum().backward() for run in runs]
+        for step in steps:
+            step()  # the first call pays for lazy set-up (vmap's, the allocator's)
+        best, started = [math.inf, math.inf], time.perf_counter()
+        for i in range(100):
+            for j, step in enumerate(steps):
+                began = time.perf_counter()
+                step()
+                best[j] = min(best[j], time.perf_counter() - began)
+            if i >= 2 and time.perf_counter() - started > 0.2:
+                break
     finally:
         torch.set_num_threads(before)
-    return packed, alone * members
+    return best[0], best[1] * members
 
 
 def _repeated(batch: Any, samples: int) -> Any:
@@ -307,14 +318,6 @@ def _repeated(batch: Any, samples: int) -> Any:
     if isinstance(batch, dict):
         return {k: _repeated(v, samples) for k, v in batch.items()}
     return type(batch)(_repeated(v, samples) for v in batch) if isinstance(batch, (list, tuple)) else batch
-def _fastest(step, repeats: int = 3) -> float:
-    step()  # the first call pays for lazy set-up (vmap's, the allocator's)
-    best = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def _alone(task: LoadedTask, model: nn.Module, batch) -> tuple:

@@ -172,12 +172,16 @@ def _new_plan(job: Started[SweepConfig], rounds: int = 1) -> list[list[dict]]:
 
 
 MEASURED_MEMBERS = 8  # the most trials packed in the step that decides whether a sweep packs
+# a packed step up to this much slower than its members' in turn still packs: the Tune trials a pack saves each
+# cost a process's start (seconds), where 1 ms a step adds a second in 1,000 steps (a vmapped small model's
+# packed step can measure a fraction of a millisecond slower at 2 members)
+PACKED_SLACK_S = 0.001
 
 
 def trains_packed(job: Started[SweepConfig], hp: dict, size: int, gpus: float) -> bool:
     """Whether trials like `hp` train packed, `size` to a pack: the task packs (`packing_problem`), and, where the
-    sweep chose the size itself (no `--pack`) and trains on CPUs, a step of the members packed is faster than their
-    steps in turn (`step_seconds`); one line says which and why. On GPUs, where packing is what fills the device,
+    sweep chose the size itself (no `--pack`) and trains on CPUs, a step of the members packed is no slower than
+    their steps in turn (`step_seconds`; `PACKED_SLACK_S`); one line says which and why. On GPUs, where packing is what fills the device,
     nothing is measured."""
     cfg = job.cfg
     if problem := packing_problem(job.task, hp, job.sample_batch):
@@ -187,10 +191,11 @@ def trains_packed(job: Started[SweepConfig], hp: dict, size: int, gpus: float) -
         return True
     n = min(size, MEASURED_MEMBERS)
     packed, alone = step_seconds(job.task, hp, job.sample_batch, n, max(1, int(cfg.cpus_per_trial)))
-    log.info(f"sweep {cfg.name}: trials {'packed' if packed < alone else 'unpacked'}: a training step of {n} took "
+    packs = packed <= alone + PACKED_SLACK_S
+    log.info(f"sweep {cfg.name}: trials {'packed' if packs else 'unpacked'}: a training step of {n} took "
              f"{packed * 1e3:.1f} ms packed against {alone * 1e3:.1f} ms one after another (batch {hp['batch_size']}, "
-             f"this node's CPU){'' if packed < alone else '; --pack N packs them anyway'}")
-    return packed < alone
+             f"this node's CPU){'' if packs else '; --pack N packs them anyway'}")
+    return packs
 
 
 MAX_CONTEXTS_PER_GPU = 8  # trial processes sharing a GPU: each holds a CUDA context (~0.5 GiB) and its own memory

@@ -184,7 +184,7 @@ def test_packed_trials_equal_unpacked_trials(ray_address, tmp_path, caplog):
     packed = run_sweep(sweep(tmp_path, name="packed", search="grid", epochs=3, space=space))
     assert set(alone["pack_size"]) == {1} and set(packed["pack_size"]) == {2}
     # the MLP's packed step measured faster (vmap's few small products): the sweep's first line says so
-    said = sweep_lines(caplog)
+    said = sweep_lines(caplog, "packed")
     assert re.match(r"sweep packed: trials packed: a training step of 2 took [\d.]+ ms packed against [\d.]+ ms one "
                     r"after another \(batch 32, this node's CPU\)$", said[0]), said
     keys = ["config.hidden", "config.lr"]
@@ -202,7 +202,7 @@ def test_a_sweep_packs_only_where_a_packed_step_is_faster_unless_told_to(pack, r
     table = run_sweep(sweep(tmp_path, task=f"{ROOT}/tests/tasks/slow_packed.py:SlowPacked", search="grid", epochs=1,
                             space={"lr": {"grid": [0.01, 0.03, 0.1, 0.3]}}, pack=pack, name="slow", max_concurrent=2))
     assert sorted(table["pack_size"]) == [pack or 1] * 4  # 4 trials, 2 at a time: packs of 2 where it packs
-    said = sweep_lines(caplog)
+    said = sweep_lines(caplog, "slow")
     if pack is None:
         match = re.match(r"sweep slow: trials unpacked: a training step of 2 took ([\d.]+) ms packed against ([\d.]+) "
                          r"ms one after another \(batch 32, this node's CPU\); --pack N packs them anyway$", said[0])
@@ -211,9 +211,11 @@ def test_a_sweep_packs_only_where_a_packed_step_is_faster_unless_told_to(pack, r
         assert "a training step" not in " ".join(said) and said[0].startswith("sweep slow: 4 trials in 2 pack"), said
 
 
-def sweep_lines(caplog) -> list[str]:
-    """What the sweep said (Ray Tune's own warnings, such as a slow driver's on a loaded machine, come between)."""
-    return [r.getMessage() for r in caplog.records if r.name == "rayhpc.tune.sweep"]
+def sweep_lines(caplog, name: str) -> list[str]:
+    """What sweep `name` said, in order (an earlier sweep's lines, and Ray Tune's own warnings such as a slow
+    driver's on a loaded machine, may be captured too)."""
+    return [m for m in (r.getMessage() for r in caplog.records if r.name == "rayhpc.tune.sweep")
+            if m.startswith(f"sweep {name}: ")]
 
 
 def test_a_sweep_of_steps_cuts_each_trials_last_epoch_and_spans_its_schedule(ray_address, tmp_path):

@@ -164,7 +164,7 @@ def _new_plan(job: Started[SweepConfig], rounds: int = 1) -> list[list[dict]]:
     key = functools.partial(pack_key, task, job.info) if can_pack(cfg) else None
     gpus = trial_gpus(cfg, job.resources)
     size = pack_size(cfg, len(configs), slots(cfg, job.resources, gpus) * rounds)
-    shared = key is not None and size > 1 and len(set(map(key, configs))) < len(configs)  # some would share a pack
+    shared = key is not None and len(set(map(key, configs))) < len(configs)  # some trials would share a pack
     if shared and not trains_packed(job, configs[0], size, gpus):
         key = None
     packs = make_plan(configs[:first], size, key) + make_plan(configs[first:], size, key)
@@ -180,14 +180,14 @@ PACKED_SLACK_S = 0.001
 
 def trains_packed(job: Started[SweepConfig], hp: dict, size: int, gpus: float) -> bool:
     """Whether trials like `hp` train packed, `size` to a pack: the task packs (`packing_problem`), and, where the
-    sweep chose the size itself (no `--pack`) and trains on CPUs, a step of the members packed is no slower than
-    their steps in turn (`step_seconds`; `PACKED_SLACK_S`); one line says which and why. On GPUs, where packing is what fills the device,
-    nothing is measured."""
+    sweep chose the size itself (no `--pack`), packs more than one and trains on CPUs, a step of the members packed
+    is no slower than their steps in turn (`step_seconds`; `PACKED_SLACK_S`); one line says which and why. On
+    GPUs, where packing is what fills the device, nothing is measured."""
     cfg = job.cfg
     if problem := packing_problem(job.task, hp, job.sample_batch):
         log.info(f"sweep {cfg.name}: {job.task.where()} cannot be packed ({problem}); its trials run unpacked")
         return False
-    if cfg.pack is not None or gpus > 0:
+    if cfg.pack is not None or gpus > 0 or size == 1:  # size 1: a repeated configuration's seeds still pack
         return True
     n = min(size, MEASURED_MEMBERS)
     packed, alone = step_seconds(job.task, hp, job.sample_batch, n, max(1, int(cfg.cpus_per_trial)))

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
 import torch
 
-from rayhpc.engine.loop import Best, Plan, fit
+from rayhpc.engine.loop import Best, Diverged, Plan, Runner, fit
 
 
-class Recorder:
-    """A runner that records what `fit` asks of it; step s has loss s and takes 10 samples (the epoch's
-    last step 5, a partial batch)."""
+class Recorder(Runner):
+    """A runner that records what `fit` asks of it; step s has loss s (`bad`: the steps whose loss is NaN or inf
+    instead) and takes 10 samples (the epoch's last step 5, a partial batch)."""
 
-    def __init__(self, plan: Plan, stop_after: int | None = None):
-        self.plan, self.stop_after, self.calls = plan, stop_after, []
+    def __init__(self, plan: Plan, stop_after: int | None = None, bad: dict[int, float] | None = None):
+        self.plan, self.stop_after, self.calls, self.bad = plan, stop_after, [], bad or {}
 
     def batches(self, epoch, steps):
         self.calls.append(("batches", epoch, steps.start, steps.stop))
@@ -24,7 +25,7 @@ class Recorder:
     def step(self, step, batch):
         self.calls.append(("step", step))
         last = step + 1 == self.plan.span(step // self.plan.per_epoch).stop
-        return float(step), 5 if last else 10
+        return torch.tensor(self.bad.get(step, float(step))), 5 if last else 10
 
     def mid_epoch(self, step, due, window, epoch):
         self.calls.append(("mid", step, due.checkpoint, due.metrics, due.evaluate, window.steps))
@@ -86,6 +87,38 @@ def test_a_runner_stops_the_run_at_an_epochs_end_and_a_stop_step_ends_a_workers_
     share = Recorder(plan)
     assert fit(plan, share, start=2, stop=3) == 1  # half of epoch 1: no epoch end
     assert [c[0] for c in share.calls] == ["batches", "step"]
+
+
+@pytest.mark.parametrize("bad", [{4: math.nan}, {4: math.inf, 5: 5.0}, {0: -math.inf}])
+def test_a_loss_that_is_not_finite_ends_the_run_before_the_next_report_naming_its_step(bad):
+    """Step 4's loss (the 5th) NaN or inf, even where step 5's is finite again: the run ends before the
+    metrics row due after step 5, naming step 5 and step 4's (the 4th's) loss, 3.0; a first step that is
+    not finite has no finite loss before it. A run whose every loss is finite reports as before."""
+    plan = Plan(per_epoch=4, total=8, metrics_every=2)
+    runner = Recorder(plan, bad=bad)
+    with pytest.raises(Diverged) as raised:
+        fit(plan, runner)
+    first = min(bad)
+    before = "no finite loss before" if first == 0 else f"its last finite loss {first - 1:g} at step {first}"
+    assert str(raised.value).startswith(f"the loss is not finite (nan or inf) at optimizer step {first + 1}, {before}: "
+                                        "the run diverged; lower optim.lr (--lr)"), raised.value
+    reported = [c for c in runner.calls if c[0] in ("mid", "end")]
+    assert all(c[1] < first for c in reported if c[0] == "mid") and (first >= 4) == any(c[0] == "end" for c in reported)
+    assert runner.calls[-1] == ("step", first | 1)  # the step that made the report due
+    clean = Recorder(plan)
+    fit(plan, clean)
+    assert len([c for c in clean.calls if c[0] == "end"]) == 2
+
+
+def test_a_nan_is_never_the_best_so_far():
+    """A diverged pack member keeps its best before (tensors: per member), as a scalar run would."""
+    best = Best(("val_loss", "min"))
+    best.update({"val_loss": math.nan})
+    best.update({"val_loss": 2.0})
+    assert best.update({"val_loss": math.nan}) == {"best_val_loss": 2.0}
+    members = Best(("val_loss", "min"))
+    members.update({"val_loss": torch.tensor([1.0, 4.0])})
+    assert members.update({"val_loss": torch.tensor([math.nan, 3.0])})["best_val_loss"].tolist() == [1.0, 3.0]
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])

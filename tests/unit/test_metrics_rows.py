@@ -4,9 +4,13 @@ checkpoint manager first, which prunes the checkpoint before it). (The real runs
 
 from __future__ import annotations
 
-import pandas as pd
+import math
 
-from rayhpc.engine.metrics import EARLIER_ROWS, METRICS_FILE, MetricsRecorder
+import pandas as pd
+import pytest
+
+from rayhpc.engine.loop import Best, Diverged
+from rayhpc.engine.metrics import EARLIER_ROWS, METRICS_FILE, MetricsRecorder, metrics_row
 
 
 def step_row(step: int) -> dict:
@@ -42,3 +46,17 @@ def test_a_resumed_runs_first_report_replaces_the_tables_rows_from_the_checkpoin
         tmp_path / METRICS_FILE, index=False)
     report(tmp_path, 3, 5)  # the checkpoint at 3 held its row; 4 (no checkpoint) is repeated
     assert table(tmp_path) == [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.25), (5, 0.2)]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_val_loss_that_is_not_finite_ends_the_run_at_its_row_naming_the_step_and_the_best_before(value):
+    """Every job's epoch row (`metrics_row`): a validation whose val_loss is NaN or inf (weights, or a norm's
+    running statistics) is the run's end, with the step, the epoch and the best val_loss so far; a finite one
+    is a row."""
+    best = Best(("val_loss", "min"))
+    row = metrics_row("epoch", 1, 4, 0.5, 10.0, 1.0, (1, 8, 8), values={"val_loss": 0.25}, best=best)
+    assert row["val_loss"] == row["best_val_loss"] == 0.25
+    with pytest.raises(Diverged) as raised:
+        metrics_row("epoch", 2, 8, 0.5, 10.0, 1.0, (1, 8, 8), values={"val_loss": value}, best=best)
+    assert str(raised.value).startswith(f"val_loss is {value} after optimizer step 8 (epoch 2), its best before 0.25: "
+                                        "the run diverged"), raised.value

@@ -91,3 +91,12 @@ def test_export_loads_nothing_from_a_sweep_folder_others_can_write(tmp_path):
                           capture_output=True, text=True, env=job_env(None), timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: SWEEP_DIR:"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not marker.exists()
+
+
+
+def test_every_status_of_a_trials_row_has_an_mlflow_status():
+    """The statuses a sweep's rows have (`rayhpc.tune.results.trial_rows`), each closed in MLflow with its own."""
+    from rayhpc.tracking.runs import MLFLOW_STATUS
+
+    assert set(MLFLOW_STATUS) == {"finished", "error", "early-stopped", "interrupted", "diverged"}
+    assert MLFLOW_STATUS["diverged"] == MLFLOW_STATUS["error"] == "FAILED"

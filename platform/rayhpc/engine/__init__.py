@@ -5,7 +5,7 @@ a parameter server's gradient sink), and beside them `checkpoint` (every job's c
 load, latest, prune, RNG states), `metrics` (the run's `metrics.parquet`) and `parallelize` (DDP, FSDP2,
 compile and activation checkpointing)."""
 
-from rayhpc.engine.loop import Best, Plan, Runner, Window, fit
+from rayhpc.engine.loop import Best, Diverged, Plan, Runner, Window, fit
 from rayhpc.engine.step import Module, Trained, split_batch, train_step
 
-__all__ = ["Best", "Module", "Plan", "Runner", "Trained", "Window", "fit", "split_batch", "train_step"]
+__all__ = ["Best", "Diverged", "Module", "Plan", "Runner", "Trained", "Window", "fit", "split_batch", "train_step"]

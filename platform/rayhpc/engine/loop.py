@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from rayhpc.config import JobFailed
 from rayhpc.optim import step_plan
 
 
@@ -100,9 +101,47 @@ def _timed(batches: Iterable) -> Iterator[tuple[Any, float]]:
         yield batch, time.perf_counter() - asked
 
 
+class Diverged(JobFailed):
+    """The run's loss stopped being finite: the job ends there, before it reports or saves that step (exit 1)."""
+
+
+class LossWatch:
+    """The first step whose loss was not finite, and the last finite loss before it. Kept on the loss's device,
+    step by step: reading the loss each step would make the host wait for the GPU each step; it is read where
+    a report is due, which it then precedes (`fit`)."""
+
+    def __init__(self):
+        self.first_bad: torch.Tensor | None = None  # that step (0-based; inf: none yet)
+        self.last: torch.Tensor | None = None  # [the last finite loss, its step] before it
+
+    def add(self, step: int, loss) -> None:
+        loss = torch.as_tensor(loss).detach().float()
+        if self.first_bad is None:
+            self.first_bad = torch.full((), math.inf, device=loss.device)
+            self.last = torch.full((2,), math.nan, device=loss.device)
+        finite = torch.isfinite(loss).all()
+        clean = torch.isinf(self.first_bad)  # every step so far finite
+        loss = loss.reshape(())
+        self.last = torch.where(finite & clean, torch.stack([loss, torch.full_like(loss, step)]), self.last)
+        self.first_bad = torch.where(~finite & clean, float(step), self.first_bad)
+
+    def diverged(self) -> Diverged | None:
+        """Where a step's loss was not finite: the error that ends the run, naming that step (1-based, as the
+        metrics rows count them) and the last finite loss."""
+        if self.first_bad is None or math.isinf(first := float(self.first_bad)):
+            return None
+        loss, at = self.last.tolist()
+        before = "no finite loss before" if math.isnan(loss) else f"its last finite loss {loss:.6g} at step {at + 1:.0f}"
+        return Diverged(f"the loss is not finite (nan or inf) at optimizer step {first + 1:.0f}, {before}: the run "
+                        "diverged; lower optim.lr (--lr), clip the gradients (optim.clip_grad_norm) or warm up "
+                        "(schedule.warmup_steps), and resume from its last checkpoint or start again")
+
+
 class Runner:
     """Where and how a job's steps run; `fit` decides when each is called. A runner gives `batches` and `step`;
     one that reports nothing mid-epoch, or nothing at an epoch's end, keeps these defaults."""
+
+    watch_loss = True  # whether `fit` ends the run where its loss (a scalar) stops being finite (`LossWatch`)
 
     def batches(self, epoch: int, steps: range) -> Iterable[Any]:
         """The batches of global steps `steps` of epoch `epoch` (a resumed run's first epoch skips those done)."""
@@ -128,6 +167,7 @@ def fit(plan: Plan, runner: Runner, start: int = 0, stop: int | None = None) -> 
     or fewer where `end_epoch` stopped the run."""
     stop = plan.total if stop is None else min(stop, plan.total)
     epochs = math.ceil(stop / plan.per_epoch)
+    watch = LossWatch() if runner.watch_loss else None
     # a run restored from its last checkpoint has nothing left: its last epoch ended and was reported
     for epoch in range(start // plan.per_epoch if start < stop else epochs, epochs):
         span = plan.span(epoch)
@@ -137,15 +177,25 @@ def fit(plan: Plan, runner: Runner, start: int = 0, stop: int | None = None) -> 
         # zip asks `steps` first: no batch is drawn past the last step
         for step, (batch, waited) in zip(steps, _timed(runner.batches(epoch, steps))):
             loss, samples = runner.step(step, batch)
+            if watch is not None:
+                watch.add(step, loss)
             for window in (whole, since) if since is not None else (whole,):
                 window.add(loss, samples, waited)
-            if step + 1 < span.stop and (due := plan.due(step)) and runner.mid_epoch(step, due, since or whole, whole):
-                since = Window()
+            if step + 1 < span.stop and (due := plan.due(step)):
+                _check(watch)  # nothing reported or saved of a diverged run's steps
+                if runner.mid_epoch(step, due, since or whole, whole):
+                    since = Window()
+        _check(watch)
         if steps.stop < span.stop:  # a run cut short mid-epoch (a worker's share of its epoch)
             return epoch
         if runner.end_epoch(epoch, whole):
             return epoch + 1
     return epochs
+
+
+def _check(watch: LossWatch | None) -> None:
+    if watch is not None and (error := watch.diverged()) is not None:
+        raise error
 
 
 class Best:
@@ -165,8 +215,11 @@ class Best:
 
 
 def _better(old, new, mode: str):
-    if old is None:
+    """The better of `old` and `new`; a NaN is never better (a diverged pack member keeps its best before)."""
+    if old is None or (not isinstance(old, torch.Tensor) and math.isnan(old)):
         return new
     if isinstance(new, torch.Tensor):
-        return torch.minimum(old, new) if mode == "min" else torch.maximum(old, new)
+        return torch.fmin(old, new) if mode == "min" else torch.fmax(old, new)
+    if math.isnan(new):
+        return old
     return min(old, new) if mode == "min" else max(old, new)

@@ -20,7 +20,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rayhpc_trial_iterations": ("Epochs a trial has finished", ("sweep", "trial_id", "node")),
     "rayhpc_trial_val_metric": ("A task's validation metric of a trial at its latest epoch (e.g. accuracy)",
                                 ("sweep", "trial_id", "node", "metric")),
-    "rayhpc_trials": ("Trials of a sweep by state (pending, running, finished, early-stopped, error)",
+    "rayhpc_trials": ("Trials of a sweep by state (pending, running, finished, early-stopped, diverged, error)",
                       ("sweep", "state")),
     "rayhpc_sweep_best_objective": ("Quantiles (0, 0.1, 0.5, 0.9, 1) of the best objective value (e.g. val_loss) "
                                     "over every trial of a sweep that reported one", ("sweep", "objective", "quantile")),
@@ -42,7 +42,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
                                        ("run", "server", "node")),
     "rayhpc_ps_server_updates": ("Optimizer steps this parameter server has applied", ("run", "server", "node")),
 }
-TRIAL_STATES = ("pending", "running", "finished", "early-stopped", "error")
+TRIAL_STATES = ("pending", "running", "finished", "early-stopped", "diverged", "error")
 # per-trial series: for every running trial and the SERIES_BEST best by the objective; every other trial
 # is in the aggregates (`rayhpc_trials`, `rayhpc_sweep_best_objective`). A series no longer recorded ages
 # out of Ray's exporter (Ray 2.60 keeps a gauge value for a TTL after its last record), so at 10,000

@@ -31,6 +31,7 @@ import torch
 
 from rayhpc import cluster, interrupt
 from rayhpc.config import ConfigError, Optim, Schedule
+from rayhpc.engine.loop import Diverged
 from rayhpc.engine.metrics import METRICS_FILE
 from rayhpc.job import start_job
 from rayhpc.optim import step_plan
@@ -251,11 +252,15 @@ def recover(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failur
     is alive, else restart everything from the checkpoint."""
     trace = plain(str(exc))  # a task's error: the worker's traceback, its last line the cause
     what = cause_of(trace) or type(exc).__name__
-    if len(failures) >= cfg.max_failures:
+    # a worker's loss that stopped being finite ends the run: a replaced worker would repeat it
+    diverged = exc.cause if isinstance(getattr(exc, "cause", None), Diverged) else None
+    if len(failures) >= cfg.max_failures or diverged is not None:
         stop_fleet(fleet)
         who = "the evaluator" if w is None else f"worker {w}"
         if latest_checkpoint(cfg) is None:  # nothing to resume: the same command starts it again
             cfg.saved_file.unlink(missing_ok=True)
+        if diverged is not None:
+            raise Diverged(f"worker {w}: {diverged}") from None
         raise rank_failure({0: trace}, cfg.experiment_dir, task.spec, "the worker",
                            lambda _: f"{who}, after {len(failures)} recoveries (max_failures {cfg.max_failures}),",
                            "its traceback") from None

@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 
 # a run's end, in the results table's words
 FINISHED, EARLY_STOPPED, ERROR, INTERRUPTED = "finished", "early-stopped", "error", "interrupted"
-MLFLOW_STATUS = {FINISHED: "FINISHED", EARLY_STOPPED: "KILLED", ERROR: "FAILED", INTERRUPTED: "KILLED"}
+DIVERGED = "diverged"  # a sweep's trial whose loss or val_loss was not finite (`rayhpc.tune.trainable`)
+MLFLOW_STATUS = {FINISHED: "FINISHED", EARLY_STOPPED: "KILLED", ERROR: "FAILED", INTERRUPTED: "KILLED",
+                 DIVERGED: "FAILED"}
 KEY_TAG = "rayhpc.key"
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from rayhpc.config import Optim, Schedule
 from rayhpc.devices import cuda_device
 from rayhpc.engine import Module, checkpoint, train_step
-from rayhpc.engine.loop import Best, Due, Plan, Runner, Window, fit
+from rayhpc.engine.loop import Best, Diverged, Due, Plan, Runner, Window, fit
 from rayhpc.engine.metrics import EARLIER_ROWS, metrics_row, report_rows
 from rayhpc.engine.parallelize import parallelize
 from rayhpc.engine.step import batch_size_of
@@ -208,6 +208,8 @@ def train_loop_per_worker(config: dict) -> None:
     the validated config, the task and its hyperparameters, from the driver."""
     try:
         _train_rank(config, time.time())
+    except Diverged:  # the job's own error, one line (a rank whose loss is finite meanwhile is stopped by Ray Train)
+        raise
     except Exception:  # noqa: BLE001 - re-raised, with its traceback
         # Ray Train hands the driver a rank's exception without its traceback (`WorkerGroupError.worker_failures`),
         # its frames only in a 1,000-character snippet of every rank's: the whole traceback goes as the message

@@ -14,6 +14,7 @@ from ray.train import UserCallback
 from rayhpc import interrupt
 from rayhpc.config import ConfigError
 from rayhpc.engine.checkpoint import checkpoint_config, forget_if_unstarted
+from rayhpc.engine.loop import Diverged
 from rayhpc.engine.metrics import METRICS_FILE, MetricsRecorder
 from rayhpc.job import start_job
 from rayhpc.monitor.startup import mark
@@ -102,6 +103,8 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
         raise KeyboardInterrupt from None
     except ray.train.WorkerGroupError as exc:  # a rank failed in the task's code, after the retries it had
         forget_if_unstarted(cfg)
+        if diverged := [e for e in exc.worker_failures.values() if isinstance(e, Diverged)]:
+            raise diverged[0] from None  # every rank's, alike
         # each rank's exception; its frames are in Ray Train's message (one snippet of the ranks' tracebacks)
         failed = {rank: str(error) if "Traceback" in str(error) else
                   f"{str(exc).rstrip().rsplit(chr(10), 1)[0]}\n{type(error).__name__}: {error}"

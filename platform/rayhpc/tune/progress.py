@@ -45,7 +45,7 @@ class ProgressPrinter(Callback):
             return "waiting for trials"
         counts = Counter(table["status"])
         states = ", ".join(f"{counts[s]} {s}" for s in ("pending", "running", "finished", "early-stopped", "error")
-                           + (("interrupted",) if counts["interrupted"] else ()))
+                           + tuple(s for s in ("diverged", "interrupted") if counts[s]))
         line = f"{len(table)} trials: {states}"
         name, mode = self.recorder.objective
         done = table.dropna(subset=[f"best_{name}"])

@@ -59,13 +59,14 @@ def trial_rows(trial, packs: list[list[dict]] | None, epochs: int | None, search
         # a trial of one member may report its metrics at the top level (Tune over Train does)
         m = member_values(per_member, j) if per_member else last if len(members) == 1 else {}
         stopped = m.get("stopped_epoch")  # ASHA stopped this member of a pack
+        diverged = m.get("diverged_epoch")  # its loss or val_loss was not finite at the end of this epoch
         rows.append({
             "trial_id": trial.trial_id if len(members) == 1 else f"{trial.trial_id}-{j}",
-            "status": "early-stopped" if stopped else status,
+            "status": "diverged" if diverged else "early-stopped" if stopped else status,
             # PBT reports changed ones; a conditional parameter whose condition did not hold has none
             **{f"config.{p}": m.get(f"config.{p}", hp.get(p)) for p in searched},
             **{c: m.get(c, math.nan) for c in columns},
-            "iterations": stopped or iterations,
+            "iterations": diverged or stopped or iterations,
             "train_seconds": last.get("train_seconds", math.nan),
             "node": last.get("node"),
             "pack_size": len(members),

@@ -267,6 +267,9 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
     # not Tune's traceback of every attempt, nor its list of the trials that did not complete
     os.environ.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
     logging.getLogger("ray.tune.tune").addFilter(_not_incomplete_list)
+    # a diverged member's values (status "diverged" in the table) stay NaN or inf in each report of its pack:
+    # tensorboardX, writing Tune's events, would warn of each one
+    logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
     optuna = packs is None and cfg.search == "optuna"
     proposed = optuna_pack(job, gpus, STUDY_ROUNDS if study else 2) if optuna else 0  # per Optuna trial
@@ -381,7 +384,7 @@ def finished_packs(exp_dir: Path, n_packs: int) -> tuple[pd.DataFrame, list[int]
     if rows.empty:
         return rows, list(range(n_packs))
     tune_ids = rows["trial_id"].str.split("-").str[0]
-    ended = rows["status"].isin(["finished", "early-stopped"]).groupby(tune_ids).transform("all")
+    ended = rows["status"].isin(["finished", "early-stopped", "diverged"]).groupby(tune_ids).transform("all")
     kept = rows[ended & tune_ids.isin(pack_of.keys())]
     done = {pack_of[t] for t in tune_ids[kept.index]}
     return kept.reset_index(drop=True), [i for i in range(n_packs) if i not in done]

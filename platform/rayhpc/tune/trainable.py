@@ -184,6 +184,8 @@ class PackSteps(Runner):
     repeated runs of different seeds: then each takes its own batches, in its own order, stacked member
     first); an epoch's end keeps each member's mean loss over the epoch's samples."""
 
+    watch_loss = False  # each member's loss is looked at at the epoch's end (`_Trial.end_epoch`)
+
     def __init__(self, pack, opt, train: Batches, members: list[dict], plan: Plan):
         self.pack, self.opt, self.train, self.members, self.plan = pack, opt, train, members, plan
         self.stacked, self.epoch_loss = False, None
@@ -257,7 +259,9 @@ class _Trial(PackSteps):
         values.update(_measured(settings.measure, state, step_ms, device))
         self.best.update(values)
         state["best"], state["epoch"] = self.best.so_far, epoch + 1
-        if self.keeper is not None:
+        if settings.pbt is None:  # (PBT's exploit replaces a diverged member with a copy of a better one)
+            _diverged(self.pack, self.opt, state, values)
+        if self.keeper is not None and state["slots"]:
             _asha(self.keeper, self.pack_id, self.pack, self.opt, state, values, settings, self.all)
         if settings.pbt is not None and state["epoch"] < self.plan.epochs:
             exploit_explore(self.pack, self.opt, state, values, settings.pbt, state["epoch"], self.pack_id)
@@ -332,13 +336,28 @@ def _asha(keeper, pack_id: int | str, pack, opt, state: dict, values: dict, sett
         for pos in positions:
             stops[pos] = stop
     leaving = [pos for pos, stop in enumerate(stops) if stop] if epoch < settings.epochs else []  # asha: epochs
+    _leave(pack, opt, state, leaving, "stopped")
+
+
+def _diverged(pack, opt, state: dict, values: dict) -> None:
+    """Members whose training loss or val_loss this epoch was not finite leave the pack, marked diverged at
+    this epoch (their values as they were: NaN); the others train on, unaffected (each member's weights and
+    optimizer state are its own)."""
+    bad = [pos for pos, j in enumerate(state["slots"])
+           if not all(math.isfinite(values[name][j]) for name in ("train_loss", "val_loss") if name in values)]
+    _leave(pack, opt, state, bad, "diverged")
+
+
+def _leave(pack, opt, state: dict, leaving: list[int], why: str) -> None:
+    """The members at positions `leaving` (in the pack) leave it, their weights kept as they were and the epoch
+    they left at in `state[why]` ("stopped" by ASHA, or "diverged")."""
     if not leaving:
         return
     model = pack.state_dict()
     for pos in leaving:
         j = state["slots"][pos]  # its weights as they were when it stopped (a pack of one's are not stacked)
         state["retired"][j] = member_slice(model, None if isinstance(pack, SinglePack) else pos)
-        state["stopped"][j] = epoch
+        state.setdefault(why, {})[j] = state["epoch"]  # (a state saved before 2026-12-05 has no "diverged")
     staying = [pos for pos in range(len(state["slots"])) if pos not in leaving]
     state["slots"] = [state["slots"][pos] for pos in staying]
     if staying:
@@ -404,7 +423,7 @@ def _fresh(members: int, objective: tuple[str, str]) -> dict:
     best = {name: torch.full((members,), math.inf if mode == "min" else -math.inf) for name, mode in names.items()}
     # slots: the members still in the pack, in pack order; retired/stopped: by member, their weights and epoch
     return {"epoch": 0, "best": best, "seconds": 0.0, "metrics": None, "values": {},
-            "slots": list(range(members)), "retired": {}, "stopped": {}, "hp": [], "pbt": []}
+            "slots": list(range(members)), "retired": {}, "stopped": {}, "diverged": {}, "hp": [], "pbt": []}
 
 
 def _metrics(values: dict, state: dict, objective: tuple[str, str], seconds: float, resumed_from: int) -> dict:
@@ -416,13 +435,15 @@ def _metrics(values: dict, state: dict, objective: tuple[str, str], seconds: flo
     members, best = len(values["train_loss"]), state["best"]
     reported = {**values, **{f"best_{name}": v for name, v in best.items() if name in values}}
     per_member = {k: [float(x) for x in v.tolist()] for k, v in reported.items()}
-    if state["stopped"]:
-        per_member["stopped_epoch"] = [state["stopped"].get(j, 0) for j in range(members)]
+    for why in ("stopped", "diverged"):  # the epoch ASHA stopped a member at, or its loss was not finite at
+        if state.get(why):
+            per_member[f"{why}_epoch"] = [state[why].get(j, 0) for j in range(members)]
     if state["pbt"]:  # PBT changed some members' hyperparameters: report every member's current ones
         for k in dict.fromkeys(k for hp in state["hp"] for k in hp):
             per_member[f"config.{k}"] = [hp.get(k) for hp in state["hp"]]
     name, mode = objective
-    lead = (min if mode == "min" else max)(range(members), key=lambda i: per_member[name][i])
+    sign = 1 if mode == "min" else -1  # a NaN (a diverged member's) leads only where every member's is
+    lead = min(range(members), key=lambda i: (math.isnan(v := per_member[name][i]), sign * v if v == v else 0))
     return {**member_values(per_member, lead), "epoch": state["epoch"], "train_seconds": seconds,
             "resumed_from_epoch": resumed_from, "node": socket.gethostname(), "pack_size": members,
             "active_members": len(state["slots"]), "members": per_member}
@@ -435,7 +456,7 @@ def member_values(members: dict, j: int) -> dict:
     if str(j) in members:  # a dict per member, as packs reported before 2026-11-28 (a sweep or study resumed)
         return members[str(j)]
     return {k: v[j] for k, v in members.items() if j < len(v) and v[j] is not None
-            and not (k == "stopped_epoch" and not v[j])}
+            and not (k in ("stopped_epoch", "diverged_epoch") and not v[j])}
 
 
 def flat_members(result: dict) -> dict:

@@ -51,9 +51,9 @@ def test_a_training_job_whose_loss_is_not_finite_ends_there_with_one_line(job, r
     assert proc.returncode == 1, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0] == proc.stderr.strip().splitlines()[-1], proc.stderr
-    named = (f"the loss is not finite (nan or inf) at optimizer step {first + 1}, its last finite loss "
-             f"{losses[first - 1]:.6g} at step {first}: the run diverged")
-    assert named in errors[0], (named, errors[0])
+    named = (f"error: {'worker 0: ' if job == 'ps' else ''}the loss is not finite (nan or inf) at optimizer step "
+             f"{first + 1}, its last finite loss {losses[first - 1]:.6g} at step {first}: the run diverged; ")
+    assert errors[0].startswith(named), (named, errors[0])
     if job != "ps":  # (the parameter server keeps its rows and checkpoints in its servers' terms)
         rows = pd.read_parquet(tmp_path / "diverged" / "metrics.parquet")
         assert list(rows["global_step"]) == [STEPS_PER_EPOCH], rows

@@ -220,4 +220,5 @@ def _better(old, new, mode: str):
         return new
     if isinstance(new, torch.Tensor):
         return torch.fmin(old, new) if mode == "min" else torch.fmax(old, new)
-    return min(old, new)  # (a NaN `new` loses either way: min and max keep the first where no comparison holds) if mode == "min" else max(old, new)
+    # a NaN `new` loses either way: min and max keep the first where no comparison holds
+    return min(old, new) if mode == "min" else max(old, new)

@@ -253,8 +253,10 @@ def test_the_readme_task_and_python_api_examples_run_and_learn(ray_address, tmp_
     assert run.checkpoint_dir is not None and run.checkpoint_dir.is_relative_to(tmp_path), run.checkpoint_dir
 
 
-def test_a_task_that_cannot_be_vmapped_runs_unpacked_and_says_so(ray_address, tmp_path):
-    proc = run_job("tune_mlp.py", "--task", f"{ROOT / 'tests' / 'tasks' / 'odd.py'}:Branchy", "--num-samples", "3",
+@pytest.mark.parametrize("trials", [("--num-samples", "3"), ("--num-samples", "1", "--repeats", "3")])
+def test_a_task_that_cannot_be_vmapped_runs_unpacked_and_says_so(trials, ray_address, tmp_path):
+    """Three configurations, or one configuration's three seeds (which a packing sweep packs together)."""
+    proc = run_job("tune_mlp.py", "--task", f"{ROOT / 'tests' / 'tasks' / 'odd.py'}:Branchy", *trials,
                    "--epochs", "2", "--name", "branchy-sweep", "--storage-path", str(tmp_path), "--address", ray_address)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     said = [line for line in proc.stdout.splitlines() if "cannot be packed" in line]

@@ -164,7 +164,8 @@ def _new_plan(job: Started[SweepConfig], rounds: int = 1) -> list[list[dict]]:
     key = functools.partial(pack_key, task, job.info) if can_pack(cfg) else None
     gpus = trial_gpus(cfg, job.resources)
     size = pack_size(cfg, len(configs), slots(cfg, job.resources, gpus) * rounds)
-    shared = key is not None and len(set(map(key, configs))) < len(configs)  # some trials would share a pack
+    # some trials would share a pack: configurations of one key, or a configuration's repeated seeds
+    shared = key is not None and (cfg.repeats > 1 or len(set(map(key, configs))) < len(configs))
     if shared and not trains_packed(job, configs[0], size, gpus):
         key = None
     packs = make_plan(configs[:first], size, key) + make_plan(configs[first:], size, key)

@@ -13,6 +13,7 @@ from helpers import ROOT, run_job, sweep
 from rayhpc.engine.checkpoint import latest_checkpoint, load_progress
 from rayhpc.tune.sweep import run_sweep
 
+pytestmark = pytest.mark.newest  # CI: beside the Slurm tests, to balance its two sessions (pyproject's markers)
 TASK = f"{ROOT}/tests/tasks/diverging.py:Diverging"
 STEPS_PER_EPOCH = 4  # 32 training samples, 8 a step
 

@@ -42,6 +42,7 @@ JOBS = {"sweep": ["tune_mlp.py", "--num-samples", "2", "--epochs", "1", "--compi
         "training": ["train_mlp.py", "--num-workers", "1", "--epochs", "1"]}
 
 
+@pytest.mark.newest  # CI: beside the Slurm tests, to balance its two sessions (pyproject's markers)
 @pytest.mark.parametrize("kind", JOBS)
 def test_a_local_job_never_joins_the_cluster_another_user_named_first(kind, attacker, world_tmp, tmp_path):
     """The attack: the other user makes `<tmp>/ray` first (0777, as `ray start --head` does) and names "the"

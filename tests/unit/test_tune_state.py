@@ -33,7 +33,8 @@ def test_a_cut_or_missing_searcher_state_is_named(tmp_path):
 
 def test_a_pack_is_kept_where_every_member_ended_diverged_members_too(tmp_path):
     """`finished_packs`, which the cut-short resume keeps: a pack whose members finished, were stopped by ASHA or
-    diverged has ended; one with a member still running runs again."""
+    diverged has ended; one with a member still running runs again, and so does one whose trial folder's
+    params.json is empty (CI once killed the driver as Tune wrote it: the resume failed on the JSON)."""
     import json
 
     import pandas as pd
@@ -42,14 +43,15 @@ def test_a_pack_is_kept_where_every_member_ended_diverged_members_too(tmp_path):
     from rayhpc.tune.sweep import finished_packs
 
     statuses = {"a1b2c_00000": ["finished", "diverged"], "a1b2c_00001": ["early-stopped", "finished"],
-                "a1b2c_00002": ["finished", "running"]}
+                "a1b2c_00002": ["finished", "running"], "a1b2c_00003": ["finished", "finished"]}
     for pack, (tid, members) in enumerate(statuses.items()):
         folder = tmp_path / f"train_pack_{tid}_{pack}_pack={pack}"
         folder.mkdir()
-        (folder / "params.json").write_text(json.dumps({"pack": pack}))
+        # the last pack's params.json as a driver killed while Tune wrote it leaves it: empty (its pack runs again)
+        (folder / "params.json").write_text(json.dumps({"pack": pack}) if pack < 3 else "")
     (tmp_path / PARTS_DIR).mkdir()
     rows = [{"trial_id": f"{tid}-{j}", "status": s} for tid, members in statuses.items() for j, s in enumerate(members)]
     pd.DataFrame(rows).to_parquet(tmp_path / PARTS_DIR / "part-00000.parquet")
-    kept, again = finished_packs(tmp_path, 3)
-    assert again == [2] and sorted(kept["trial_id"]) == ["a1b2c_00000-0", "a1b2c_00000-1", "a1b2c_00001-0",
+    kept, again = finished_packs(tmp_path, 4)
+    assert again == [2, 3] and sorted(kept["trial_id"]) == ["a1b2c_00000-0", "a1b2c_00000-1", "a1b2c_00001-0",
                                                          "a1b2c_00001-1"]

@@ -376,12 +376,20 @@ def cut_short_state(exp_dir: Path) -> str | None:
     return None
 
 
+def _pack_of(trial_dir: Path) -> int | None:
+    """The pack a Tune trial's folder trained (its params.json), or None: not a trial's folder, or one whose
+    params.json the killed driver left empty or cut (Tune writes it as the trial starts: it starts again)."""
+    try:
+        return json.loads((trial_dir / "params.json").read_text())["pack"]
+    except (OSError, ValueError, KeyError, TypeError):  # no file (another folder), or a cut one
+        return None
+
+
 def finished_packs(exp_dir: Path, n_packs: int) -> tuple[pd.DataFrame, list[int]]:
     """(the table rows of the packs whose every trial finished, the indices of the other packs): from the rows
     written while the sweep ran (`results.parts/`) and each Tune trial's pack (its folder's params.json)."""
     rows = read_results(exp_dir)
-    pack_of = {_trial_id(str(p)): json.loads((p / "params.json").read_text())["pack"]
-               for p in exp_dir.iterdir() if (p / "params.json").is_file()}
+    pack_of = {_trial_id(str(p)): pack for p in exp_dir.iterdir() if (pack := _pack_of(p)) is not None}
     if rows.empty:
         return rows, list(range(n_packs))
     tune_ids = rows["trial_id"].str.split("-").str[0]

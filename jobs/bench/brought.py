@@ -111,7 +111,7 @@ class ResNet18Planned(ResNet18):
         return {"fc": ColwiseParallel(output_layouts=Replicate())}
 
     def pipeline_split(self, model):
-        return ["layer3"]
+        return ["layer3.0"]  # a unit, as the error that "layer3" gets lists them
 
 
 class LitGptPlanned(LitGpt):

@@ -105,6 +105,11 @@ class Diverged(JobFailed):
     """The run's loss stopped being finite: the job ends there, before it reports or saves that step (exit 1)."""
 
 
+# what every line of a diverged run says after naming where (its loss here, its val_loss in `metrics_row`)
+DIVERGED_FIX = ("the run diverged; lower optim.lr (--lr), clip the gradients (optim.clip_grad_norm) or warm up "
+                "(schedule.warmup_steps), and resume from its last checkpoint or start again")
+
+
 class LossWatch:
     """The first step whose loss was not finite, and the last finite loss before it. Kept on the loss's device,
     step by step: reading the loss each step would make the host wait for the GPU each step; it is read where
@@ -131,10 +136,10 @@ class LossWatch:
         if self.first_bad is None or math.isinf(first := float(self.first_bad)):
             return None
         loss, at = self.last.tolist()
-        before = "no finite loss before" if math.isnan(loss) else f"its last finite loss {loss:.6g} at step {at + 1:.0f}"
-        return Diverged(f"the loss is not finite (nan or inf) at optimizer step {first + 1:.0f}, {before}: the run "
-                        "diverged; lower optim.lr (--lr), clip the gradients (optim.clip_grad_norm) or warm up "
-                        "(schedule.warmup_steps), and resume from its last checkpoint or start again")
+        before = "no finite loss before" if math.isnan(loss) else \
+            f"its last finite loss {loss:.6g} at step {at + 1:.0f}"
+        return Diverged(f"the loss is not finite (nan or inf) at optimizer step {first + 1:.0f}, {before}: "
+                        f"{DIVERGED_FIX}")
 
 
 class Runner:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from rayhpc import log as rayhpc_log
-from rayhpc.engine.loop import Best, Diverged
+from rayhpc.engine.loop import DIVERGED_FIX, Best, Diverged
 from rayhpc.private import replace_whole
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,10 @@ def metrics_row(kind: str, epoch: int, step: int, loss: float, samples_per_s: fl
     them), then the job's own columns (`own`)."""
     values = values or {}
     if not math.isfinite(values.get("val_loss", 0.0)):  # the weights, or a norm's running statistics
-        best = "" if best is None or "val_loss" not in best.so_far else f", its best before {best.so_far['val_loss']:.6g}"
-        raise Diverged(f"val_loss is {values['val_loss']} after optimizer step {step} (epoch {epoch}){best}: the "
-                       "run diverged; lower optim.lr (--lr) or clip the gradients (optim.clip_grad_norm), and resume "
-                       "from its last checkpoint or start again")
+        best = "" if best is None or "val_loss" not in best.so_far else \
+            f", its best before {best.so_far['val_loss']:.6g}"
+        raise Diverged(f"val_loss is {values['val_loss']} after optimizer step {step} (epoch {epoch}){best}: "
+                       f"{DIVERGED_FIX}")
     world, global_batch, per_worker = batch
     return {"kind": kind, "epoch": epoch, "global_step": step, "loss": loss, "samples_per_s": samples_per_s,
             "step_ms": step_ms, "world_size": world, "global_batch_size": global_batch,

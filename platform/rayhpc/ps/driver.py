@@ -260,7 +260,7 @@ def recover(cfg: PSConfig, task, made: dict, run: Progress, fleet: Fleet, failur
         if latest_checkpoint(cfg) is None:  # nothing to resume: the same command starts it again
             cfg.saved_file.unlink(missing_ok=True)
         if diverged is not None:
-            raise Diverged(f"worker {w}: {diverged}") from None
+            raise Diverged(f"{who}: {diverged}") from None
         raise rank_failure({0: trace}, cfg.experiment_dir, task.spec, "the worker",
                            lambda _: f"{who}, after {len(failures)} recoveries (max_failures {cfg.max_failures}),",
                            "its traceback") from None

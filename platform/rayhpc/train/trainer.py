@@ -104,7 +104,7 @@ def run_training(cfg: TrainConfig, *, explicit: set[str] = frozenset(), callback
     except ray.train.WorkerGroupError as exc:  # a rank failed in the task's code, after the retries it had
         forget_if_unstarted(cfg)
         if diverged := [e for e in exc.worker_failures.values() if isinstance(e, Diverged)]:
-            raise diverged[0] from None  # every rank's, alike
+            raise diverged[0] from None  # the first rank's that diverged (Ray Train stopped the others)
         # each rank's exception; its frames are in Ray Train's message (one snippet of the ranks' tracebacks)
         failed = {rank: str(error) if "Traceback" in str(error) else
                   f"{str(exc).rstrip().rsplit(chr(10), 1)[0]}\n{type(error).__name__}: {error}"

@@ -77,10 +77,12 @@ def plain_schedule(cfg: ParallelConfig, optimizer) -> torch.optim.lr_scheduler.L
 
 @torch.no_grad()
 def validation(recipe, model, val) -> dict[str, float] | None:
-    """Mean loss and task metrics over every validation sample (all at once: the loss is a mean)."""
+    """Mean loss and task metrics over every validation sample (all at once: the loss is a mean), in eval mode
+    (BatchNorm's running statistics)."""
     if val is None:
         return None
     xv, yv = val
-    output = model(xv)
+    with torch.no_grad():
+        output = model.eval()(xv)
     scores = {"val_loss": recipe.loss(output, yv), **{f"val_{k}": v for k, v in recipe.metrics(output, yv).items()}}
     return {name: float(value) for name, value in scores.items()}

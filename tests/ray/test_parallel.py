@@ -26,6 +26,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank function
 
 GPT = f"{ROOT}/jobs/tasks/gpt.py:GPT"
 PLANS = f"{ROOT}/tests/tasks/plans.py"  # a plan or a split that cannot work, one task each
+OWN_FORWARD = f"{ROOT}/tests/tasks/own_forward.py"  # models whose forward calls what a cut stage lacks
 MLP_HP = {"hidden": 32, "depth": 4}  # the built-in task, 4 Linear layers: 2 per stage under pp 2
 LAYOUTS = {  # the GPT's runs every pipeline schedule too (GPT_LAYOUTS)
     "tp2 mlp": dict(tp=2),
@@ -68,11 +69,16 @@ def test_every_step_and_the_final_weights_equal_one_process(layout, ray_address,
     assert_equal_to_reference(result, cfg)
 
 
-def test_resume_from_a_sharded_checkpoint_ends_equal(ray_address, tmp_path):
-    """FSDP2 x TP shards, saved with torch.distributed.checkpoint every 3 steps and at the epoch's end (the
-    run's last step, 7), the latest 2 kept; the run is resumed from step 6 as if it had been stopped before
+# the traced ResNet: BatchNorm's statistics saved and restored too (lr 0.02: at 0.1 the rounding of the traced
+# graph against eager grows past fp32's tolerance by step 7, to 1.8e-5 relative, the resumed run equal to the full one)
+@pytest.mark.parametrize("layout", [dict(fsdp=2, tp=2), dict(
+    task=f"{OWN_FORWARD}:ResNet", hparams={}, pp=2, microbatches=1, optimizer="sgd", lr=0.02)], ids=["fsdp2 x tp2",
+                                                                                                 "traced resnet pp2"])
+def test_resume_from_a_sharded_checkpoint_ends_equal(layout, ray_address, tmp_path):
+    """FSDP2 x TP shards, or traced pipeline stages, saved with torch.distributed.checkpoint every 3 steps and at the
+    end (the run's last step, 7), the latest 2 kept; the run is resumed from step 6 as if it had been stopped before
     step 7 was saved."""
-    cfg = parallel_cfg(storage_path=tmp_path, steps=7, fsdp=2, tp=2, checkpoint={"every": 3, "keep": 2})
+    cfg = parallel_cfg(storage_path=tmp_path, steps=7, checkpoint={"every": 3, "keep": 2}, **layout)
     full = run_parallel(cfg, log_level=logging.DEBUG)
     assert full.checkpoint == tmp_path / cfg.name / "checkpoint_000007"
     assert sorted(p.name for p in (tmp_path / cfg.name).glob("checkpoint_*")) == ["checkpoint_000006",
@@ -250,6 +256,33 @@ def test_a_batchnorm_model_in_a_pipeline_equals_a_plain_loop_over_the_same_micro
     torch.testing.assert_close(result.validation["val_loss"], val_loss)
 
 
+@pytest.mark.parametrize("task, dp", [("ViT", 1), ("ResNet", 1), ("LitGptShaped", 1), ("NormOnEveryStage", 1),
+                                      ("LitGptShaped", 2)])
+def test_a_model_with_its_own_forward_split_by_module_path_equals_one_process(task, dp, ray_address, tmp_path):
+    """Split by module path with no wrapper, its stages traced: a `transformers` ViT (a class token, an attention mask
+    passed on beside the activation) and ResNet (BatchNorm: one micro-batch, so its statistics are the whole batch's),
+    a model of litgpt's shape (RoPE's cos and sin passed on), a forward that calls its final norm by name; and two
+    replicas of each stage (FSDP2 over a traced stage). Steps of 32, 32, then 16 samples (each size its own trace),
+    then validation in eval mode, as one process."""
+    own = task != "NormOnEveryStage"
+    cfg = parallel_cfg(task=f"{OWN_FORWARD if own else PLANS}:{task}", hparams={}, steps=4, pp=2, dp=dp,
+                       microbatches=1 if task == "ResNet" else 2, schedule="gpipe", storage_path=tmp_path,
+                       optimizer="sgd", lr=0.1)  # (Adam turns the rounding noise of a key bias's zero gradient into steps)
+    result = run_parallel(cfg, log_level=logging.DEBUG)
+    assert len(result.losses) == 4
+    assert_equal_to_reference(result, cfg)
+
+
+def test_a_traced_split_refuses_a_weight_tied_across_stages_and_the_options_it_cannot_take():
+    with pytest.raises(ConfigError, match=r"^pipeline_split: lm_head.weight, transformer.wte.weight are one tied weight, "
+                                          r"and stages \[0, 1\] would each hold a copy"):
+        make_recipe(parallel_cfg(task=f"{OWN_FORWARD}:LitGptShapedTied", pp=2, hparams={}))
+    for option in ({"compile": "blocks"}, {"activation_checkpointing": "full"}):
+        with pytest.raises(ConfigError, match=r"so its stages are traced, and they take neither; set both to none$"):
+            make_recipe(parallel_cfg(task=f"{OWN_FORWARD}:LitGptShaped", pp=2, hparams={}, **option))
+    assert make_recipe(parallel_cfg(task=f"{OWN_FORWARD}:LitGptShaped", pp=2, hparams={}))[0].traced
+
+
 def test_epochs_are_counted_in_steps_of_the_tasks_training_data_the_last_batch_partial():
     recipe, data = make_recipe(parallel_cfg(epochs=3, global_batch_size=64))
     n = len(data["train"][0])
@@ -260,9 +293,10 @@ def test_epochs_are_counted_in_steps_of_the_tasks_training_data_the_last_batch_p
 def test_a_model_that_does_not_run_on_the_meta_device_is_left_to_the_ranks():
     """The dry run of the stages needs the whole model to run on the meta device; one that reads a value (`.item()`)
     cannot, and is not refused for it (its split's error would be the ranks' to find)."""
-    make_recipe(parallel_cfg(task=f"{PLANS}:NotOnMeta", pp=2, hparams={}))
-    with pytest.raises(ConfigError, match="pipeline stage 0 fails on the check batch's shapes"):
-        make_recipe(parallel_cfg(task=f"{PLANS}:NormOnEveryStage", pp=2, hparams={}))
+    assert not make_recipe(parallel_cfg(task=f"{PLANS}:NotOnMeta", pp=2, hparams={}))[0].traced
+    assert make_recipe(parallel_cfg(task=f"{PLANS}:NormOnEveryStage", pp=2, hparams={}))[0].traced  # cut, it fails
+    with pytest.raises(ConfigError, match="the traced forward makes 1 stage"):
+        make_recipe(parallel_cfg(task=f"{PLANS}:NeverCalled", pp=2, hparams={}))
     # a process with a world of its own: no fake one of tp ranks beside it, so the sharded dry run is left out
     import torch.distributed as dist
 
@@ -333,9 +367,13 @@ def test_mesh_mismatch_names_every_factor():
      "error: parallelism.tp (--tp) 4: the model as tensor-parallel rank 0 holds it fails on the check batch's shapes "
      "(run on the meta device before any actor starts): RuntimeError: shape '[8, 5, -1, 8]' is invalid for input of "
      "size 480"),
-    (["--task", f"{PLANS}:NormOnEveryStage", "--pp", "2"],
-     "error: parallelism.pp (--pp) 2: pipeline stage 0 fails on the check batch's shapes (run on the meta device "
-     "before any actor starts): TypeError: 'NoneType' object is not callable"),
+    (["--task", f"{PLANS}:NeverCalled", "--pp", "2"],
+     "error: pipeline_split: spare: the traced forward makes 1 stage(s), not 2: a split point the forward never "
+     "calls"),
+    (["--task", f"{OWN_FORWARD}:LitGptShaped", "--pp", "2", "--tp", "2", "--cpus-per-worker", "0.5"],
+     "error: parallelism.tp (--tp) 2: the split at transformer.h.2 is not at the model's units (lm_head, "
+     "transformer.wte, transformer.ln_f, transformer.h), so its stages are traced, and a traced stage is not "
+     "tensor-parallel"),
     (["--task", f"{ROOT}/jobs/tasks/seed_listing.py:SeedListing", "--tp", "2"],
      f"error: task (--task) {ROOT}/jobs/tasks/seed_listing.py:SeedListing: has no tp_plan(model), which tensor "
      "parallelism (--tp 2) needs"),

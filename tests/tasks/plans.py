@@ -1,6 +1,7 @@
 """Models whose model-parallel plan or split cannot work, each found before any actor starts: a plan that names a
-Conv2d, attention heads that tensor parallelism does not divide (no `tp_divisible`), and a forward that calls a
-module a pipeline split removes (timm's ViT calls its final norm on every stage)."""
+Conv2d, attention heads that tensor parallelism does not divide (no `tp_divisible`), and a pipeline
+split its forward never calls. A forward that calls a module a pipeline split removes (timm's ViT calls its final
+norm on every stage) is traced instead, and works."""
 
 import torch
 import torch.nn.functional as F
@@ -86,3 +87,19 @@ class ReadsAValue(Net):
     def forward(self, x):
         assert x.abs().sum().item() >= 0
         return super().forward(x)
+
+
+class NeverCalled(Base):
+    """A split point the forward never calls: traced, the model is one stage, not two."""
+
+    def model(self, hp):
+        return WithASpare()
+
+    def pipeline_split(self, model):
+        return ["spare"]
+
+
+class WithASpare(Net):
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(WIDTH, WIDTH)

@@ -62,9 +62,13 @@ def test_stages_begin_at_evenly_spread_split_points(gpt):
     with pytest.raises(ConfigError, match=r"^pp \(--pp\) 5: 5 stages need 4 split points; the task's pipeline_split "
                                           r"gives 3: blocks.1, blocks.2, blocks.3$"):
         choose_stage_starts(model, points, 5)
-    with pytest.raises(ConfigError, match=r"'blocks.0.attn' is not where a pipeline unit begins; units .*: tokens, "
-                                          r"positions, blocks.0, blocks.1, blocks.2, blocks.3, norm, head$"):
-        choose_stage_starts(model, ["blocks.0.attn"], 2)
+    assert choose_stage_starts(model, ["blocks.0.attn"], 2) == ["blocks.0.attn"]  # not a unit: traced
+    with pytest.raises(ConfigError, match=r"^pipeline_split: blocks.1, blocks.0.attn: not in the model's order, each "
+                                          r"once$"):
+        choose_stage_starts(model, ["blocks.1", "blocks.0.attn"], 3)
+    with pytest.raises(ConfigError, match=r"^pipeline_split: blocks.2, blocks.1: not in the model's order, each once "
+                                          r"\(tokens, positions, blocks.0, blocks.1, blocks.2, blocks.3, norm, head\)$"):
+        choose_stage_starts(model, ["blocks.2", "blocks.1"], 3)
 
 
 def test_stages_run_in_turn_compute_the_whole_model(gpt):

@@ -75,16 +75,16 @@ def check_divisible(sizes: dict[str, int], tp: int) -> None:
 def choose_stage_starts(model: nn.Module, points: list[str], pp: int, key: str = "pipeline_split",
                         label: str | None = None) -> list[str]:
     """`pp - 1` of the task's split points, spread evenly, where stages 1..pp-1 begin (`pp`: the stages
-    in all; `label` says where that count came from, `pp (--pp) N` by default)."""
+    in all; `label` says where that count came from, `pp (--pp) N` by default). A point may be any module: one
+    that is not a pipeline unit (`units`) makes the stages traced (`rayhpc.parallel.traced`)."""
     modules, order = dict(model.named_modules()), units(model)
     for path in points:
         _module(modules, path, key)
-        if path not in order:
-            kinds = "decoder layers" if hf.decoder_stack(model) else \
-                "top-level modules, and each child of a ModuleDict, ModuleList or Sequential"
-            raise ConfigError(f"{key}: {path!r} is not where a pipeline unit begins; units ({kinds}): {', '.join(order)}")
+    at_units = all(path in order for path in points)
+    order = order if at_units else list(modules)
     if sorted(points, key=order.index) != list(points) or len(set(points)) < len(points):
-        raise ConfigError(f"{key}: {', '.join(points)}: not in the model's order, each once ({', '.join(order)})")
+        raise ConfigError(f"{key}: {', '.join(points)}: not in the model's order, each once"
+                          + (f" ({', '.join(order)})" if at_units else ""))
     if pp - 1 > len(points):
         raise ConfigError(f"{label or f'pp (--pp) {pp}'}: {pp} stages need {pp - 1} split points; the task's {key} gives "
                           f"{len(points)}: {', '.join(points) or 'none'}")
@@ -124,3 +124,11 @@ def keep_stage(model: nn.Module, starts: list[str], stage: int) -> nn.Module:
         else:
             setattr(model, name, None)
     return model
+
+
+def tied(module: nn.Module) -> list[list[str]]:
+    """The paths of each parameter that several modules share (a head tied to its token embedding)."""
+    paths = {}
+    for path, param in module.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(param), []).append(path)
+    return [group for group in paths.values() if len(group) > 1]

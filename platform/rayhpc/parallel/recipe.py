@@ -15,7 +15,7 @@ from rayhpc.config import ConfigError, Optim, Schedule
 from rayhpc.parallel import hf
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.hf import check_hf_heads, hf_tp_plan, output_field
-from rayhpc.parallel.plan import check_divisible, check_tp_plan, choose_stage_starts, keep_stage, units
+from rayhpc.parallel.plan import check_divisible, check_tp_plan, choose_stage_starts, keep_stage, tied, units
 
 
 class _Returns(nn.Module):
@@ -40,6 +40,9 @@ class Recipe:
     # a transformers model's output class and first field: a pipeline's last stage returns that field (a tensor:
     # only tensors go through a schedule), and the task's loss gets the class again (`.logits`)
     output: tuple[type, str] | None = None
+    # the stages are traced (`rayhpc.parallel.traced`), not cut: a split point that is not a pipeline unit, or a
+    # model whose forward calls the units a cut stage lacks (set by `check`)
+    traced: bool = False
 
     @functools.cached_property
     def optim(self) -> Optim:
@@ -135,7 +138,8 @@ class Recipe:
 
     def check(self, x: torch.Tensor) -> None:
         """Every plan error, before any actor starts: each stage built on the meta device (shapes only), its TP
-        plan checked, and the stages run in order on the shapes of `x` (`dry_run`)."""
+        plan checked, and the stages run in order on the shapes of `x` (`dry_run`); or, for a split the stages
+        cannot be cut at, the model traced (`check_traced`)."""
         tp = self.cfg.parallelism.tp
         with torch.device("meta"):
             model = self.build()
@@ -146,6 +150,9 @@ class Recipe:
             check_hf_heads(model, tp)
         if not starts and tp == 1:
             return  # one stage, nothing sharded
+        if not all(start in units(model) for start in starts):
+            return self.check_traced(model, starts, x, f"the split at {', '.join(starts)} is not at the model's units "
+                                                       f"({', '.join(units(model))})")
         for stage_id in range(len(starts) + 1):
             with torch.device("meta"):
                 stage = keep_stage(self.build(), starts, stage_id)  # a stage's own errors (tied embeddings)
@@ -153,6 +160,33 @@ class Recipe:
                 check_tp_plan(stage, self.tp_plan(stage), tp)
         self.dry_run(starts, x.to("meta"))
 
+    def check_traced(self, model: nn.Module, starts: list[str], x: torch.Tensor, why: str) -> None:
+        """The stages traced (`rayhpc.parallel.traced`), on the meta device, in train mode on `x`'s shapes: one
+        line for a model torch.export cannot trace, a split point its forward never calls, a weight tied across
+        stages, or a parallelism a traced stage does not take."""
+        from rayhpc.parallel.traced import stage_names, trace
+        from rayhpc.task.load import one_line
+
+        p, cfg, key = self.cfg.parallelism, self.cfg, "pipeline_split"
+        if p.tp > 1:
+            raise ConfigError(f"parallelism.tp (--tp) {p.tp}: {why}, so its stages are traced, and a traced stage is "
+                              "not tensor-parallel (its Linear layers are traced away); split at units, or drop --tp")
+        if cfg.activation_checkpointing != "none" or cfg.compile != "none":
+            raise ConfigError(f"activation_checkpointing {cfg.activation_checkpointing}, compile {cfg.compile}: "
+                              f"{why}, so its stages are traced, and they take neither; set both to none")
+        try:
+            names = stage_names(trace(self.build, starts, x, training=len(x) > 1))
+        except Exception as exc:  # noqa: BLE001 - the user's model: any failure is their input's
+            raise ConfigError(f"{key}: {why}, so its stages are traced, and torch.export cannot trace its forward "
+                              f"on the check batch: {one_line(exc.__cause__ or exc)}") from None
+        if len(names) != len(starts) + 1:
+            raise ConfigError(f"{key}: {', '.join(starts)}: the traced forward makes {len(names)} stage(s), not "
+                              f"{len(starts) + 1}: a split point the forward never calls, or two with nothing between")
+        for group in tied(model):
+            if len(held := sorted({k for k, stage in enumerate(names) for path in group if path in stage})) > 1:
+                raise ConfigError(f"{key}: {', '.join(group)} are one tied weight, and stages {held} would each "
+                                  "hold a copy that trains apart; untie them (or split where one stage holds them)")
+        self.traced = True
     def dry_run(self, starts: list[str], x: torch.Tensor) -> None:
         """The stages, each tensor-parallel as rank 0 holds it (on a `fake` process group of tp ranks, which
         communicates nothing), run in order on the meta device on `x`'s shapes: a stage whose forward calls a
@@ -177,6 +211,7 @@ class Recipe:
             from torch.distributed.tensor.parallel import parallelize_module
 
             mesh = init_device_mesh("cpu", (p.tp,)) if p.tp > 1 else None
+            act = x
             for stage_id in range(len(starts) + 1):
                 where = f"pipeline stage {stage_id}" + (f" (from {starts[stage_id - 1]})" if stage_id else "") \
                     if starts else "the model"
@@ -184,13 +219,18 @@ class Recipe:
                     stage = keep_stage(self.build(), starts, stage_id) if starts else self.build()
                     if mesh is not None:
                         parallelize_module(stage, mesh, self.tp_plan(stage))
-                    x = stage(x)
+                    act = stage(act)
         except Exception as exc:  # noqa: BLE001 - the user's model or plan: any failure is their input's
             from rayhpc.task.load import one_line
 
-            sharded = " as tensor-parallel rank 0 holds it" if p.tp > 1 else ""
-            raise ConfigError(f"{key}: {where}{sharded} fails on the check batch's shapes (run on the meta device "
-                              f"before any actor starts): {one_line(exc)}") from None
+            if not starts or p.tp > 1:
+                sharded = " as tensor-parallel rank 0 holds it" if p.tp > 1 else ""
+                raise ConfigError(f"{key}: {where}{sharded} fails on the check batch's shapes (run on the meta device "
+                                  f"before any actor starts): {one_line(exc)}") from None
+            # its forward calls the units a cut stage lacks (a final norm by name, a class token): traced instead
+            with torch.device("meta"):
+                model = self.build()
+            self.check_traced(model, starts, x, f"{where} cut from the model fails ({one_line(exc)})")
         finally:
             if p.tp > 1:
                 destroy_process_group()

@@ -31,9 +31,10 @@ from rayhpc.monitor.metrics import WorkerMetrics
 from rayhpc.optim import set_lr
 from rayhpc.parallel.config import ParallelConfig
 from rayhpc.parallel.mesh import Degrees, build_mesh
-from rayhpc.parallel.plan import keep_stage, units
+from rayhpc.parallel.plan import keep_stage, tied, units
 from rayhpc.parallel.pp import SPLIT_BACKWARD, build_schedule, rank_stages
 from rayhpc.parallel.recipe import Recipe
+from rayhpc.parallel.traced import TracedStage
 from rayhpc.precision import autocast, set_matmul_precision
 from rayhpc.task.batches import draw_as_a_loader, epoch_indices, eval_batch, named_scores, score_sums
 from rayhpc.workers.group import WorkerContext
@@ -85,18 +86,18 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     mesh = build_mesh(p, ctx.device.type)
     coords = p.coords(ctx.rank)
     stage_ids = rank_stages(p.schedule, coords["pp"], p.pp, p.per_rank_stages) if p.pp > 1 else [None]
+    pp_group = mesh["pp"].get_group() if p.pp > 1 else None
     parts = []
     for stage_id in stage_ids:
         with torch.device("meta"):
             model = recipe.build()
         ties = tied(model)
-        part = shard_stage(model, mesh, p, stage_id, recipe)
+        part = shard_stage(model, mesh, p, stage_id, recipe, data["train"][0], pp_group)
         part.to_empty(device=ctx.device)
         retie(part, ties)
         materialise(part, initial)
         parts.append(part)
     del initial
-    pp_group = mesh["pp"].get_group() if p.pp > 1 else None
     # each schedule step is one micro-batch of `accumulate`: its loss is scaled so the gradients the
     # steps add up are the mean over the whole batch (torch's own scaling would divide the sum)
     scale = 1 / (p.n_microbatches * cfg.accumulate)
@@ -114,20 +115,28 @@ def setup(ctx: WorkerContext, recipe: Recipe, data) -> tuple[int, int]:
     return total, sum(q.to_local().numel() if hasattr(q, "to_local") else q.numel() for _, q in run.named_parameters())
 
 
-def shard_stage(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, recipe: Recipe) -> nn.Module:
-    """Pipeline stage `stage_id` of `model` (in place; None: the whole model), then the engine's parallelisms:
+def shard_stage(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, recipe: Recipe,
+                example: torch.Tensor, pp_group=None) -> nn.Module:
+    """Pipeline stage `stage_id` of `model` (cut in place, or traced on `example`'s shapes; None: the whole
+    model), then the engine's parallelisms:
     tensor-parallel over mesh["tp"], its blocks checkpointed and compiled, sharded over mesh["fsdp"] and
     replicated over mesh["dp"] (FSDP2's HSDP) wherever there are replicas to average gradients over.
 
     Parameter names stay those of the whole model (`layers.4.weight`, `blocks.2.attn.wq.weight`),
     so gathered weights and checkpoints line up with an unsharded run.
     """
-    stage = keep_stage(model, recipe.stage_starts(model), stage_id) if stage_id is not None else model
+    if stage_id is None:
+        stage = model
+    elif recipe.traced:
+        stage = TracedStage(recipe.build, recipe.stage_starts(model), stage_id, example, pp_group)
+    else:
+        stage = keep_stage(model, recipe.stage_starts(model), stage_id)
     # the FSDP2 units: each pipeline unit that holds parameters (a Linear, a block, an embedding; a stage's
     # removed units are not its children), so one unit's parameters are gathered at a time. The zero-bubble
     # schedules compute weight gradients in a pass of their own, outside autograd's hooks, and with nested
-    # units (torch 2.13) the result differed from one process (measured); with the stage as one unit it is equal
-    nested = recipe.cfg.parallelism.schedule not in SPLIT_BACKWARD
+    # units (torch 2.13) the result differed from one process (measured); with the stage as one unit it is equal.
+    # A traced stage is one unit: its modules are traced away
+    nested = recipe.cfg.parallelism.schedule not in SPLIT_BACKWARD and not recipe.traced
     found = [stage.get_submodule(u) for u in units(stage)] if nested else []
     # bf16 by FSDP's mixed-precision policy, as in every job that shards with FSDP (the forward then runs
     # without autocast: `rayhpc.precision.autocast`)
@@ -136,14 +145,6 @@ def shard_stage(model: nn.Module, mesh, degrees: Degrees, stage_id: int | None, 
                        mesh=mesh["dp", "fsdp"] if degrees.dp > 1 else mesh["fsdp"],
                        units=[m for m in found if any(True for _ in m.parameters())],
                        bf16=recipe.cfg.precision == "bf16")
-
-
-def tied(module: nn.Module) -> list[list[str]]:
-    """The paths of each parameter that several modules share (a head tied to its token embedding)."""
-    paths = {}
-    for path, param in module.named_parameters(remove_duplicate=False):
-        paths.setdefault(id(param), []).append(path)
-    return [group for group in paths.values() if len(group) > 1]
 
 
 def retie(module: nn.Module, ties: list[list[str]]) -> None:
@@ -238,8 +239,9 @@ def pipeline_schedule(run: RankRun, x: torch.Tensor) -> tuple:
                 for part, mode in zip(run.parts, modes):
                     part.train(mode)
         # as torch's own inference has them: a later stage's inputs, and every output, need their gradients
-        inputs = [seen[s][0].detach().requires_grad_(s > 0 and seen[s][0].is_floating_point()) for s in run.stage_ids]
-        outputs = [seen[s][1].detach().requires_grad_(seen[s][1].is_floating_point()) for s in run.stage_ids]
+        inputs = [tuple(t.detach().requires_grad_(s > 0 and t.is_floating_point()) for t in seen[s][0])
+                  for s in run.stage_ids]
+        outputs = [_like(seen[s][1], lambda t: t.detach().requires_grad_(t.is_floating_point())) for s in run.stage_ids]
         run.schedules[len(x)] = run.make_schedule(inputs, outputs)
     return run.schedules[len(x)]
 
@@ -247,8 +249,9 @@ def pipeline_schedule(run: RankRun, x: torch.Tensor) -> tuple:
 def pipeline_forward(run: RankRun, x: torch.Tensor, seen: dict | None = None) -> torch.Tensor | None:
     """The whole batch through every stage in order, forward only, activations sent point to point
     between pipeline ranks: the last stage's output where it lives, else None (`seen`: filled with each of this
-    rank's stages' input and output). For validation: no microbatches are needed without a backward, and torch's
-    own `schedule.eval()` runs backward actions under the zero-bubble V schedule (torch 2.13)."""
+    rank's stages' inputs, a tuple, and output). For validation: no microbatches are needed without a backward, and
+    torch's own `schedule.eval()` runs backward actions under the zero-bubble V schedule (torch 2.13). A stage may
+    pass on several tensors (a traced stage: an attention mask, RoPE's cos and sin beside the activation)."""
     p, me = run.cfg.parallelism, run.coords["pp"]
     holder = {s: r for r in range(p.pp) for s in rank_stages(p.schedule, r, p.pp, p.per_rank_stages)}
     parts = dict(zip(run.stage_ids, run.parts))
@@ -256,7 +259,8 @@ def pipeline_forward(run: RankRun, x: torch.Tensor, seen: dict | None = None) ->
     for stage in sorted(parts):  # ascending on every rank: the chain of sends and receives cannot deadlock
         if stage > 0 and holder[stage - 1] != me:
             act = _recv(run.pp_group, holder[stage - 1], x.device)
-        given, act = act, parts[stage](act)
+        given = act if isinstance(act, tuple) else (act,)
+        act = parts[stage](*given)
         if seen is not None:
             seen[stage] = (given, act)
         if stage + 1 < p.n_stages and holder[stage + 1] != me:
@@ -264,25 +268,39 @@ def pipeline_forward(run: RankRun, x: torch.Tensor, seen: dict | None = None) ->
     return act if run.last_stage else None
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+def _like(made, fn):
+    """`fn` of a stage's output, a tensor or a tuple of them."""
+    return tuple(map(fn, made)) if isinstance(made, tuple) else fn(made)
 
 
-def _send(tensor: torch.Tensor, group, to: int) -> None:
-    """`tensor` to pipeline rank `to`, after a header with its dtype and shape (up to 6 dimensions)."""
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
+
+
+def _send(act: torch.Tensor | tuple, group, to: int) -> None:
+    """A stage's output (a tensor, or a tuple of them) to pipeline rank `to`: how many tensors (0: one, not a
+    tuple), then each after a header with its dtype and shape (up to 6 dimensions)."""
     dst = dist.get_global_rank(group, to)
-    header = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (6 - tensor.dim())
-    dist.send(torch.tensor(header, device=tensor.device), dst, group=group)
-    dist.send(tensor.contiguous(), dst, group=group)
+    tensors = act if isinstance(act, tuple) else (act,)
+    device = tensors[0].device
+    dist.send(torch.tensor([len(tensors) if isinstance(act, tuple) else 0], device=device), dst, group=group)
+    for tensor in tensors:
+        header = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape] + [0] * (6 - tensor.dim())
+        dist.send(torch.tensor(header, device=device), dst, group=group)
+        dist.send(tensor.contiguous(), dst, group=group)
 
 
-def _recv(group, source: int, device: torch.device) -> torch.Tensor:
+def _recv(group, source: int, device: torch.device) -> torch.Tensor | tuple:
     src = dist.get_global_rank(group, source)
-    header = torch.zeros(8, dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group)
-    dtype, ndim, *shape = header.tolist()
-    tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
-    dist.recv(tensor, src, group=group)
-    return tensor
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(count, src, group=group)
+    tensors = []
+    for _ in range(max(1, int(count))):
+        header = torch.zeros(8, dtype=torch.int64, device=device)
+        dist.recv(header, src, group=group)
+        dtype, ndim, *shape = header.tolist()
+        tensors.append(torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device))
+        dist.recv(tensors[-1], src, group=group)
+    return tuple(tensors) if int(count) else tensors[0]
 
 
 def train_step(ctx: WorkerContext, step: int) -> dict:

@@ -61,12 +61,13 @@ def test_a_training_job_whose_loss_is_not_finite_ends_there_with_one_line(job, r
         assert load_progress(latest_checkpoint(tmp_path / "diverged")).global_step == STEPS_PER_EPOCH
 
 
-@pytest.mark.parametrize("pack", [1, 2])
-def test_a_sweep_marks_a_diverged_trial_and_trains_the_others_on(pack, ray_address, tmp_path):
-    """A grid of lr 0.01 and 500.5, packed or not: the second is `diverged` at epoch 2 (its loss inf at step 8),
-    its values as they were; the first finishes its 3 epochs, its val_loss the plain loop's weight's after 12 steps
-    (the loss of a 13th)."""
+@pytest.mark.parametrize("pack, workers", [(1, 1), (2, 1), (1, 2)])
+def test_a_sweep_marks_a_diverged_trial_and_trains_the_others_on(pack, workers, ray_address, tmp_path):
+    """A grid of lr 0.01 and 500.5, packed or not, or each trial on 2 workers (a warm group): the second is
+    `diverged` at epoch 2 (its loss inf at step 8), its values not finite; the first finishes its 3 epochs, its
+    val_loss the plain loop's weight's after 12 steps (the loss of a 13th)."""
     table = run_sweep(sweep(tmp_path, name="grid", task=TASK, search="grid", epochs=3, pack=pack,
+                            workers_per_trial=workers, cpus_per_trial=1 / workers,
                             global_batch_size=8, optim={"optimizer": "sgd"}, space={"lr": {"grid": [0.01, 500.5]}}))
     rows = table.set_index("config.lr")
     assert rows.loc[500.5, "status"] == "diverged" and rows.loc[500.5, "iterations"] == 2, table

@@ -28,6 +28,7 @@ import dataclasses
 import gc
 import json
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 
 from rayhpc.config import Compute, Optim, Schedule
 from rayhpc.engine import checkpoint
+from rayhpc.engine.loop import Diverged
 from rayhpc.engine.metrics import MetricsRecorder
 from rayhpc.task.config import Training
 from rayhpc.task.failure import cause_of
@@ -131,8 +133,12 @@ def train_warm_trial(config: dict, *, task: LoadedTask, packs, sweep: SweepConfi
         try:
             return trial.run(warm)
         except WorkerGroupError as exc:
-            failures += 1
             _drop_group()
+            diverged = [line for line in exc.failed.values()  # "rayhpc.engine.loop.Diverged: the loss ..."
+                        if line.partition(": ")[0].rpartition(".")[2] == Diverged.__name__]
+            if diverged:  # a retry would diverge alike: the trial ends `diverged`, the sweep goes on
+                return trial.diverged(diverged[0])
+            failures += 1
             if failures > sweep.max_failures:
                 raise
             epoch = _progress(trial.saved).epoch
@@ -150,6 +156,7 @@ class Trial:
     hp: dict
     saved: Saved | None
     recorder: MetricsRecorder  # the trial's metrics.parquet and TensorBoard, as on the TorchTrainer path
+    last: dict = dataclasses.field(default_factory=dict)  # its last report
 
     def run(self, warm: Warm) -> None:
         import ray  # Ray: only where a cluster is used (config checks and --help stay fast)
@@ -169,9 +176,22 @@ class Trial:
                 merged = {k: v for _, rank_files in reports for k, v in (rank_files or {}).items()}
                 self._report({**metrics, **extra}, merged if files is not None else None)
 
+    def diverged(self, line: str) -> None:
+        """A rank's loss or val_loss stopped being finite (`line`, its Diverged) in the epoch after the last report:
+        the trial reports that epoch as the one it diverged at, its values NaN (no search takes it for a good one),
+        and ends; the sweep's table marks it `diverged`, as a packed trial's member."""
+        from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
+
+        epoch = int(self.last.get("epoch", _progress(self.saved).epoch)) + 1
+        log.warning(f"{self.cfg.name}: {line.partition(': ')[2]} (epoch {epoch})")
+        values = {name: math.nan for name, value in {"train_loss": 0.0, "val_loss": 0.0, **self.last}.items()
+                  if isinstance(value, float)}
+        tune.report({**values, "epoch": epoch, "diverged_epoch": epoch})
+
     def _report(self, metrics: dict, saved: Saved | None) -> None:
         from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
 
+        self.last = metrics
         self.recorder.record(metrics)
         if saved is None:
             tune.report(metrics)

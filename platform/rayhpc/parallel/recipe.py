@@ -164,7 +164,7 @@ class Recipe:
         """The stages traced (`rayhpc.parallel.traced`), on the meta device, in train mode on `x`'s shapes: one
         line for a model torch.export cannot trace, a split point its forward never calls, a weight tied across
         stages, or a parallelism a traced stage does not take."""
-        from rayhpc.parallel.traced import stage_names, trace
+        from rayhpc.parallel.traced import route, stage_names, trace
         from rayhpc.task.load import one_line
 
         p, cfg, key = self.cfg.parallelism, self.cfg, "pipeline_split"
@@ -175,7 +175,10 @@ class Recipe:
             raise ConfigError(f"activation_checkpointing {cfg.activation_checkpointing}, compile {cfg.compile}: "
                               f"{why}, so its stages are traced, and they take neither; set both to none")
         try:
-            names = stage_names(trace(self.build, starts, x, training=len(x) > 1))
+            pipe = trace(self.build, starts, x, training=len(x) > 1)
+            names = stage_names(pipe)
+            for stage_id in range(len(names)):
+                route(pipe, stage_id)  # (a model that returns what its last stage does not make)
         except Exception as exc:  # noqa: BLE001 - the user's model: any failure is their input's
             raise ConfigError(f"{key}: {why}, so its stages are traced, and torch.export cannot trace its forward "
                               f"on the check batch: {one_line(exc.__cause__ or exc)}") from None
@@ -187,6 +190,7 @@ class Recipe:
                 raise ConfigError(f"{key}: {', '.join(group)} are one tied weight, and stages {held} would each "
                                   "hold a copy that trains apart; untie them (or split where one stage holds them)")
         self.traced = True
+
     def dry_run(self, starts: list[str], x: torch.Tensor) -> None:
         """The stages, each tensor-parallel as rank 0 holds it (on a `fake` process group of tp ranks, which
         communicates nothing), run in order on the meta device on `x`'s shapes: a stage whose forward calls a

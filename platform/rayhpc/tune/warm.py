@@ -185,7 +185,7 @@ class Trial:
         epoch = int(self.last.get("epoch", _progress(self.saved).epoch)) + 1
         log.warning(f"{self.cfg.name}: {line.partition(': ')[2]} (epoch {epoch})")
         values = {name: math.nan for name, value in {"train_loss": 0.0, "val_loss": 0.0, **self.last}.items()
-                  if isinstance(value, float)}
+                  if isinstance(value, float) and (name == "train_loss" or name.startswith(("val_", "best_")))}
         tune.report({**values, "epoch": epoch, "diverged_epoch": epoch})
 
     def _report(self, metrics: dict, saved: Saved | None) -> None:

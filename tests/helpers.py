@@ -453,16 +453,44 @@ def sweep(tmp_path, **kw) -> SweepConfig:
 
 def kill_driver_after(config, ray_address: str, exp_dir, epochs: int) -> list:
     """Run `jobs/tune_mlp.py --config config` and SIGKILL its driver once its first trial (pack) has
-    reported `epochs` epochs; the trials' result.json files."""
+    reported `epochs` epochs, at a moment when Tune's saved state is whole; the trials' result.json files.
+
+    Tune copies its state into the experiment folder file by file, in a thread: a kill during the copy
+    leaves a file cut short, which a resume meets as tests/ray/test_sweep.py's cut-short cases do. Here the
+    driver is stopped (SIGSTOP, every thread) and killed only where each state file reads whole."""
     args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
     driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.monotonic() + 180
     while not (reports := list(exp_dir.glob("*/result.json"))) or len(reports[0].read_text().splitlines()) < epochs:
         assert driver.poll() is None and time.monotonic() < deadline, f"no trial reached epoch {epochs}"
         time.sleep(0.05)
+    driver.send_signal(signal.SIGSTOP)
+    while not tune_state_whole(exp_dir):
+        assert time.monotonic() < deadline, f"Tune's state in {exp_dir} never read whole"
+        driver.send_signal(signal.SIGCONT)
+        time.sleep(0.02)
+        driver.send_signal(signal.SIGSTOP)
     driver.kill()
     driver.wait()
     return reports
+
+
+def tune_state_whole(exp_dir: Path) -> bool:
+    """Whether every state file Tune keeps in the experiment folder reads to its end: JSON, or pickles (some
+    named .json) read opcode by opcode, nothing in them run."""
+    import pickletools
+
+    try:
+        for path in [*exp_dir.glob("*.json"), *exp_dir.glob("*.pkl")]:
+            data = path.read_bytes()
+            if data.startswith(b"\x80"):  # a pickle's PROTO opcode
+                for _ in pickletools.genops(data):
+                    pass
+            else:
+                json.loads(data)
+    except ValueError:  # JSONDecodeError too
+        return False
+    return True
 
 
 EPOCHS = 3

@@ -314,14 +314,16 @@ def test_trials_whose_process_dies_resume_from_their_checkpoint_as_if_never_stop
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=lambda m: f"trial, epoch {key}: {m}")
 
 
-@pytest.mark.parametrize("tune_state", ["whole", "cut short"])
-def test_resume_after_the_driver_is_killed_keeps_finished_trials(tune_state, ray_address, tmp_path):
+@pytest.mark.parametrize("search,tune_state", [("random", "whole"), ("random", "cut short"),
+                                               ("optuna", "cut short")])
+def test_resume_after_the_driver_is_killed_keeps_finished_trials(search, tune_state, ray_address, tmp_path):
     """`cut short`: Tune's searcher state as a driver killed while Tune copied it to the experiment folder
-    leaves it (Tune does not replace it whole). Checked: restored as it is, the sweep ends with the trials
-    Tune had started, the others dropped, and exits 0."""
+    leaves it (Tune does not replace it whole). Checked: restored as it is, the plan sweep ends with the trials
+    Tune had started, the others dropped, and exits 0; Tune restarts the Optuna sweep from nothing (CI once
+    saw it: a resumed pack trained from epoch 0)."""
     config = tmp_path / "sweep.yaml"
     config.write_text(f"name: resumed\nstorage_path: {tmp_path}\nnum_samples: 6\npack: 1\nmax_concurrent: 1\n"
-                      "epochs: 5\ndata: {synthetic: {num_samples: 6000}}\n")
+                      f"epochs: 5\nsearch: {search}\ndata: {{synthetic: {{num_samples: 6000}}}}\n")
     exp_dir = tmp_path / "resumed"
     results = exp_dir / "results.parquet"
     args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
@@ -345,7 +347,7 @@ def test_resume_after_the_driver_is_killed_keeps_finished_trials(tune_state, ray
         if ckpts := sorted(trial_dir.glob("checkpoint_*")):
             ckpts[-1].rename(trial_dir / f"checkpoint_{int(ckpts[-1].name.removeprefix('checkpoint_')) + 1:06d}")
     if tune_state == "cut short":  # Tune's file names: a Ray upgrade that renames them fails here
-        (searcher,) = exp_dir.glob("basic-variant-state-*.json")
+        (searcher,) = exp_dir.glob("basic-variant-state-*.json" if search == "random" else "searcher-state-*.pkl")
         assert list(exp_dir.glob("experiment_state-*.json")), "Tune's experiment state is named otherwise"
         searcher.write_bytes(searcher.read_bytes()[:100])
 
@@ -359,6 +361,11 @@ def test_resume_after_the_driver_is_killed_keeps_finished_trials(tune_state, ray
     # finished trials were not run again: their rows, timings included, are unchanged
     pd.testing.assert_frame_equal(again[["val_loss", "train_seconds", "iterations"]],
                                   finished_before[["val_loss", "train_seconds", "iterations"]])
+    if search == "optuna":  # Optuna was told the trials kept before it proposed the others
+        study = json.loads((exp_dir / "optuna_trials.json").read_text())
+        assert len(study) == 6 and {t["state"] for t in study} == {"COMPLETE"}, study
+        told = [t["value"] for t in study[:len(finished_before)]]
+        assert sorted(told) == pytest.approx(sorted(finished_before["val_loss"])), (told, finished_before)
 
 
 def test_a_resumed_sweep_with_a_trial_that_never_wrote_results_prints_no_warning_of_tunes(ray_address, tmp_path):

@@ -14,21 +14,21 @@ def _tune_state(folder):
 
 def test_whole_state_restores(tmp_path):
     _tune_state(tmp_path)
-    assert cut_short_state(tmp_path) is None
+    assert cut_short_state(tmp_path, BasicVariantGenerator()) is None
 
 
 def test_a_cut_experiment_state_is_named(tmp_path):
     state, _ = _tune_state(tmp_path)
     state.write_text('{"trial_da')
-    assert cut_short_state(tmp_path).startswith("JSONDecodeError"), cut_short_state(tmp_path)
+    assert cut_short_state(tmp_path, BasicVariantGenerator()).startswith("JSONDecodeError"), cut_short_state(tmp_path, BasicVariantGenerator())
 
 
 def test_a_cut_or_missing_searcher_state_is_named(tmp_path):
     _, searcher = _tune_state(tmp_path)
     searcher.write_bytes(searcher.read_bytes()[:40])
-    assert cut_short_state(tmp_path) is not None
+    assert cut_short_state(tmp_path, BasicVariantGenerator()) is not None
     searcher.unlink()
-    assert cut_short_state(tmp_path).startswith("RuntimeError"), cut_short_state(tmp_path)
+    assert cut_short_state(tmp_path, BasicVariantGenerator()).startswith("RuntimeError"), cut_short_state(tmp_path, BasicVariantGenerator())
 
 
 def test_a_pack_is_kept_where_every_member_ended_diverged_members_too(tmp_path):

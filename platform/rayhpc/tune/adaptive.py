@@ -195,12 +195,12 @@ class PackedOptunaSearch(Searcher):
 
     def __init__(self, space: dict, pack: int, total: int, shared: list[str], metric: str, mode: str, seed: int,
                  exp_dir: str, objectives: list[tuple[str, str]] | None = None, constraints=(), sampler: str = "tpe",
-                 conditions: dict | None = None, points: list[dict] | None = None, warm_start: str | None = None,
+                 conditions: dict | None = None, points: list[dict] | None = None, warm_start: list[str] = (),
                  repeats: int = 1, quanta: dict | None = None):
         """`objectives`: every objective, (name, mode), when there are several (else `metric`, `mode`);
         `constraints`: `rayhpc.tune.objectives.Constraint`s Optuna samples under; `sampler`: tpe or nsga2;
         `conditions`: the space's conditional parameters (`ask_pack`); `points`: configurations asked first
-        (`total` counts them); `warm_start`: an earlier sweep's folder, its trials told before any is asked;
+        (`total` counts them); `warm_start`: sweep folders, their ended trials told before any is asked;
         `repeats`: runs of each configuration (seeds `seed`, `seed`+1, ...), each Optuna trial told their mean;
         `quanta`: the step of each log-scale quantized parameter, its proposals rounded to (`space.log_quanta`)."""
         import optuna  # optional: only Optuna searches
@@ -221,10 +221,10 @@ class PackedOptunaSearch(Searcher):
         self.pending: dict[str, list] = {}  # Tune trial id -> its members' Optuna trials
         self.points = [dict(p) for p in points or []]
         self.repeats, self.seed, self.quanta = repeats, seed, quanta or {}
-        if warm_start is not None:
+        for folder in warm_start:
             from rayhpc.tune.warm_start import add_warm_trials  # only warm-started sweeps
 
-            add_warm_trials(self.study, warm_start, self.distributions, self.objectives)
+            add_warm_trials(self.study, folder, self.distributions, self.objectives)
 
     def suggest(self, trial_id: str) -> dict | None:
         if self.asked >= self.total:

@@ -21,7 +21,7 @@ from ray.tune.schedulers import (
     HyperBandScheduler,
     MedianStoppingRule,
 )
-from ray.tune.search import BasicVariantGenerator
+from ray.tune.search import BasicVariantGenerator, SearchGenerator
 
 from rayhpc import cluster, interrupt
 from rayhpc.config import ConfigError
@@ -278,9 +278,10 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
     trainable, max_concurrent = _trainable(job, packs, gpus, keeper, study)
     recorder = ResultsRecorder(cfg.experiment_dir, packs, cfg.epochs, columns(cfg), job.info, objectives(job),
                                cfg.constraint_list, cfg.repeats)
-    planned = range(len(packs or ()))  # the packs this run starts
+    planned, kept = range(len(packs or ())), 0  # the packs this run starts; configurations an Optuna resume keeps
     if cfg.resume and tune.Tuner.can_restore(str(cfg.experiment_dir)):
-        cut = cut_short_state(cfg.experiment_dir) if packs is not None else None
+        searcher = BasicVariantGenerator() if packs is not None else SearchGenerator(_optuna(job, proposed)[1])
+        cut = cut_short_state(cfg.experiment_dir, searcher)
         if cut is None:
             relink_pruned_checkpoints(cfg.experiment_dir)
             # Tune's restore reads every trial's results so far, and warns of each trial that was stopped before
@@ -289,10 +290,15 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
             # the callbacks, schedulers and searcher come back from the saved tuner state
             return tune.Tuner.restore(str(cfg.experiment_dir), trainable, resume_unfinished=True,
                                       resume_errored=True)
-        recorder.kept, planned = finished_packs(cfg.experiment_dir, len(packs))
+        if packs is not None:
+            recorder.kept, planned = finished_packs(cfg.experiment_dir, len(packs))
+            again = f"the other {len(planned)} pack(s) start again"
+        else:
+            recorder.kept = ended_rows(cfg.experiment_dir)
+            kept = len(recorder.kept) // cfg.repeats
+            again = f"Optuna is told them and proposes the other {cfg.num_samples - kept}"
         log.warning(f"sweep {cfg.name}: Ray Tune's saved state is cut short ({cut}), as a driver killed while Tune "
-                    f"copied it leaves it: the {len(recorder.kept)} trial(s) that finished are kept, the other "
-                    f"{len(planned)} pack(s) start again")
+                    f"copied it leaves it: the {len(recorder.kept)} trial(s) that finished are kept, {again}")
     if study is not None:  # each Tune trial a pack claimed from the study, no more than run at once
         param_space, search_alg, num_samples = {}, _study_searcher(job, study, proposed), -1
         max_concurrent = slots(cfg, job.resources, gpus)
@@ -300,7 +306,7 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
         param_space = {"pack": tune.grid_search(list(planned))}
         search_alg, num_samples = None, 1
     else:
-        param_space, search_alg, num_samples = _optuna(job, proposed)
+        param_space, search_alg, num_samples = _optuna(job, proposed, kept)
     return tune.Tuner(
         trainable,
         param_space=param_space,
@@ -361,16 +367,18 @@ def relink_pruned_checkpoints(exp_dir: Path) -> None:
             shutil.copytree(newest, before, copy_function=os.link)
 
 
-def cut_short_state(exp_dir: Path) -> str | None:
-    """Why Ray Tune cannot restore the plan sweep in `exp_dir` (None: it can). Tune writes its state in a
-    staging folder and copies it to the experiment folder file by file, not replacing each whole: a driver
-    killed during the copy leaves a file cut short there, and Tune's restore then runs only the trials its
-    state names, dropping every pack it had not started (it logs the error and exits 0)."""
+def cut_short_state(exp_dir: Path, searcher) -> str | None:
+    """Why Ray Tune cannot restore the sweep in `exp_dir` (None: it can); `searcher`: a search algorithm of
+    the kind the sweep ran (its saved state is loaded into it). Tune writes its state in a staging folder and
+    copies it to the experiment folder file by file, not replacing each whole: a driver killed during the copy
+    leaves a file cut short there. Tune's restore then fails, and Tune starts the experiment again from
+    nothing ("Restarting experiment", exit 0: every trial's epochs lost), or runs only the trials its state
+    names, dropping every pack it had not started."""
     try:
         # Tune's name for its experiment state (TuneController.CKPT_FILE_TMPL): no public API reads the state
         # without every trial's results; tests/ray/test_sweep.py fails where a Ray upgrade renames it
         json.loads(max(exp_dir.glob("experiment_state-*.json")).read_bytes())
-        BasicVariantGenerator().restore_from_dir(str(exp_dir))  # the searcher that hands out the packs
+        searcher.restore_from_dir(str(exp_dir))
     except Exception as exc:  # noqa: BLE001 -- whatever a cut file raises (ValueError, EOFError, UnpicklingError)
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -388,15 +396,21 @@ def _pack_of(trial_dir: Path) -> int | None:
 def finished_packs(exp_dir: Path, n_packs: int) -> tuple[pd.DataFrame, list[int]]:
     """(the table rows of the packs whose every trial finished, the indices of the other packs): from the rows
     written while the sweep ran (`results.parts/`) and each Tune trial's pack (its folder's params.json)."""
-    rows = read_results(exp_dir)
     pack_of = {_trial_id(str(p)): pack for p in exp_dir.iterdir() if (pack := _pack_of(p)) is not None}
+    kept = ended_rows(exp_dir, pack_of.keys())
+    done = {pack_of[t.split("-")[0]] for t in kept["trial_id"]}
+    return kept, [i for i in range(n_packs) if i not in done]
+
+
+def ended_rows(exp_dir: Path, among=None) -> pd.DataFrame:
+    """The table rows written while the sweep ran (`results.parts/`) of the Tune trials (packs) whose every
+    member ended; only those of the Tune trial ids `among`, where given."""
+    rows = read_results(exp_dir)
     if rows.empty:
-        return rows, list(range(n_packs))
+        return rows
     tune_ids = rows["trial_id"].str.split("-").str[0]
     ended = rows["status"].isin(["finished", "early-stopped", "diverged"]).groupby(tune_ids).transform("all")
-    kept = rows[ended & tune_ids.isin(pack_of.keys())]
-    done = {pack_of[t] for t in tune_ids[kept.index]}
-    return kept.reset_index(drop=True), [i for i in range(n_packs) if i not in done]
+    return rows[ended & (True if among is None else tune_ids.isin(among))].reset_index(drop=True)
 
 
 def _keeper(job: Started[SweepConfig], packed: bool, study=None):
@@ -453,10 +467,12 @@ def optuna_pack(job: Started[SweepConfig], gpus: float, per_slot: int = 2) -> in
     return size if size > 1 and trains_packed(job, cfg.defaults(job.task.hp_model), size, gpus) else 1
 
 
-def _optuna(job: Started[SweepConfig], pack: int):
+def _optuna(job: Started[SweepConfig], pack: int, kept: int = 0):
     """(param_space, search_alg, Tune trials) of an Optuna search: Tune's OptunaSearch for trials of one
     under one objective, TPE, no constraints, conditions, points or warm start; else packs (of one or more)
-    proposed in batches (`rayhpc.tune.adaptive.PackedOptunaSearch`, which also does all of those)."""
+    proposed in batches (`rayhpc.tune.adaptive.PackedOptunaSearch`, which also does all of those). `kept`:
+    the configurations that ended in the sweep's folder before a resume whose Tune state was cut short,
+    told to Optuna as a warm start's are, which then proposes only the others."""
     import optuna  # optional: only Optuna searches
     from ray.tune.search.optuna import OptunaSearch
 
@@ -466,18 +482,18 @@ def _optuna(job: Started[SweepConfig], pack: int):
     cfg, (metric, mode) = job.cfg, job.info.objective
     plain = (len(objectives(job)) == 1 and not cfg.constraints and cfg.sampler == "tpe" and not conditional(cfg.space)
              and not cfg.points_to_evaluate and cfg.warm_start is None and cfg.repeats == 1
-             and not log_quanta(cfg.space))
+             and not log_quanta(cfg.space) and not kept)
     if pack == 1 and plain:
         return tune_domains(cfg.space), OptunaSearch(seed=cfg.seed), cfg.num_samples
     shared = shared_keys(job.task, job.info, cfg.defaults(job.task.hp_model))
     points = cfg.points_to_evaluate or []
-    searcher = PackedOptunaSearch(tune_domains(cfg.space), pack, cfg.num_samples + len(points), sorted(shared),
-                                  metric, mode, cfg.seed, str(cfg.experiment_dir), objectives(job),
-                                  cfg.constraint_list, cfg.sampler, conditional(cfg.space), points,
-                                  None if cfg.warm_start is None else str(cfg.warm_start), cfg.repeats,
-                                  log_quanta(cfg.space))
+    told = [str(f) for f in (cfg.warm_start, cfg.experiment_dir if kept else None) if f is not None]
+    searcher = PackedOptunaSearch(tune_domains(cfg.space), pack, cfg.num_samples - kept + len(points),
+                                  sorted(shared), metric, mode, cfg.seed, str(cfg.experiment_dir), objectives(job),
+                                  cfg.constraint_list, cfg.sampler, conditional(cfg.space), points, told,
+                                  cfg.repeats, log_quanta(cfg.space))
     # the points may take packs of their own (a pack's members share its batch size, optimizer, ...)
-    return {}, searcher, math.ceil(cfg.num_samples / pack) + len(points)
+    return {}, searcher, math.ceil((cfg.num_samples - kept) / pack) + len(points)
 
 
 def _trainable(job: Started[SweepConfig], packs, gpus: float, keeper=None, study=None):

@@ -4,6 +4,10 @@ A pack reports its members' values as lists (`rayhpc.tune.trainable._metrics`), 
 statistics of; Tune's own TensorBoard logger writes those lists as histograms, so this driver callback
 writes each member's values as scalars under the tags Tune would give a nested result
 (`ray/tune/members/<j>/<name>`), at Tune's step (the trial's `training_iteration`).
+
+Each result is one event holding every member's values: a scalar per event (`SummaryWriter.add_scalar`)
+took 21.6 s of a 4,096-trial sweep's 112 s in the driver, which writes every trial's curves, and one event a
+result took 8x less in a micro-benchmark (2,000 results of 32 values: 5.5 s against 0.7 s).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from rayhpc.tune.trainable import member_values
 
 
 class MemberCurves(LoggerCallback):
-    """Tune callback: a TensorBoard writer per running packed trial, closed when the trial ends."""
+    """Tune callback: a TensorBoard event file writer per running packed trial, closed when the trial ends."""
 
     def __init__(self):
         self._writers: dict = {}
@@ -32,19 +36,20 @@ class MemberCurves(LoggerCallback):
         members = result.get("members")
         if not members:  # a trial that is not a pack (Tune over Train)
             return
+        # Ray Tune's own dependency (its TensorBoard logger)
+        from tensorboardX import FileWriter
+        from tensorboardX.proto.summary_pb2 import Summary
+
         writer = self._writers.get(trial)
         if writer is None:
-            from tensorboardX import SummaryWriter  # Ray Tune's own dependency (its TensorBoard logger)
-
             trial.init_local_path()  # Tune's logger folder of the trial, synced to the sweep's storage
             # a suffix of its own: Tune's writer in the same folder may open in the same second
-            writer = self._writers[trial] = SummaryWriter(trial.local_path, flush_secs=30,
-                                                          filename_suffix=".members")
-        step = result["training_iteration"]
-        for j in range(len(next(iter(members.values())))):
-            for name, value in member_values(members, j).items():
-                if isinstance(value, Number) and not math.isnan(value):
-                    writer.add_scalar(f"ray/tune/members/{j}/{name}", value, global_step=step)
+            writer = self._writers[trial] = FileWriter(trial.local_path, flush_secs=30, filename_suffix=".members")
+        values = [Summary.Value(tag=f"ray/tune/members/{j}/{name}", simple_value=value)
+                  for j in range(len(next(iter(members.values()))))
+                  for name, value in member_values(members, j).items()
+                  if isinstance(value, Number) and not math.isnan(value)]
+        writer.add_summary(Summary(value=values), global_step=result["training_iteration"])
 
     def log_trial_end(self, trial, failed: bool = False):
         writer = self._writers.pop(trial, None)

@@ -368,6 +368,24 @@ def test_resume_after_the_driver_is_killed_keeps_finished_trials(search, tune_st
         assert sorted(told) == pytest.approx(sorted(finished_before["val_loss"])), (told, finished_before)
 
 
+@pytest.mark.parametrize("search", ["random", "optuna"])
+def test_a_sweep_that_ended_resumed_with_its_tune_state_cut_short_keeps_its_table(search, ray_address, tmp_path):
+    """A driver killed as Tune copied its state at the sweep's very end, or a requeued job resuming a sweep that
+    had ended: every trial is kept, Tune runs none (it cannot grid-search an empty list of packs) and the
+    table is the one the sweep wrote."""
+    args = ["--name", "ended", "--storage-path", str(tmp_path), "--address", ray_address, "--search", search]
+    proc = run_job("tune_mlp.py", *args, "--num-samples", "4", "--epochs", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exp_dir = tmp_path / "ended"
+    before = pd.read_parquet(exp_dir / "results.parquet")
+    (searcher,) = exp_dir.glob("basic-variant-state-*.json" if search == "random" else "searcher-state-*.pkl")
+    searcher.write_bytes(searcher.read_bytes()[:100])
+    proc = run_job("tune_mlp.py", *args, "--resume")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "saved state is cut short" in proc.stdout and "4 trial(s) that finished are kept" in proc.stdout, proc.stdout
+    pd.testing.assert_frame_equal(pd.read_parquet(exp_dir / "results.parquet"), before)
+
+
 def test_a_resumed_sweep_with_a_trial_that_never_wrote_results_prints_no_warning_of_tunes(ray_address, tmp_path):
     args = ["--name", "quiet", "--storage-path", str(tmp_path), "--address", ray_address]
     proc = run_job("tune_mlp.py", *args, "--num-samples", "2", "--epochs", "2")

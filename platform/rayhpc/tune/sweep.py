@@ -303,8 +303,9 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
         param_space, search_alg, num_samples = {}, _study_searcher(job, study, proposed), -1
         max_concurrent = slots(cfg, job.resources, gpus)
     elif packs is not None:
-        param_space = {"pack": tune.grid_search(list(planned))}
-        search_alg, num_samples = None, 1
+        # every pack kept (a resume of a sweep that had ended): Tune runs no trial, as it cannot grid-search nothing
+        param_space = {"pack": tune.grid_search(list(planned))} if planned else {}
+        search_alg, num_samples = None, 1 if planned else 0
     else:
         param_space, search_alg, num_samples = _optuna(job, proposed, kept)
     return tune.Tuner(

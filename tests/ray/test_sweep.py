@@ -318,9 +318,9 @@ def test_trials_whose_process_dies_resume_from_their_checkpoint_as_if_never_stop
                                                ("optuna", "cut short")])
 def test_resume_after_the_driver_is_killed_keeps_finished_trials(search, tune_state, ray_address, tmp_path):
     """`cut short`: Tune's searcher state as a driver killed while Tune copied it to the experiment folder
-    leaves it (Tune does not replace it whole). Checked: restored as it is, the plan sweep ends with the trials
-    Tune had started, the others dropped, and exits 0; Tune restarts the Optuna sweep from nothing (CI once
-    saw it: a resumed pack trained from epoch 0)."""
+    leaves it (Tune does not replace it whole). Restored as it is, Tune would end a plan sweep with the trials
+    it had started, the others dropped, and start an Optuna sweep again from nothing (CI once saw it: a resumed
+    pack trained from epoch 0), each exiting 0. Checked: the trials that finished are kept and the others run."""
     config = tmp_path / "sweep.yaml"
     config.write_text(f"name: resumed\nstorage_path: {tmp_path}\nnum_samples: 6\npack: 1\nmax_concurrent: 1\n"
                       f"epochs: 5\nsearch: {search}\ndata: {{synthetic: {{num_samples: 6000}}}}\n")

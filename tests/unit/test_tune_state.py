@@ -12,23 +12,27 @@ def _tune_state(folder):
     return folder / "experiment_state-2026-12-05_03-00-00.json", folder / "basic-variant-state-2026-12-05_03-00-00.json"
 
 
+def _cut(folder):
+    return cut_short_state(folder, BasicVariantGenerator())  # a plan sweep's searcher
+
+
 def test_whole_state_restores(tmp_path):
     _tune_state(tmp_path)
-    assert cut_short_state(tmp_path, BasicVariantGenerator()) is None
+    assert _cut(tmp_path) is None
 
 
 def test_a_cut_experiment_state_is_named(tmp_path):
     state, _ = _tune_state(tmp_path)
     state.write_text('{"trial_da')
-    assert cut_short_state(tmp_path, BasicVariantGenerator()).startswith("JSONDecodeError"), cut_short_state(tmp_path, BasicVariantGenerator())
+    assert _cut(tmp_path).startswith("JSONDecodeError"), _cut(tmp_path)
 
 
 def test_a_cut_or_missing_searcher_state_is_named(tmp_path):
     _, searcher = _tune_state(tmp_path)
     searcher.write_bytes(searcher.read_bytes()[:40])
-    assert cut_short_state(tmp_path, BasicVariantGenerator()) is not None
+    assert _cut(tmp_path) is not None
     searcher.unlink()
-    assert cut_short_state(tmp_path, BasicVariantGenerator()).startswith("RuntimeError"), cut_short_state(tmp_path, BasicVariantGenerator())
+    assert _cut(tmp_path).startswith("RuntimeError"), _cut(tmp_path)
 
 
 def test_a_pack_is_kept_where_every_member_ended_diverged_members_too(tmp_path):

@@ -3,6 +3,7 @@ the same sweep in one driver, and against a packed random sweep of the same slic
 
     python jobs/bench_study.py [--trials 1024] [--slices 4] [--epochs 10]
     python jobs/bench_study.py --ledger 100000 --slices 8 [--pack 64]   # the study folder's own costs, no training
+    python jobs/bench_study.py --trials 100000 --slices 8 --random-only    # the random study alone, end to end
 
 Rows: the single-driver packed TPE sweep (one local Ray of K CPUs), the TPE study of K slices, the random study
 of K slices. Each: wall from the first command's start to the last one's end, the best validation loss, and the
@@ -115,6 +116,15 @@ def ledger(trials: int, slices: int, pack: int) -> None:
           f"(the whole ledger) {replay:.2f} s; the union table's write {write:.2f} s")
 
 
+def random_only(r: dict, args: argparse.Namespace) -> None:
+    print(f"{args.slices} slices, random: {r['trials']:,} trials in {r['wall_s']:.1f} s, "
+          f"{1000 * r['wall_s'] / r['trials']:.2f} ms per trial of wall; best val_loss {r['best']:.5f}; "
+          f"ledger {r['ledger_bytes_per_trial']:.0f} B, study {r['bytes_per_trial']:.0f} B and "
+          f"{r['files_per_trial']:.3f} files per trial; packs per slice {r['packs_per_slice']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1, default=str))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=1024)
@@ -124,6 +134,8 @@ def main() -> None:
     parser.add_argument("--ledger", type=int, metavar="N", help="instead: the study folder's own costs at N trials "
                         "(--slices processes claiming and finishing packs of --pack, no training)")
     parser.add_argument("--pack", type=int, default=64, help="with --ledger: trials per pack")
+    parser.add_argument("--random-only", action="store_true", help="only the random study of --slices slices "
+                        "(at sizes where TPE and one driver would take hours)")
     args = parser.parse_args()
     if args.ledger:
         return ledger(args.ledger, args.slices, args.pack)
@@ -131,6 +143,8 @@ def main() -> None:
     base = ["--num-samples", str(args.trials), "--epochs", str(args.epochs), "--seed", "0"]
     print(f"bench_study: {args.trials} trials of the default MLP sweep, {args.epochs} epochs, {args.slices} slices "
           f"of 1 CPU (single driver: 1 cluster of {args.slices} CPUs), {os.cpu_count()} cores here", flush=True)
+    if args.random_only:
+        return random_only(sliced(work, "random", [*base, "--search", "random"], args.slices), args)
     rows = {"single driver, TPE": single(work, [*base, "--search", "optuna"], args.slices),
             f"{args.slices} slices, TPE": sliced(work, "tpe", [*base, "--search", "optuna"], args.slices),
             f"{args.slices} slices, random": sliced(work, "random", [*base, "--search", "random"], args.slices)}

@@ -268,8 +268,9 @@ def scale(args) -> None:
     print(f"scale: the default sweep{how} at {sizes} trials, {epochs} epochs each, {args.cpus} CPUs\n\n{HEADER}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as work:
         rows = scale_rows(sizes, epochs, ctx.address_info["gcs_address"], Path(work), study=args.study)
-        if len(rows) > 1:  # a plain sweep's goal: the largest's per-trial wall within 1.2x of the one before
-            (a, b), per = rows[-2:], lambda r, key: r[key] / r["trials"]
+        # a plain sweep's goal: the largest's per-trial wall within 1.2x of each smaller one's
+        b, per = max(rows, key=lambda r: r["trials"]), lambda r, key: r[key] / r["trials"]
+        for a in (r for r in rows if r["trials"] < b["trials"]):
             print(f"\nper trial at {b['trials']:,} vs {a['trials']:,} trials: wall {per(b, 'wall_s') / per(a, 'wall_s'):.2f}x, "
                   f"driver CPU {per(b, 'driver_cpu_s') / per(a, 'driver_cpu_s'):.2f}x (goal <= 1.2x)", flush=True)
         if args.kill_after:

@@ -8,6 +8,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -452,27 +453,41 @@ def sweep(tmp_path, **kw) -> SweepConfig:
 
 
 def kill_driver_after(config, ray_address: str, exp_dir, epochs: int) -> list:
-    """Run `jobs/tune_mlp.py --config config` and SIGKILL its driver once its first trial (pack) has
-    reported `epochs` epochs, at a moment when Tune's saved state is whole; the trials' result.json files.
+    """Run `jobs/tune_mlp.py --config config` and SIGKILL its driver once a trial (pack) has checkpointed
+    `epochs` epochs, at a moment when Tune's saved state is whole and names that trial; the trials' result.json
+    files (the one that reached `epochs` first: Tune copies them into the experiment folder only as it saves
+    its state, so they are read once the resume has ended).
 
     Tune copies its state into the experiment folder file by file, in a thread: a kill during the copy
     leaves a file cut short, which a resume meets as tests/ray/test_sweep.py's cut-short cases do. Here the
-    driver is stopped (SIGSTOP, every thread) and killed only where each state file reads whole."""
+    driver is stopped (SIGSTOP, every thread) and killed only where each state file reads whole and the newest
+    names the trial (Tune saves it after a trial's first report, which comes with a checkpoint)."""
+    from rayhpc.engine.checkpoint import latest_checkpoint, load_progress
+    from rayhpc.tune.trainable import PACK_CHECKPOINTS
+
+    def epoch(trial_dir: Path) -> int:
+        try:
+            return load_progress(last).epoch if (last := latest_checkpoint(trial_dir / PACK_CHECKPOINTS)) else 0
+        except OSError:  # pruned as it was read
+            return 0
+
     args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
     driver = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.monotonic() + 180
-    while not (reports := list(exp_dir.glob("*/result.json"))) or len(reports[0].read_text().splitlines()) < epochs:
+    while not (reached := [d for d in sorted(exp_dir.glob("train_pack_*")) if epoch(d) >= epochs]):
         assert driver.poll() is None and time.monotonic() < deadline, f"no trial reached epoch {epochs}"
         time.sleep(0.05)
+    trial_id = re.match(r"train_pack_([0-9a-f]+(?:_\d{5})?)_", reached[0].name).group(1)  # a plan's, a searcher's
     driver.send_signal(signal.SIGSTOP)
-    while not tune_state_whole(exp_dir):
-        assert time.monotonic() < deadline, f"Tune's state in {exp_dir} never read whole"
+    while not (tune_state_whole(exp_dir) and any(trial_id in p.read_text()
+                                                 for p in sorted(exp_dir.glob("experiment_state-*.json"))[-1:])):
+        assert time.monotonic() < deadline, f"Tune's state in {exp_dir} never read whole, naming trial {trial_id}"
         driver.send_signal(signal.SIGCONT)
         time.sleep(0.02)
         driver.send_signal(signal.SIGSTOP)
     driver.kill()
     driver.wait()
-    return reports
+    return [d / "result.json" for d in reached]
 
 
 def tune_state_whole(exp_dir: Path) -> bool:

@@ -35,7 +35,7 @@ CLUSTER_SERVICES = {"_AutoscalingCoordinatorActor"}
 # each job runs far longer than the test, and is stopped once it has saved a checkpoint (the glob); started each
 # way a user starts one (the installed command, python -m, a job script): the printed command resumes it the same way
 JOBS = {
-    "tune": (["rayhpc", "tune", "--num-samples", "2", "--epochs", "100000"], "train_pack_*/checkpoint_*"),
+    "tune": (["rayhpc", "tune", "--num-samples", "2", "--epochs", "100000"], "train_pack_*/pack/checkpoint_*"),
     "train": (["train_mlp.py", "--num-workers", "2", "--epochs", "100000"], "checkpoint_*/progress.json"),
     "parallel": (["train_parallel.py", "--tp", "2", "--steps", "1000000", "--checkpoint-every", "20"],
                  "checkpoint_*/progress.json"),

@@ -22,13 +22,14 @@ from ray.tune import Callback
 from helpers import ROOT, kill_driver_after, mlp_split, plain_trial, run_job, sweep, tensorboard_scalars, tune_stops
 from rayhpc.config import validate
 from rayhpc.data import mlp_tensors
+from rayhpc.engine.checkpoint import load_progress
 from rayhpc.models import MLP, PackedMLP
 from rayhpc.task import task_for
 from rayhpc.tune.config import SweepConfig
 from rayhpc.tune.plan import load_plan
 from rayhpc.tune.results import read_results
 from rayhpc.tune.sweep import run_sweep
-from rayhpc.tune.trainable import load_pack_state
+from rayhpc.tune.trainable import PACK_CHECKPOINTS, load_pack_state
 
 COLUMNS = ["trial_id", "status", "config.hidden", "config.lr", "val_loss", "best_val_loss", "iterations",
            "train_seconds", "node"]
@@ -71,6 +72,14 @@ def test_sweep_runs_end_to_end_and_its_table_is_right(ray_address, tmp_path):
             series[trial_dir.parent.name, j] = scalars[f"ray/tune/members/{j}/best_val_loss"]
             assert series[trial_dir.parent.name, j] == pytest.approx([r["best_val_loss"][j] for r in reports])
     assert len(series) == 6, series
+    # each pack keeps its latest checkpoint in its trial's folder and gives Tune one only with its first report:
+    # Tune, given few kept checkpoints, saves its whole experiment state after each
+    for result in (tmp_path / "e2e").glob("*/result.json"):
+        reports = [json.loads(line) for line in result.read_text().splitlines()]
+        assert [r["checkpoint_dir_name"] for r in reports] == ["checkpoint_000000"] + [None] * 3, reports
+        (kept,) = (result.parent / PACK_CHECKPOINTS).glob("checkpoint_*")
+        progress = load_progress(kept)
+        assert (kept.name, progress.epoch) == (f"checkpoint_{progress.global_step:06d}", len(reports)), progress
 
 
 def test_asha_stops_members_of_a_pack_where_tunes_asha_stops_the_same_trials(ray_address, tmp_path):
@@ -91,7 +100,7 @@ def test_asha_stops_members_of_a_pack_where_tunes_asha_stops_the_same_trials(ray
             assert rows.loc[j, "status"] == "finished" and rows.loc[j, "iterations"] == 8, (j, rows)
     assert reports[-1]["active_members"] == 8 - len(expected), "stopped members were not dropped from the pack"
     # the final checkpoint keeps each stopped member's weights as they were when it stopped
-    (last,) = sorted(trial_dir.glob("checkpoint_*"))[-1:]
+    (last,) = sorted((trial_dir / PACK_CHECKPOINTS).glob("checkpoint_*"))[-1:]
     state = load_pack_state(last)
     assert sorted(state["retired"]) == sorted(expected) and sorted(state["stopped"].items()) == sorted(expected.items())
     member = sorted(expected)[0]
@@ -164,7 +173,7 @@ def test_pbt_evolves_the_members_of_a_pack(ray_address, tmp_path):
     table = run_sweep(cfg)
     assert len(table) == 8 and set(table["status"]) == {"finished"} and set(table["iterations"]) == {4}
     (trial_dir,) = [d for d in (tmp_path / "pbt").iterdir() if d.is_dir() and (d / "result.json").exists()]
-    state = load_pack_state(sorted(trial_dir.glob("checkpoint_*"))[-1])
+    state = load_pack_state(sorted((trial_dir / PACK_CHECKPOINTS).glob("checkpoint_*"))[-1])
     rounds = state["pbt"]
     assert [r["epoch"] for r in rounds] == [2, 2], rounds  # one round (epoch 4 is the last), 8 x 0.25 members
     initial = [m["lr"] for m in load_plan(cfg.experiment_dir)[0]]
@@ -314,16 +323,18 @@ def test_trials_whose_process_dies_resume_from_their_checkpoint_as_if_never_stop
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=lambda m: f"trial, epoch {key}: {m}")
 
 
-@pytest.mark.parametrize("search,tune_state", [("random", "whole"), ("random", "cut short"),
-                                               ("optuna", "cut short")])
-def test_resume_after_the_driver_is_killed_keeps_finished_trials(search, tune_state, ray_address, tmp_path):
+@pytest.mark.parametrize("search,tune_state,kept_by", [("random", "whole", "pack"), ("random", "whole", "Tune"),
+                                                       ("random", "cut short", "pack"), ("optuna", "cut short", "pack")])
+def test_resume_after_the_driver_is_killed_keeps_finished_trials(search, tune_state, kept_by, ray_address, tmp_path):
     """`cut short`: Tune's searcher state as a driver killed while Tune copied it to the experiment folder
     leaves it (Tune does not replace it whole). Restored as it is, Tune would end a plan sweep with the trials
     it had started, the others dropped, and start an Optuna sweep again from nothing (CI once saw it: a resumed
-    pack trained from epoch 0), each exiting 0. Checked: the trials that finished are kept and the others run."""
+    pack trained from epoch 0), each exiting 0. Checked: the trials that finished are kept and the others run.
+    `kept_by`: who keeps the checkpoints, each pack in its trial's folder, or Tune (`keep_best`)."""
     config = tmp_path / "sweep.yaml"
     config.write_text(f"name: resumed\nstorage_path: {tmp_path}\nnum_samples: 6\npack: 1\nmax_concurrent: 1\n"
-                      f"epochs: 5\nsearch: {search}\ndata: {{synthetic: {{num_samples: 6000}}}}\n")
+                      f"epochs: 5\nsearch: {search}\ndata: {{synthetic: {{num_samples: 6000}}}}\n"
+                      + ("checkpoint: {keep_best: 1}\n" if kept_by == "Tune" else ""))
     exp_dir = tmp_path / "resumed"
     results = exp_dir / "results.parquet"
     args = [sys.executable, str(ROOT / "jobs" / "tune_mlp.py"), "--config", str(config), "--address", ray_address]
@@ -342,8 +353,9 @@ def test_resume_after_the_driver_is_killed_keeps_finished_trials(search, tune_st
     # Tune's race, made certain: each trial's newest checkpoint as if registered under the next name, the
     # one the snapshot names gone (Tune deletes the older one before it snapshots the state; a driver killed
     # in between leaves this, and Tune then fails the trial for good). Checked: without
-    # `relink_pruned_checkpoints` the resumed trial ends in error.
-    for trial_dir in exp_dir.glob("train_pack_*"):
+    # `relink_pruned_checkpoints` the resumed trial ends in error. (A pack's own checkpoints are named by no
+    # snapshot: Tune holds none of them.)
+    for trial_dir in exp_dir.glob("train_pack_*") if kept_by == "Tune" else ():
         if ckpts := sorted(trial_dir.glob("checkpoint_*")):
             ckpts[-1].rename(trial_dir / f"checkpoint_{int(ckpts[-1].name.removeprefix('checkpoint_')) + 1:06d}")
     if tune_state == "cut short":  # Tune's file names: a Ray upgrade that renames them fails here

@@ -283,7 +283,7 @@ def test_ctrl_c_stops_a_job_on_it_and_only_that_job(user_cluster, tmp_path):
                             "--num-samples", "2", "--epochs", "100000"], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=job_env(None))
     deadline = time.monotonic() + 120
-    while not list((tmp_path / "mlp-sweep").glob("train_pack_*/checkpoint_*")):
+    while not list((tmp_path / "mlp-sweep").glob("train_pack_*/pack/checkpoint_*")):
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
         time.sleep(0.2)
     job.send_signal(signal.SIGINT)  # to the command's process only, as a terminal's Ctrl-C
@@ -294,15 +294,15 @@ def test_ctrl_c_stops_a_job_on_it_and_only_that_job(user_cluster, tmp_path):
     resume = shlex.split(err.split("resume with: ", 1)[1])
     assert resume == ["python", str(ROOT / "jobs" / "tune_mlp.py"), "--name", "mlp-sweep", "--storage-path",
                       str(tmp_path), "--resume"], err
-    before = set((tmp_path / "mlp-sweep").glob("train_pack_*/checkpoint_*"))
+    before = set((tmp_path / "mlp-sweep").glob("train_pack_*/pack/checkpoint_*"))
     job = subprocess.Popen([sys.executable, *resume[1:]], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, env=job_env(None))
     deadline = time.monotonic() + 120
-    while not set((tmp_path / "mlp-sweep").glob("train_pack_*/checkpoint_*")) - before:
+    while not set((tmp_path / "mlp-sweep").glob("train_pack_*/pack/checkpoint_*")) - before:
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()
         time.sleep(0.2)
     last = {p.parent: max(q for q in before if q.parent == p.parent) for p in before}
-    new = set((tmp_path / "mlp-sweep").glob("train_pack_*/checkpoint_*")) - before
+    new = set((tmp_path / "mlp-sweep").glob("train_pack_*/pack/checkpoint_*")) - before
     assert all(p > last[p.parent] for p in new if p.parent in last), (sorted(new), sorted(before))  # went on
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=60)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from rayhpc.engine.checkpoint import PROGRESS_FILE, SERVER_DIR, Progress, latest_checkpoint, prune, write_progress
 from rayhpc.ps.progress import latest_checkpoint as ps_latest
 from rayhpc.study.folder import save_pack_checkpoint
+from rayhpc.tune.trainable import PACK_CHECKPOINTS
 from rayhpc.tune.weights import _checkpoint as init_from_checkpoint
 
 STEPS = (10, 20, 30)  # the complete ones; a fourth, at 40, is half written
@@ -51,6 +52,13 @@ def test_init_from_starts_from_the_trials_newest_complete_checkpoint(tmp_path):
         saved(trial / f"checkpoint_{step // 10 - 1:06d}", step)
     saved(trial / "checkpoint_000003", 40, complete=False)
     assert init_from_checkpoint(tmp_path, "3f2a1_00002", "3f2a1_00002", str(tmp_path)) == (trial, trial / "checkpoint_000002")
+    # a plain sweep's pack keeps its own in `pack/`, named by step, beside the empty one Tune was given first
+    own = tmp_path / "train_pack_4b3c2_00000_0_pack=0"
+    (own / "checkpoint_000000").mkdir(parents=True)
+    for step in STEPS:
+        saved(own / PACK_CHECKPOINTS / f"checkpoint_{step:06d}", step)
+    assert init_from_checkpoint(tmp_path, "4b3c2_00000", "4b3c2_00000-1", str(tmp_path)) \
+        == (own, own / PACK_CHECKPOINTS / "checkpoint_000030")
 
 
 def test_a_study_pack_resumes_from_its_newest_checkpoint_and_never_sees_one_being_written(tmp_path):
@@ -71,6 +79,10 @@ def test_a_study_pack_resumes_from_its_newest_checkpoint_and_never_sees_one_bein
     saved(tmp_path / "checkpoint_000010", 10)  # a slice killed after its rename, before the removal
     (tmp_path / ".tmp-half").mkdir()  # and one killed while it wrote epoch 3's
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint_000020", sorted(tmp_path.iterdir())
+    # a plain sweep's pack told to keep its latest 2 (`--keep-checkpoints 2`)
+    for epoch in (3, 4, 5):
+        save_pack_checkpoint(tmp_path, 10 * epoch, write(epoch), keep=2)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == ["checkpoint_000040", "checkpoint_000050"]
 
 
 def test_pruning_keeps_the_newest_complete_checkpoints_and_the_one_being_written(tmp_path):

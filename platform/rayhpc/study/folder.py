@@ -198,10 +198,10 @@ class Study:
         return self.path / PACKS_DIR / str(pack_id)
 
 
-def save_pack_checkpoint(folder: Path, step: int, write: Callable[[Path], None]) -> Path:
+def save_pack_checkpoint(folder: Path, step: int, write: Callable[[Path], None], keep: int = 1) -> Path:
     """A pack's checkpoint after optimizer step `step`, named as every job's (`checkpoint_<step>`), written by
     `write` (the checkpoint module's layout, progress last) into a new private folder and renamed into place
-    whole, so that a slice on another allocation never reads half of one; the older ones are removed
+    whole, so that a slice on another allocation never reads half of one; all but the latest `keep` are removed
     (`rayhpc.engine.checkpoint`, whose `latest_checkpoint` finds the newest)."""
     from rayhpc.engine import checkpoint  # torch: only where a pack trains
 
@@ -213,5 +213,5 @@ def save_pack_checkpoint(folder: Path, step: int, write: Callable[[Path], None])
         tmp.rename(final)  # a folder is renamed onto an empty one only: never onto a checkpoint
     except OSError:  # another slice saved this step first (the same state: a step's training is deterministic)
         shutil.rmtree(tmp, ignore_errors=True)
-    checkpoint.prune(folder, keep=1)
+    checkpoint.prune(folder, keep)
     return final

@@ -15,7 +15,7 @@ from pathlib import Path
 from rayhpc.config import ConfigError
 from rayhpc.engine.checkpoint import complete_checkpoints, load_extra, write_export
 from rayhpc.private import UnsafePath, check_trusted, private_dir
-from rayhpc.tune.trainable import member_values
+from rayhpc.tune.trainable import member_values, pack_checkpoints
 from rayhpc.tune.weights import checkpoint_weights, sweep_objective, trial_weights
 
 
@@ -53,7 +53,7 @@ def write_checkpoint_artifact(trial_dir: Path, member: int, hp: dict, which: str
     """A run's artifact (`tracking.log_checkpoint`): member `member`'s weights (`hp`: its hyperparameters) from
     the trial's last checkpoint, or (`best`) from the kept checkpoint where its objective was best, in a new
     private temporary folder (the tracker removes it once uploaded)."""
-    kept = complete_checkpoints(trial_dir)
+    kept = complete_checkpoints(pack_checkpoints(trial_dir))
     if not kept:
         return None
     chosen, metrics = kept[-1], {}

@@ -50,7 +50,7 @@ from rayhpc.tune.progress import ProgressPrinter
 from rayhpc.tune.results import ResultsRecorder, read_results
 from rayhpc.tune.space import conditional, log_quanta, searched, tune_domains
 from rayhpc.tune.tracking import sweep_tracking
-from rayhpc.tune.trainable import TrialSettings, train_pack
+from rayhpc.tune.trainable import TrialSettings, pack_checkpoints, train_pack
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +230,12 @@ def trial_gpus(cfg: SweepConfig, res: cluster.Resources) -> float:
     return cfg.gpus_per_trial
 
 
+def tune_keeps_checkpoints(cfg: SweepConfig) -> bool:
+    """Whether Ray Tune keeps the trials' checkpoints: the best by the objective (`keep_best`), or a distributed
+    trial's; else each pack keeps its latest in its Tune trial's folder (`rayhpc.tune.trainable.train_pack`)."""
+    return cfg.checkpoint.keep_best is not None or cfg.workers_per_trial > 1
+
+
 def _settings(job: Started[SweepConfig], study=None) -> TrialSettings:
     cfg, pbt = job.cfg, None
     if cfg.scheduler == "pbt":
@@ -238,6 +244,7 @@ def _settings(job: Started[SweepConfig], study=None) -> TrialSettings:
                        *job.info.objective, cfg.seed)
     return TrialSettings.of(cfg, job.task, job.info.objective, data_keys=tuple(sorted(job.info.data_reads)), pbt=pbt,
                             study=None if study is None else str(study.path),
+                            keep=None if tune_keeps_checkpoints(cfg) else cfg.checkpoint.keep,
                             measure=measured_names(objectives(job), cfg.constraint_list))
 
 
@@ -283,7 +290,8 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
         searcher = BasicVariantGenerator() if packs is not None else SearchGenerator(_optuna(job, proposed)[1])
         cut = cut_short_state(cfg.experiment_dir, searcher)
         if cut is None:
-            relink_pruned_checkpoints(cfg.experiment_dir)
+            if tune_keeps_checkpoints(cfg):
+                relink_pruned_checkpoints(cfg.experiment_dir)
             # Tune's restore reads every trial's results so far, and warns of each trial that was stopped before
             # it reported (its folder has no result.json yet): such a trial simply starts again
             logging.getLogger("ray.tune.analysis.experiment_analysis").addFilter(_not_unreported)
@@ -320,9 +328,10 @@ def _tuner(job: Started[SweepConfig], packs, gpus: float, callbacks: tuple, stud
         run_config=tune.RunConfig(
             name=cfg.name, storage_path=str(cfg.storage_path.resolve()), verbose=0,
             failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
-            # keeping few checkpoints makes Tune save the experiment state after every trial
-            # checkpoint, so a killed driver's --resume never re-runs an epoch already done
-            checkpoint_config=checkpoint.checkpoint_config(cfg.checkpoint, job.info.objective, tune.CheckpointConfig),
+            # keeping few makes Tune save its experiment state after each checkpoint it keeps: a killed driver's
+            # --resume re-runs no epoch (a pack keeps its own and gives Tune one, empty: `train_pack`)
+            checkpoint_config=checkpoint.checkpoint_config(cfg.checkpoint, job.info.objective, tune.CheckpointConfig)
+            if tune_keeps_checkpoints(cfg) else tune.CheckpointConfig(num_to_keep=1),
             callbacks=[recorder, ProgressPrinter(recorder), SweepMonitor(recorder, cfg.name), WatchStopSignals(),
                        MemberCurves(), *sweep_tracking(job, packs, recorder.columns), *callbacks],
         ),
@@ -386,12 +395,16 @@ def cut_short_state(exp_dir: Path, searcher) -> str | None:
 
 
 def _pack_of(trial_dir: Path) -> int | None:
-    """The pack a Tune trial's folder trained (its params.json), or None: not a trial's folder, or one whose
-    params.json the killed driver left empty or cut (Tune writes it as the trial starts: it starts again)."""
+    """The pack a Tune trial's folder trained (its params.json, else its latest checkpoint), or None: not a
+    trial's folder, or one of a trial that left neither (it starts again)."""
     try:
         return json.loads((trial_dir / "params.json").read_text())["pack"]
-    except (OSError, ValueError, KeyError, TypeError):  # no file (another folder), or a cut one
-        return None
+    except (OSError, ValueError, KeyError, TypeError):  # no file (another folder, or see below), or a cut one
+        pass
+    # Tune copies a trial's params.json into the experiment folder only as it saves its state, every 10 s or
+    # more: a trial that started since has only the checkpoints its pack keeps there (`train_pack`)
+    last = checkpoint.latest_checkpoint(pack_checkpoints(trial_dir))
+    return None if last is None else ((checkpoint.load_extra(last) or {}).get("pack") or {}).get("pack")
 
 
 def finished_packs(exp_dir: Path, n_packs: int) -> tuple[pd.DataFrame, list[int]]:

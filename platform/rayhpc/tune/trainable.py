@@ -52,6 +52,7 @@ class TrialSettings:
     model_options: ModelOptions = ModelOptions()  # compile and activation checkpointing (unpacked trials only)
     pbt: PbtRules | None = None  # population-based training of each pack's members
     study: str | None = None  # a study's folder (`rayhpc.study`): packs checkpoint there, for any slice to resume
+    keep: int | None = None  # else a pack's latest `keep` checkpoints in its Tune trial's folder (None: Tune keeps them)
     measure: tuple[str, ...] = ()  # what the objectives and constraints need measured (`rayhpc.tune.objectives`)
 
     @classmethod
@@ -76,6 +77,7 @@ def members_of(config: dict, packs: list[list[dict]] | None) -> list[dict]:
 
 
 _DATA: dict = {}  # the last trial's datasets, kept for the next trial in this process (reuse_actors)
+PACK_CHECKPOINTS = "pack"  # in a Tune trial's folder: the checkpoints its pack keeps (`train_pack`)
 
 
 def trial_data(task: LoadedTask, hp: dict, settings: TrialSettings):
@@ -95,21 +97,57 @@ def train_pack(config: dict, *, task: LoadedTask, packs: list[list[dict]] | None
 
     # members are ASHA's trials by plan position (a searcher's packs: by Tune trial; a study's: by study pack)
     pack_id = config["pack"] if "pack" in config else tune.get_context().get_trial_id()
-    reports = Reports() if settings.study is None else Reports(Path(settings.study, PACKS_DIR, str(pack_id)),
-                                                                tune.report)
+    if settings.study is not None:
+        reports = Reports(Path(settings.study, PACKS_DIR, str(pack_id)), tune.report)
+    elif settings.keep is not None:
+        # Tune, keeping few checkpoints of a trial, saves its whole experiment state after each one it is given
+        # (the state grows with the trials: a big sweep's largest cost per trial in its driver). A pack keeps its
+        # own in its Tune trial's folder and gives Tune one, empty, with its first report: Tune saves its state
+        # once per trial (a resume knows every trial that ran), and otherwise on its own schedule (every 10 s
+        # or more). `get_storage` (a developer API): the trial's folder in the storage path, where export and
+        # tracking read (`get_trial_dir` is the worker's working folder)
+        folder = Path(tune.get_context().get_storage().trial_fs_path, PACK_CHECKPOINTS)
+        reports = Reports(folder, FirstReportCheckpointed(), keep=settings.keep)
+    else:  # keep_best: Tune keeps the best checkpoints by the objective
+        reports = Reports()
     run_pack(config, task, packs, settings, reports, keeper, pack_id)
+
+
+def pack_checkpoints(trial_dir: Path) -> Path:
+    """Where a Tune trial's pack keeps its checkpoints: its own folder in the trial's (`train_pack`), else the
+    trial's (Tune keeps them: `keep_best`)."""
+    own = trial_dir / PACK_CHECKPOINTS
+    return own if own.is_dir() else trial_dir
+
+
+class FirstReportCheckpointed:
+    """`tune.report`, its first report with an empty checkpoint (see `train_pack`)."""
+
+    def __init__(self):
+        self.first = True
+
+    def __call__(self, metrics: dict) -> None:
+        from ray import tune  # Ray: only where a cluster is used (config checks and --help stay fast)
+
+        if not self.first:
+            return tune.report(metrics)
+        self.first = False
+        with tempfile.TemporaryDirectory() as tmp:
+            return tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
 
 
 @dataclass
 class Reports:
     """Where a pack's reports and checkpoints go. Tune's (`then` None): each report with its checkpoint. Else each
-    report is handed to `then` (a study's `tune.report`; an array task's log), whose True stops the run, and the
-    latest checkpoint is kept in `folder` whole (a study's pack folder, where any slice resumes it; an array task's
-    own), or nowhere. `device`: the trial's (None: the GPU Ray gave it, else the CPU)."""
+    report is handed to `then` (`tune.report`; an array task's log), whose True stops the run, and the latest
+    `keep` checkpoints are kept in `folder`, each whole (a plain sweep's trial's; a study's pack folder, where any
+    slice resumes it; an array task's own), or nowhere. `device`: the trial's (None: the GPU Ray gave it, else
+    the CPU)."""
 
     folder: Path | None = None
     then: Callable[[dict], bool | None] | None = None
     device: torch.device | None = None
+    keep: int = 1  # the latest checkpoints kept in `folder`
 
     def restore(self) -> dict | None:
         """The pack's state from its latest checkpoint (Tune's, or the folder's: another slice's too), or None."""
@@ -136,7 +174,7 @@ class Reports:
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
             return False
         if save is not None and self.folder is not None:
-            save_pack_checkpoint(self.folder, step, save)
+            save_pack_checkpoint(self.folder, step, save, self.keep)
         return bool(self.then(metrics))
 
 
@@ -166,6 +204,7 @@ def run_pack(config: dict, task: LoadedTask, packs: list[list[dict]] | None, set
         reports.report(state["metrics"], None, plan.total)
         return None
     pack, opt, state = _build(task, members, device, state, settings)
+    state["pack"] = config.get("pack")  # the plan's pack it trains (None: a searcher's): what a cut-short resume reads
     if settings.measure and not state.get("measured"):
         with torch.random.fork_rng(devices=[]):  # the training's random draws stay as without measuring
             state["measured"] = [measure_member(task, m, train, settings.measure) for m in members]

@@ -23,7 +23,7 @@ from rayhpc.private import UnsafePath, check_trusted
 from rayhpc.tune.packing import member_state_dict
 from rayhpc.tune.plan import PLAN_FILE, load_plan
 from rayhpc.tune.results import read_results
-from rayhpc.tune.trainable import load_pack_state, members_of
+from rayhpc.tune.trainable import load_pack_state, members_of, pack_checkpoints
 
 KEY = "init_from (--init-from)"
 
@@ -107,7 +107,7 @@ def _checkpoint(sweep: Path, tune_id: str, trial_id: str, spec: str) -> tuple[Pa
     # the newest complete one (a trial killed while saving leaves half a folder); a TorchTrainer trial's
     # checkpoints are its own run's
     trainer = sweep / f"train-trial_id={tune_id}"
-    last = latest_checkpoint(found[0]) or (latest_checkpoint(trainer) if trainer.is_dir() else None)
+    last = latest_checkpoint(pack_checkpoints(found[0])) or (latest_checkpoint(trainer) if trainer.is_dir() else None)
     if last is None:
         raise ConfigError(f"{KEY} {spec}: trial {trial_id} ended before its first checkpoint")
     return found[0], last

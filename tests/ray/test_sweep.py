@@ -362,6 +362,10 @@ def test_resume_after_the_driver_is_killed_keeps_finished_trials(search, tune_st
         (searcher,) = exp_dir.glob("basic-variant-state-*.json" if search == "random" else "searcher-state-*.pkl")
         assert list(exp_dir.glob("experiment_state-*.json")), "Tune's experiment state is named otherwise"
         searcher.write_bytes(searcher.read_bytes()[:100])
+        # and the trials' params.json not copied yet (Tune copies them as it saves its state): a pack's own
+        # checkpoint says which pack it is
+        for params in exp_dir.glob("train_pack_*/params.json"):
+            params.unlink()
 
     proc = run_job("tune_mlp.py", "--config", str(config), "--address", ray_address, "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr

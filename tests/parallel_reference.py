@@ -18,6 +18,18 @@ def reference_run(cfg: ParallelConfig) -> tuple[list[float], dict[str, torch.Ten
     (for data-parallel layouts, tests use training data that the replicas divide evenly)."""
     recipe, data = make_recipe(cfg)
     cfg = recipe.cfg  # its steps resolved
+    # with the ranks' torch threads (`rayhpc.workers`): a reduction split over other threads rounds otherwise
+    # (oneDNN's convolution backward on AVX-512 CPUs: 2e-4 in the traced ResNet's first convolution after 7
+    # steps, 1 thread against 2, which BatchNorm's backward amplifies), past fp32's tolerance
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(cfg.compute.cpus_per_worker or 1)))
+    try:
+        return _reference_run(cfg, recipe, data)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _reference_run(cfg: ParallelConfig, recipe, data) -> tuple[list[float], dict[str, torch.Tensor], dict | None]:
     torch.manual_seed(cfg.seed)
     model = recipe.build()
     optimizer = plain_optimizer(cfg, model.parameters())
